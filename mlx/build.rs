@@ -1,0 +1,47 @@
+//! Finds MLX's C++ library and headers, compiles the C++ shim, and links it.
+//!
+//! Search order: `$MLX_DIR` (a folder with `include/mlx/mlx.h` and
+//! `lib/libmlx.{so,dylib}`, such as the `mlx/` folder inside an MLX wheel),
+//! else the project's install location `~/.cache/tether/mlx/mlx`, which
+//! `scripts/setup.sh` fills from the pinned wheel. The library folder is
+//! written into the binaries' rpath so they run without LD_LIBRARY_PATH; it
+//! is exported to dependent build scripts as `DEP_MLX_LIB_DIR`.
+use std::path::PathBuf;
+
+fn main() {
+    println!("cargo:rerun-if-env-changed=MLX_DIR");
+    println!("cargo:rerun-if-changed=src/shim.h");
+    println!("cargo:rerun-if-changed=src/shim.cc");
+    println!("cargo:rerun-if-changed=src/ffi.rs");
+
+    let dir = match std::env::var_os("MLX_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => {
+            let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_default();
+            home.join(".cache/tether/mlx/mlx")
+        }
+    };
+    let include = dir.join("include");
+    let lib = dir.join("lib");
+    if !include.join("mlx/mlx.h").exists() {
+        panic!(
+            "MLX not found at {}: run scripts/setup.sh (installs the pinned mlx wheel) or set MLX_DIR \
+             to a folder holding include/mlx/mlx.h and lib/libmlx.so",
+            dir.display()
+        );
+    }
+
+    cxx_build::bridge("src/ffi.rs")
+        .file("src/shim.cc")
+        .include(&include)
+        .std("c++20")
+        .flag_if_supported("-Wno-unused-parameter")
+        .flag_if_supported("-Wno-deprecated-declarations")
+        .opt_level(2)
+        .compile("tether_mlx_shim");
+
+    println!("cargo:rustc-link-search=native={}", lib.display());
+    println!("cargo:rustc-link-lib=dylib=mlx");
+    println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
+    println!("cargo:lib_dir={}", lib.display());
+}

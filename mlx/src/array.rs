@@ -1,0 +1,306 @@
+//! The safe `Array` handle and the ops the engine needs.
+use cxx::UniquePtr;
+
+use crate::ffi::bridge;
+use crate::{Dtype, Error, Result};
+
+/// An MLX array: a lazily evaluated, reference-counted, immutable tensor.
+/// Cloning shares the underlying buffer (no copy). Not `Send`: see the crate docs.
+pub struct Array {
+    ptr: UniquePtr<bridge::Array>,
+}
+
+pub(crate) fn wrap(op: &'static str, r: std::result::Result<UniquePtr<bridge::Array>, cxx::Exception>) -> Result<Array> {
+    match r {
+        Ok(ptr) if !ptr.is_null() => Ok(Array { ptr }),
+        Ok(_) => Err(Error::new(op, "returned a null array")),
+        Err(e) => Err(Error::from_cxx(op, e)),
+    }
+}
+
+pub(crate) fn unwrap_list(op: &'static str, list: &bridge::ArrayList) -> Result<Vec<Array>> {
+    (0..bridge::list_len(list)).map(|i| wrap(op, bridge::list_get(list, i))).collect()
+}
+
+fn make_list(op: &'static str, arrays: &[&Array]) -> Result<UniquePtr<bridge::ArrayList>> {
+    let mut list = bridge::list_new().map_err(|e| Error::from_cxx(op, e))?;
+    for a in arrays {
+        bridge::list_push(list.pin_mut(), a.raw()).map_err(|e| Error::from_cxx(op, e))?;
+    }
+    Ok(list)
+}
+
+fn shape_i32(op: &'static str, shape: &[usize]) -> Result<Vec<i32>> {
+    shape.iter().map(|&d| i32::try_from(d).map_err(|_| Error::new(op, format!("dimension {d} too large")))).collect()
+}
+
+impl Clone for Array {
+    fn clone(&self) -> Self {
+        // Copying an mlx::core::array only bumps a reference count; it cannot fail
+        // short of allocation failure, which aborts anyway.
+        wrap("clone", bridge::clone_array(self.raw())).expect("cloning an MLX array handle")
+    }
+}
+
+impl std::fmt::Debug for Array {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Array({:?}, {:?})", self.shape(), self.dtype())
+    }
+}
+
+macro_rules! binary_ops {
+    ($($(#[$doc:meta])* $name:ident => $op:literal),* $(,)?) => {
+        $( $(#[$doc])* pub fn $name(&self, other: &Array) -> Result<Array> {
+            wrap($op, bridge::binary(self.raw(), other.raw(), $op))
+        } )*
+    };
+}
+
+macro_rules! unary_ops {
+    ($($name:ident => $op:literal),* $(,)?) => {
+        $( pub fn $name(&self) -> Result<Array> { wrap($op, bridge::unary(self.raw(), $op)) } )*
+    };
+}
+
+macro_rules! reductions {
+    ($($name:ident => $op:literal),* $(,)?) => {
+        $( pub fn $name(&self, axes: &[i32], keepdims: bool) -> Result<Array> {
+            wrap($op, bridge::reduce(self.raw(), axes, keepdims, $op))
+        } )*
+    };
+}
+
+impl Array {
+    pub(crate) fn raw(&self) -> &bridge::Array {
+        // `wrap` never stores a null pointer.
+        self.ptr.as_ref().expect("non-null by construction")
+    }
+
+    // ---- creation
+    pub fn from_f32(data: &[f32], shape: &[usize]) -> Result<Array> {
+        wrap("from_f32", bridge::from_f32(data, &shape_i32("from_f32", shape)?))
+    }
+    pub fn from_i32(data: &[i32], shape: &[usize]) -> Result<Array> {
+        wrap("from_i32", bridge::from_i32(data, &shape_i32("from_i32", shape)?))
+    }
+    pub fn from_u32(data: &[u32], shape: &[usize]) -> Result<Array> {
+        wrap("from_u32", bridge::from_u32(data, &shape_i32("from_u32", shape)?))
+    }
+    /// Builds a 16-bit float array (F16 or BF16) from raw bit patterns.
+    pub fn from_f16_bits(data: &[u16], shape: &[usize], dtype: Dtype) -> Result<Array> {
+        wrap("from_f16_bits", bridge::from_u16_bits(data, &shape_i32("from_f16_bits", shape)?, dtype as u8))
+    }
+    /// A 0-d array.
+    pub fn scalar(v: f32, dtype: Dtype) -> Result<Array> {
+        wrap("scalar", bridge::scalar_f32(v, dtype as u8))
+    }
+    pub fn zeros(shape: &[usize], dtype: Dtype) -> Result<Array> {
+        wrap("zeros", bridge::zeros(&shape_i32("zeros", shape)?, dtype as u8))
+    }
+    pub fn full(shape: &[usize], v: f32, dtype: Dtype) -> Result<Array> {
+        wrap("full", bridge::full(&shape_i32("full", shape)?, v, dtype as u8))
+    }
+    pub fn arange(start: f64, stop: f64, step: f64, dtype: Dtype) -> Result<Array> {
+        wrap("arange", bridge::arange(start, stop, step, dtype as u8))
+    }
+
+    // ---- inspection
+    pub fn shape(&self) -> Vec<usize> {
+        bridge::shape(self.raw()).into_iter().map(|d| d as usize).collect()
+    }
+    /// Size of axis `axis` (negative counts from the end).
+    pub fn dim(&self, axis: isize) -> usize {
+        let s = self.shape();
+        let i = if axis < 0 { s.len() as isize + axis } else { axis };
+        s[i as usize]
+    }
+    pub fn ndim(&self) -> usize {
+        self.shape().len()
+    }
+    pub fn size(&self) -> usize {
+        self.shape().iter().product()
+    }
+    pub fn dtype(&self) -> Dtype {
+        Dtype::from_code(bridge::dtype(self.raw()))
+    }
+    pub fn nbytes(&self) -> usize {
+        bridge::nbytes(self.raw())
+    }
+    pub fn astype(&self, dtype: Dtype) -> Result<Array> {
+        wrap("astype", bridge::astype(self.raw(), dtype as u8))
+    }
+
+    // ---- evaluation and readback
+    pub fn eval(&self) -> Result<()> {
+        bridge::eval_one(self.raw()).map_err(|e| Error::from_cxx("eval", e))
+    }
+    pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
+        bridge::to_f32_vec(self.raw()).map_err(|e| Error::from_cxx("to_vec_f32", e))
+    }
+    pub fn to_vec_i32(&self) -> Result<Vec<i32>> {
+        bridge::to_i32_vec(self.raw()).map_err(|e| Error::from_cxx("to_vec_i32", e))
+    }
+    pub fn to_vec_u32(&self) -> Result<Vec<u32>> {
+        bridge::to_u32_vec(self.raw()).map_err(|e| Error::from_cxx("to_vec_u32", e))
+    }
+    /// The single value of a one-element array.
+    pub fn item_f32(&self) -> Result<f32> {
+        let v = self.to_vec_f32()?;
+        v.first().copied().filter(|_| v.len() == 1).ok_or_else(|| Error::new("item", format!("array has {} elements", v.len())))
+    }
+
+    // ---- elementwise (broadcasting)
+    binary_ops! {
+        add => "add", subtract => "subtract", multiply => "multiply", divide => "divide",
+        maximum => "maximum", minimum => "minimum",
+        greater => "greater", greater_equal => "greater_equal", less => "less",
+        less_equal => "less_equal", equal => "equal",
+        logical_and => "logical_and", logical_or => "logical_or",
+    }
+    unary_ops! {
+        exp => "exp", log => "log", negative => "negative", sqrt => "sqrt", rsqrt => "rsqrt",
+        abs => "abs", sigmoid => "sigmoid", tanh => "tanh", square => "square",
+        logical_not => "logical_not",
+    }
+    reductions! { sum => "sum", max => "max", min => "min", mean => "mean", logsumexp => "logsumexp" }
+
+    /// `x * sigmoid(x)`, the SwiGLU gate activation.
+    pub fn silu(&self) -> Result<Array> {
+        self.multiply(&self.sigmoid()?)
+    }
+    pub fn softmax(&self, axis: i32, precise: bool) -> Result<Array> {
+        wrap("softmax", bridge::softmax(self.raw(), axis, precise))
+    }
+    pub fn argmax(&self, axis: i32, keepdims: bool) -> Result<Array> {
+        wrap("argmax", bridge::argmax(self.raw(), axis, keepdims))
+    }
+    pub fn argsort(&self, axis: i32) -> Result<Array> {
+        wrap("argsort", bridge::argsort(self.raw(), axis))
+    }
+    pub fn sort(&self, axis: i32) -> Result<Array> {
+        wrap("sort", bridge::sort(self.raw(), axis))
+    }
+    /// The `k` largest values along `axis` (unordered).
+    pub fn topk(&self, k: i32, axis: i32) -> Result<Array> {
+        wrap("topk", bridge::topk(self.raw(), k, axis))
+    }
+    pub fn argpartition(&self, kth: i32, axis: i32) -> Result<Array> {
+        wrap("argpartition", bridge::argpartition(self.raw(), kth, axis))
+    }
+    pub fn cumsum(&self, axis: i32, reverse: bool, inclusive: bool) -> Result<Array> {
+        wrap("cumsum", bridge::cumsum(self.raw(), axis, reverse, inclusive))
+    }
+    pub fn matmul(&self, other: &Array) -> Result<Array> {
+        wrap("matmul", bridge::matmul(self.raw(), other.raw()))
+    }
+
+    // ---- shape and indexing
+    /// `-1` in `shape` infers that dimension.
+    pub fn reshape(&self, shape: &[i32]) -> Result<Array> {
+        wrap("reshape", bridge::reshape(self.raw(), shape))
+    }
+    pub fn transpose(&self, axes: &[i32]) -> Result<Array> {
+        wrap("transpose", bridge::transpose(self.raw(), axes))
+    }
+    pub fn expand_dims(&self, axis: i32) -> Result<Array> {
+        wrap("expand_dims", bridge::expand_dims(self.raw(), axis))
+    }
+    pub fn squeeze(&self, axis: i32) -> Result<Array> {
+        wrap("squeeze", bridge::squeeze(self.raw(), axis))
+    }
+    pub fn broadcast_to(&self, shape: &[i32]) -> Result<Array> {
+        wrap("broadcast_to", bridge::broadcast_to(self.raw(), shape))
+    }
+    /// `self[start[0]..stop[0], start[1]..stop[1], ...]` over all axes.
+    pub fn slice(&self, start: &[i32], stop: &[i32]) -> Result<Array> {
+        let strides = vec![1; start.len()];
+        wrap("slice", bridge::slice(self.raw(), start, stop, &strides))
+    }
+    /// A slice whose start is an int32 array (no graph rebuild per offset).
+    pub fn slice_dynamic(&self, start: &Array, axes: &[i32], sizes: &[i32]) -> Result<Array> {
+        wrap("slice_dynamic", bridge::slice_dynamic(self.raw(), start.raw(), axes, sizes))
+    }
+    /// A copy of `self` with `update` written at `start..stop`. MLX reuses
+    /// `self`'s buffer in place when nothing else holds it.
+    pub fn slice_update(&self, update: &Array, start: &[i32], stop: &[i32]) -> Result<Array> {
+        wrap("slice_update", bridge::slice_update(self.raw(), update.raw(), start, stop))
+    }
+    pub fn slice_update_dynamic(&self, update: &Array, start: &Array, axes: &[i32]) -> Result<Array> {
+        wrap("slice_update_dynamic", bridge::slice_update_dynamic(self.raw(), update.raw(), start.raw(), axes))
+    }
+    /// Gathers entries of `indices` along `axis` (e.g. embedding rows).
+    pub fn take(&self, indices: &Array, axis: i32) -> Result<Array> {
+        wrap("take", bridge::take(self.raw(), indices.raw(), axis))
+    }
+    pub fn take_along_axis(&self, indices: &Array, axis: i32) -> Result<Array> {
+        wrap("take_along_axis", bridge::take_along_axis(self.raw(), indices.raw(), axis))
+    }
+    pub fn put_along_axis(&self, indices: &Array, values: &Array, axis: i32) -> Result<Array> {
+        wrap("put_along_axis", bridge::put_along_axis(self.raw(), indices.raw(), values.raw(), axis))
+    }
+    /// A row-contiguous copy (or `self` if already so).
+    pub fn contiguous(&self) -> Result<Array> {
+        wrap("contiguous", bridge::contiguous(self.raw()))
+    }
+}
+
+/// Evaluates all `arrays` together (one graph walk, shared subgraphs once).
+pub fn eval(arrays: &[&Array]) -> Result<()> {
+    let list = make_list("eval", arrays)?;
+    bridge::eval_list(&list).map_err(|e| Error::from_cxx("eval", e))
+}
+
+/// Starts evaluating `arrays` without waiting; a later `eval` or readback waits.
+pub fn async_eval(arrays: &[&Array]) -> Result<()> {
+    let list = make_list("async_eval", arrays)?;
+    bridge::async_eval_list(&list).map_err(|e| Error::from_cxx("async_eval", e))
+}
+
+pub fn concatenate(arrays: &[&Array], axis: i32) -> Result<Array> {
+    let list = make_list("concatenate", arrays)?;
+    wrap("concatenate", bridge::concatenate(&list, axis))
+}
+
+pub fn stack(arrays: &[&Array], axis: i32) -> Result<Array> {
+    let list = make_list("stack", arrays)?;
+    wrap("stack", bridge::stack(&list, axis))
+}
+
+/// Elementwise `cond ? a : b`.
+pub fn where_(cond: &Array, a: &Array, b: &Array) -> Result<Array> {
+    wrap("where", bridge::where_(cond.raw(), a.raw(), b.raw()))
+}
+
+/// A matrix in MLX's affine quantized form: each group of `group_size`
+/// consecutive values along a row is `scale * code + bias`, codes packed
+/// little-endian into uint32 words.
+#[derive(Clone, Debug)]
+pub struct QuantizedWeights {
+    pub packed: Array,
+    pub scales: Array,
+    pub biases: Array,
+    pub group_size: i32,
+    pub bits: i32,
+}
+
+/// Quantizes the last axis of `w` with MLX's affine scheme.
+pub fn quantize(w: &Array, group_size: i32, bits: i32) -> Result<QuantizedWeights> {
+    let list = bridge::quantize(w.raw(), group_size, bits).map_err(|e| Error::from_cxx("quantize", e))?;
+    let mut parts = unwrap_list("quantize", &list)?.into_iter();
+    match (parts.next(), parts.next(), parts.next()) {
+        (Some(packed), Some(scales), Some(biases)) => Ok(QuantizedWeights { packed, scales, biases, group_size, bits }),
+        _ => Err(Error::new("quantize", "expected packed weights, scales and biases")),
+    }
+}
+
+pub fn dequantize(q: &QuantizedWeights, dtype: Dtype) -> Result<Array> {
+    wrap("dequantize", bridge::dequantize(q.packed.raw(), q.scales.raw(), q.biases.raw(), q.group_size, q.bits, dtype as u8))
+}
+
+/// `x @ w^T` for a quantized `w` of shape `[out, in]` (as nn.Linear stores it).
+pub fn quantized_matmul(x: &Array, q: &QuantizedWeights) -> Result<Array> {
+    wrap(
+        "quantized_matmul",
+        bridge::quantized_matmul(x.raw(), q.packed.raw(), q.scales.raw(), q.biases.raw(), true, q.group_size, q.bits),
+    )
+}

@@ -1,0 +1,57 @@
+//! Safe Rust binding of MLX's C++ API, the tensor engine under Tether.
+//!
+//! This crate holds all of Tether's unsafe-adjacent code: the cxx bridge in
+//! `ffi.rs` and the C++ adapters in `shim.cc`. Its invariants:
+//! - Every C++ call that can throw is declared `Result` in the bridge, so cxx
+//!   catches the exception and we return [`Error`]; nothing unwinds into Rust.
+//! - An [`Array`] is MLX's reference-counted handle. It is neither `Send` nor
+//!   `Sync` (cxx opaque types are not), which keeps all MLX graph building on
+//!   the thread that owns the engine: MLX's graph construction and its
+//!   per-thread streams are not thread-safe.
+//! - Arrays are immutable values. Ops build a lazy graph; [`eval`] runs it.
+//!   Reading back (`to_vec_*`) evaluates first.
+mod ffi;
+
+mod array;
+mod dtype;
+mod error;
+pub mod fast;
+pub mod memory;
+pub mod random;
+mod safetensors;
+
+pub use array::{async_eval, concatenate, dequantize, eval, quantize, quantized_matmul, stack, where_, Array, QuantizedWeights};
+pub use dtype::Dtype;
+pub use error::{Error, Result};
+pub use safetensors::load_safetensors;
+
+/// Which device MLX runs new work on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    Gpu,
+}
+
+/// Makes `device` the default for all following ops on this thread.
+pub fn set_default_device(device: Device) -> Result<()> {
+    ffi::bridge::set_default_device(device == Device::Gpu).map_err(|e| Error::from_cxx("set_default_device", e))
+}
+
+/// Whether this MLX build has a usable GPU backend (Metal or CUDA).
+pub fn gpu_available() -> bool {
+    ffi::bridge::gpu_available()
+}
+
+/// The device new ops run on.
+pub fn default_device() -> Device {
+    if ffi::bridge::default_device_name() == "gpu" {
+        Device::Gpu
+    } else {
+        Device::Cpu
+    }
+}
+
+/// Waits until all queued work on the default stream has finished.
+pub fn synchronize() -> Result<()> {
+    ffi::bridge::synchronize().map_err(|e| Error::from_cxx("synchronize", e))
+}

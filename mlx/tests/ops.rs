@@ -1,0 +1,110 @@
+//! Checks of the binding against values computed by hand, on the CPU device.
+use mlx::{fast, random, Array, Dtype};
+
+fn close(a: &[f32], b: &[f32], tol: f32) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() <= tol * (1.0 + y.abs()))
+}
+
+#[test]
+fn matmul_and_readback() {
+    let a = Array::from_f32(&[1., 2., 3., 4., 5., 6.], &[2, 3]).unwrap();
+    let b = Array::from_f32(&[1., 0., 0., 1., 1., 1.], &[3, 2]).unwrap();
+    let c = a.matmul(&b).unwrap();
+    assert_eq!(c.shape(), vec![2, 2]);
+    assert_eq!(c.to_vec_f32().unwrap(), vec![4., 5., 10., 11.]);
+}
+
+#[test]
+fn errors_are_values_not_panics() {
+    let a = Array::from_f32(&[1., 2., 3.], &[3]).unwrap();
+    let b = Array::from_f32(&[1., 2.], &[2]).unwrap();
+    let err = a.matmul(&b).unwrap_err();
+    assert_eq!(err.op, "matmul");
+    assert!(!err.message.is_empty());
+    assert!(Array::from_f32(&[1., 2., 3.], &[2, 2]).is_err(), "length/shape mismatch must be an error");
+    assert!(a.reshape(&[2, 2]).is_err());
+}
+
+#[test]
+fn transposed_readback_is_row_major() {
+    let a = Array::from_f32(&[1., 2., 3., 4., 5., 6.], &[2, 3]).unwrap();
+    assert_eq!(a.transpose(&[1, 0]).unwrap().to_vec_f32().unwrap(), vec![1., 4., 2., 5., 3., 6.]);
+}
+
+#[test]
+fn slice_update_writes_a_window() {
+    let cache = Array::zeros(&[1, 4, 2], Dtype::F32).unwrap();
+    let upd = Array::from_f32(&[1., 2., 3., 4.], &[1, 2, 2]).unwrap();
+    let out = cache.slice_update(&upd, &[0, 1, 0], &[1, 3, 2]).unwrap();
+    assert_eq!(out.to_vec_f32().unwrap(), vec![0., 0., 1., 2., 3., 4., 0., 0.]);
+    let start = Array::from_i32(&[2], &[1]).unwrap();
+    let out2 = cache.slice_update_dynamic(&upd, &start, &[1]).unwrap();
+    assert_eq!(out2.to_vec_f32().unwrap(), vec![0., 0., 0., 0., 1., 2., 3., 4.]);
+    let back = out2.slice(&[0, 2, 0], &[1, 4, 2]).unwrap();
+    assert_eq!(back.to_vec_f32().unwrap(), vec![1., 2., 3., 4.]);
+}
+
+#[test]
+fn sdpa_matches_softmax_attention() {
+    let q = Array::from_f32(&[0.1, 0.2, 0.3, 0.4, -0.5, 0.6, 0.7, 0.8], &[1, 1, 2, 4]).unwrap();
+    let k = Array::from_f32(&[0.3, -0.1, 0.2, 0.5, 0.1, 0.1, -0.4, 0.2], &[1, 1, 2, 4]).unwrap();
+    let v = Array::from_f32(&[1., 2., 3., 4., 5., 6., 7., 8.], &[1, 1, 2, 4]).unwrap();
+    let scale = 0.5f32;
+    let got = fast::sdpa(&q, &k, &v, scale, fast::Mask::Causal).unwrap().to_vec_f32().unwrap();
+    // Row 0 attends only to key 0; row 1 to both.
+    let qv = q.to_vec_f32().unwrap();
+    let kv = k.to_vec_f32().unwrap();
+    let dot = |i: usize, j: usize| (0..4).map(|d| qv[i * 4 + d] * kv[j * 4 + d]).sum::<f32>() * scale;
+    let (s0, s1) = (dot(1, 0), dot(1, 1));
+    let (w0, w1) = ((s0).exp() / (s0.exp() + s1.exp()), (s1).exp() / (s0.exp() + s1.exp()));
+    let mut want = vec![1., 2., 3., 4.];
+    want.extend((0..4).map(|d| w0 * (1. + d as f32) + w1 * (5. + d as f32)));
+    assert!(close(&got, &want, 1e-5), "{got:?} vs {want:?}");
+}
+
+#[test]
+fn rms_norm_and_rope() {
+    let x = Array::from_f32(&[3., 4.], &[1, 2]).unwrap();
+    let w = Array::from_f32(&[1., 2.], &[2]).unwrap();
+    let y = fast::rms_norm(&x, &w, 0.0).unwrap().to_vec_f32().unwrap();
+    let r = (12.5f32).sqrt();
+    assert!(close(&y, &[3. / r, 8. / r], 1e-6));
+    // Position 1 rotates the pair (1, 0) by one radian (base irrelevant for dim 2).
+    let x = Array::from_f32(&[1., 0.], &[1, 1, 1, 2]).unwrap();
+    let y = fast::rope(&x, 2, true, 10000.0, 1.0, 1).unwrap().to_vec_f32().unwrap();
+    assert!(close(&y, &[1f32.cos(), 1f32.sin()], 1e-6), "{y:?}");
+}
+
+#[test]
+fn quantize_roundtrip_and_matmul() {
+    let data: Vec<f32> = (0..64 * 8).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
+    let w = Array::from_f32(&data, &[8, 64]).unwrap();
+    let q = mlx::quantize(&w, 32, 4).unwrap();
+    let back = mlx::dequantize(&q, Dtype::F32).unwrap().to_vec_f32().unwrap();
+    assert!(close(&back, &data, 0.07), "4-bit roundtrip too far off");
+    let x = Array::from_f32(&vec![0.5; 64], &[1, 64]).unwrap();
+    let y = mlx::quantized_matmul(&x, &q).unwrap().to_vec_f32().unwrap();
+    let deq = Array::from_f32(&back, &[8, 64]).unwrap();
+    let want = x.matmul(&deq.transpose(&[1, 0]).unwrap()).unwrap().to_vec_f32().unwrap();
+    assert!(close(&y, &want, 1e-4));
+}
+
+#[test]
+fn seeded_sampling_is_reproducible() {
+    let logits = Array::from_f32(&[0.0, 1.0, 2.0, 3.0], &[1, 4]).unwrap();
+    let a = random::categorical(&logits, -1, &random::key(7).unwrap()).unwrap().to_vec_i32().unwrap();
+    let b = random::categorical(&logits, -1, &random::key(7).unwrap()).unwrap().to_vec_i32().unwrap();
+    assert_eq!(a, b);
+    assert!((0..4).contains(&a[0]));
+}
+
+#[test]
+fn memory_stats_track_live_arrays() {
+    mlx::memory::clear_cache().unwrap();
+    let before = mlx::memory::active();
+    let a = Array::zeros(&[1024, 1024], Dtype::F32).unwrap();
+    a.eval().unwrap();
+    assert!(mlx::memory::active() >= before + 4 * 1024 * 1024);
+    drop(a);
+    assert!(mlx::memory::active() < before + 4 * 1024 * 1024);
+}

@@ -1,0 +1,8 @@
+//! Tether: a stateful, streaming LLM inference server.
+pub mod generate;
+pub mod loaded;
+pub mod model;
+pub mod registry;
+pub mod sample;
+pub mod stop;
+pub mod tokenizer;

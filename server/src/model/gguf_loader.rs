@@ -1,0 +1,166 @@
+//! Builds a [`Transformer`] from a GGUF file (llama and qwen2 architectures).
+use gguf::{GgufFile, TensorInfo};
+use mlx::Dtype;
+
+use super::config::{Architecture, ModelConfig};
+use super::linear::{Linear, Weight};
+use super::transformer::{Layer, Transformer};
+use super::weights::{affine_to_mlx, dense, WeightFormat};
+use super::LoadError;
+
+/// Reads the hyperparameters under the file's `general.architecture` prefix.
+pub fn read_config(file: &GgufFile) -> Result<ModelConfig, LoadError> {
+    let arch_name = file.architecture().ok_or_else(|| LoadError::Invalid("missing general.architecture".into()))?;
+    let arch = Architecture::parse(arch_name).ok_or_else(|| LoadError::UnsupportedArchitecture(arch_name.to_string()))?;
+    let key = |suffix: &str| format!("{arch_name}.{suffix}");
+    let int = |suffix: &str| -> Result<usize, LoadError> {
+        file.get_u64(&key(suffix)).map(|v| v as usize).ok_or_else(|| LoadError::Invalid(format!("missing {}", key(suffix))))
+    };
+    let d_model = int("embedding_length")?;
+    let n_heads = int("attention.head_count")?;
+    let n_kv_heads = file.get_u64(&key("attention.head_count_kv")).map(|v| v as usize).unwrap_or(n_heads);
+    let embedding = tensor(file, "token_embd.weight")?;
+    let head_dim = file.get_u64(&key("attention.key_length")).map(|v| v as usize).unwrap_or(d_model / n_heads.max(1));
+    let config = ModelConfig {
+        arch,
+        n_layers: int("block_count")?,
+        d_model,
+        d_ff: int("feed_forward_length")?,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        vocab_size: embedding.shape()[0],
+        context_length: int("context_length")?,
+        rms_eps: file.get_f32(&key("attention.layer_norm_rms_epsilon")).unwrap_or(1e-6),
+        rope_theta: file.get_f32(&key("rope.freq_base")).unwrap_or(10000.0),
+        // llama.cpp's converter permutes llama Q/K rows for adjacent-pair RoPE;
+        // qwen2 keeps the split-half (NeoX) layout.
+        rope_traditional: arch == Architecture::Llama,
+        qkv_bias: file.tensor("blk.0.attn_q.bias").is_some(),
+        tied_embeddings: file.tensor("output.weight").is_none(),
+    };
+    config.validate().map_err(LoadError::Invalid)?;
+    Ok(config)
+}
+
+fn tensor<'a>(file: &'a GgufFile, name: &str) -> Result<&'a TensorInfo, LoadError> {
+    file.tensor(name).ok_or_else(|| LoadError::MissingTensor(name.to_string()))
+}
+
+struct Loader<'a> {
+    file: &'a GgufFile,
+    dtype: Dtype,
+    format: WeightFormat,
+}
+
+impl Loader<'_> {
+    fn dense(&self, name: &str, expect: &[usize]) -> Result<mlx::Array, LoadError> {
+        let t = tensor(self.file, name)?;
+        check_shape(t, expect)?;
+        let data = self.file.dequantize_f32(t)?;
+        Ok(dense(&data, &t.shape(), self.dtype)?)
+    }
+
+    fn linear(&self, name: &str, out: usize, inp: usize) -> Result<Linear, LoadError> {
+        let t = tensor(self.file, &format!("{name}.weight"))?;
+        check_shape(t, &[out, inp])?;
+        let weight = match self.quantized(t, out, inp)? {
+            Some(q) => Weight::Quantized(q),
+            None => Weight::Dense(self.dense(&format!("{name}.weight"), &[out, inp])?),
+        };
+        let bias_name = format!("{name}.bias");
+        let bias = match self.file.tensor(&bias_name) {
+            Some(_) => Some(self.dense(&bias_name, &[out])?),
+            None => None,
+        };
+        Ok(Linear { weight, bias })
+    }
+
+    fn quantized(&self, t: &TensorInfo, out: usize, inp: usize) -> Result<Option<mlx::QuantizedWeights>, LoadError> {
+        if self.format != WeightFormat::Quantized {
+            return Ok(None);
+        }
+        let Some(aq) = self.file.affine(t)? else { return Ok(None) };
+        Ok(affine_to_mlx(out, inp, aq.bits as u32, aq.group_size, &aq.codes, &aq.scales, &aq.biases, self.dtype)?)
+    }
+}
+
+fn check_shape(t: &TensorInfo, expect: &[usize]) -> Result<(), LoadError> {
+    if t.shape() != expect {
+        return Err(LoadError::Invalid(format!("tensor {} has shape {:?}, expected {:?}", t.name, t.shape(), expect)));
+    }
+    Ok(())
+}
+
+/// Loads the whole model onto the default device.
+pub fn load(file: &GgufFile, dtype: Dtype, format: WeightFormat) -> Result<Transformer, LoadError> {
+    let config = read_config(file)?;
+    let c = &config;
+    let loader = Loader { file, dtype, format };
+    let (d, ff, hd) = (c.d_model, c.d_ff, c.head_dim);
+    let embedding = loader.dense("token_embd.weight", &[c.vocab_size, d])?;
+    let mut layers = Vec::with_capacity(c.n_layers);
+    for i in 0..c.n_layers {
+        let p = format!("blk.{i}");
+        let q = loader.linear(&format!("{p}.attn_q"), c.n_heads * hd, d)?;
+        let k = loader.linear(&format!("{p}.attn_k"), c.n_kv_heads * hd, d)?;
+        let v = loader.linear(&format!("{p}.attn_v"), c.n_kv_heads * hd, d)?;
+        let gate = loader.linear(&format!("{p}.ffn_gate"), ff, d)?;
+        let up = loader.linear(&format!("{p}.ffn_up"), ff, d)?;
+        layers.push(Layer {
+            attn_norm: loader.dense(&format!("{p}.attn_norm.weight"), &[d])?,
+            qkv: fuse_or_dense(&loader, [q, k, v], &[&format!("{p}.attn_q"), &format!("{p}.attn_k"), &format!("{p}.attn_v")])?,
+            attn_out: loader.linear(&format!("{p}.attn_output"), d, c.n_heads * hd)?,
+            ffn_norm: loader.dense(&format!("{p}.ffn_norm.weight"), &[d])?,
+            gate_up: fuse_or_dense(&loader, [gate, up], &[&format!("{p}.ffn_gate"), &format!("{p}.ffn_up")])?,
+            down: loader.linear(&format!("{p}.ffn_down"), d, ff)?,
+        });
+        // Materialise layer by layer so host copies are freed as we go.
+        let l = layers.last().expect("just pushed");
+        mlx::eval(&linear_arrays(&[&l.qkv, &l.attn_out, &l.gate_up, &l.down]))?;
+    }
+    let final_norm = loader.dense("output_norm.weight", &[d])?;
+    let lm_head = if c.tied_embeddings {
+        Linear { weight: Weight::Dense(embedding.clone()), bias: None }
+    } else {
+        loader.linear("output", c.vocab_size, d)?
+    };
+    let t = Transformer { config, dtype, embedding, layers, final_norm, lm_head };
+    mlx::eval(&[&t.embedding, &t.final_norm])?;
+    Ok(t)
+}
+
+/// Fuses projections that share an input. When some parts came out quantized
+/// and others dense (e.g. Q4_K next to Q6_K), all are reloaded dense.
+fn fuse_or_dense<const N: usize>(loader: &Loader<'_>, parts: [Linear; N], names: &[&str]) -> Result<Linear, LoadError> {
+    let all_same = parts.iter().all(|p| matches!(p.weight, Weight::Dense(_))) || parts.iter().all(|p| matches!(p.weight, Weight::Quantized(_)));
+    if all_same {
+        if let Ok(fused) = Linear::fuse(&parts) {
+            return Ok(fused);
+        }
+    }
+    let dense_loader = Loader { file: loader.file, dtype: loader.dtype, format: WeightFormat::Dense };
+    let dense_parts = names
+        .iter()
+        .zip(&parts)
+        .map(|(n, p)| {
+            let t = tensor(loader.file, &format!("{n}.weight"))?;
+            let [out, inp] = t.shape()[..] else { return Err(LoadError::Invalid(format!("{n} is not a matrix"))) };
+            let _ = p;
+            dense_loader.linear(n, out, inp)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Linear::fuse(&dense_parts)?)
+}
+
+fn linear_arrays<'a>(ls: &[&'a Linear]) -> Vec<&'a mlx::Array> {
+    let mut out = Vec::new();
+    for l in ls {
+        match &l.weight {
+            Weight::Dense(w) => out.push(w),
+            Weight::Quantized(q) => out.extend([&q.packed, &q.scales, &q.biases]),
+        }
+        out.extend(l.bias.as_ref());
+    }
+    out
+}

@@ -1,0 +1,106 @@
+//! A sequence's key/value cache, preallocated in blocks and written in place.
+//!
+//! Each layer holds `[1, kv_heads, capacity, head_dim]` buffers. New keys are
+//! written with `slice_update` at the current length; because the cache is the
+//! buffer's only holder when the step is evaluated, MLX donates it and the
+//! write happens in place (no per-step concatenation). Rolling back (rejected
+//! draft tokens) is just moving `len` back: stale positions are overwritten
+//! by the next write and never read, since attention only sees `..len`.
+use mlx::{Array, Dtype};
+
+/// Capacity grows in multiples of this many tokens.
+pub const CAPACITY_STEP: usize = 256;
+
+pub struct KvCache {
+    layers: Vec<Option<(Array, Array)>>,
+    len: usize,
+    capacity: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    dtype: Dtype,
+}
+
+impl KvCache {
+    pub fn new(n_layers: usize, kv_heads: usize, head_dim: usize, dtype: Dtype) -> KvCache {
+        KvCache { layers: (0..n_layers).map(|_| None).collect(), len: 0, capacity: 0, kv_heads, head_dim, dtype }
+    }
+
+    /// Tokens whose keys and values are stored.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Forgets everything after the first `len` tokens.
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
+    /// Bytes reserved on the device.
+    pub fn nbytes(&self) -> usize {
+        self.layers.iter().flatten().map(|(k, v)| k.nbytes() + v.nbytes()).sum()
+    }
+
+    /// Makes room for `extra` more tokens, growing all layers together.
+    pub fn reserve(&mut self, extra: usize) -> mlx::Result<()> {
+        let needed = self.len + extra;
+        if needed <= self.capacity {
+            return Ok(());
+        }
+        let new_cap = needed.div_ceil(CAPACITY_STEP) * CAPACITY_STEP;
+        let shape = [1, self.kv_heads, new_cap, self.head_dim];
+        for layer in &mut self.layers {
+            let fresh = |old: Option<&Array>| -> mlx::Result<Array> {
+                let buf = Array::zeros(&shape, self.dtype)?;
+                match old {
+                    Some(old) if self.len > 0 => {
+                        let kept = old.slice(&[0, 0, 0, 0], &[1, self.kv_heads as i32, self.len as i32, self.head_dim as i32])?;
+                        buf.slice_update(&kept, &[0, 0, 0, 0], &[1, self.kv_heads as i32, self.len as i32, self.head_dim as i32])
+                    }
+                    _ => Ok(buf),
+                }
+            };
+            let (k, v) = match layer.take() {
+                Some((k, v)) => (fresh(Some(&k))?, fresh(Some(&v))?),
+                None => (fresh(None)?, fresh(None)?),
+            };
+            *layer = Some((k, v));
+        }
+        self.capacity = new_cap;
+        Ok(())
+    }
+
+    /// Writes `[1, kv_heads, n, head_dim]` keys/values for layer `layer` at the
+    /// current length and returns views of all `len + n` stored positions.
+    /// `reserve(n)` must have been called for this step; `advance(n)` commits.
+    pub fn append(&mut self, layer: usize, k: &Array, v: &Array) -> mlx::Result<(Array, Array)> {
+        let n = k.dim(2);
+        let end = self.len + n;
+        if end > self.capacity {
+            return Err(mlx::Error { op: "kv_cache", message: format!("append of {n} past capacity {}", self.capacity) });
+        }
+        let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
+        let (start, stop) = ([0, 0, self.len as i32, 0], [1, h, end as i32, d]);
+        let (old_k, old_v) = self.layers[layer].take().ok_or_else(|| mlx::Error { op: "kv_cache", message: "layer not reserved".into() })?;
+        let new_k = old_k.slice_update(k, &start, &stop)?;
+        let new_v = old_v.slice_update(v, &start, &stop)?;
+        drop((old_k, old_v)); // the graph now holds the only reference: MLX can donate the buffer
+        let view = |a: &Array| a.slice(&[0, 0, 0, 0], &[1, h, end as i32, d]);
+        let out = (view(&new_k)?, view(&new_v)?);
+        self.layers[layer] = Some((new_k, new_v));
+        Ok(out)
+    }
+
+    /// Commits `n` appended tokens (after every layer has appended them).
+    pub fn advance(&mut self, n: usize) {
+        self.len += n;
+    }
+
+    /// The stored buffers, for evaluating them along with a step's outputs.
+    pub fn buffers(&self) -> Vec<&Array> {
+        self.layers.iter().flatten().flat_map(|(k, v)| [k, v]).collect()
+    }
+}

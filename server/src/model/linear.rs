@@ -1,0 +1,83 @@
+//! A projection `y = x W^T (+ b)` whose weight is stored dense or in MLX's
+//! affine quantized form.
+use mlx::{Array, QuantizedWeights};
+
+#[derive(Clone, Debug)]
+pub enum Weight {
+    /// `[out, in]`, in the model's compute dtype.
+    Dense(Array),
+    /// `[out, in]` packed along `in`.
+    Quantized(QuantizedWeights),
+}
+
+#[derive(Clone, Debug)]
+pub struct Linear {
+    pub weight: Weight,
+    pub bias: Option<Array>,
+}
+
+impl Linear {
+    pub fn forward(&self, x: &Array) -> mlx::Result<Array> {
+        let y = match &self.weight {
+            // A transposed view: MLX hands BLAS the transpose flag, no copy.
+            Weight::Dense(w) => x.matmul(&w.transpose(&[1, 0])?)?,
+            Weight::Quantized(q) => mlx::quantized_matmul(x, q)?,
+        };
+        match &self.bias {
+            Some(b) => y.add(b),
+            None => Ok(y),
+        }
+    }
+
+    /// Rows of the output dimension.
+    pub fn out_features(&self) -> usize {
+        match &self.weight {
+            Weight::Dense(w) => w.dim(0),
+            Weight::Quantized(q) => q.packed.dim(0),
+        }
+    }
+
+    pub fn nbytes(&self) -> usize {
+        let w = match &self.weight {
+            Weight::Dense(w) => w.nbytes(),
+            Weight::Quantized(q) => q.packed.nbytes() + q.scales.nbytes() + q.biases.nbytes(),
+        };
+        w + self.bias.as_ref().map_or(0, Array::nbytes)
+    }
+
+    /// Stacks projections that read the same input into one (along `out`),
+    /// so q/k/v or gate/up run as one matmul. All parts must share a form.
+    pub fn fuse(parts: &[Linear]) -> mlx::Result<Linear> {
+        let weight = match &parts[0].weight {
+            Weight::Dense(_) => {
+                let ws: Vec<&Array> = parts.iter().filter_map(|p| match &p.weight { Weight::Dense(w) => Some(w), _ => None }).collect();
+                if ws.len() != parts.len() {
+                    return Err(mlx::Error { op: "fuse", message: "mixed dense and quantized parts".into() });
+                }
+                Weight::Dense(mlx::concatenate(&ws, 0)?)
+            }
+            Weight::Quantized(first) => {
+                let qs: Vec<&QuantizedWeights> = parts.iter().filter_map(|p| match &p.weight { Weight::Quantized(q) => Some(q), _ => None }).collect();
+                if qs.len() != parts.len() || qs.iter().any(|q| q.bits != first.bits || q.group_size != first.group_size) {
+                    return Err(mlx::Error { op: "fuse", message: "parts differ in quantization".into() });
+                }
+                let cat = |f: fn(&QuantizedWeights) -> &Array| mlx::concatenate(&qs.iter().map(|q| f(q)).collect::<Vec<_>>(), 0);
+                Weight::Quantized(QuantizedWeights {
+                    packed: cat(|q| &q.packed)?,
+                    scales: cat(|q| &q.scales)?,
+                    biases: cat(|q| &q.biases)?,
+                    group_size: first.group_size,
+                    bits: first.bits,
+                })
+            }
+        };
+        let bias = if parts.iter().all(|p| p.bias.is_some()) {
+            Some(mlx::concatenate(&parts.iter().filter_map(|p| p.bias.as_ref()).collect::<Vec<_>>(), 0)?)
+        } else if parts.iter().any(|p| p.bias.is_some()) {
+            return Err(mlx::Error { op: "fuse", message: "only some parts have a bias".into() });
+        } else {
+            None
+        };
+        Ok(Linear { weight, bias })
+    }
+}

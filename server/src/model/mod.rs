@@ -1,0 +1,64 @@
+//! Model architectures, their weights and loaders.
+//!
+//! A model on disk is either a GGUF file or an HF-style safetensors folder;
+//! both load into the same [`Transformer`].
+mod config;
+mod gguf_loader;
+mod kv_cache;
+mod linear;
+mod safetensors_loader;
+mod transformer;
+mod weights;
+
+use std::path::Path;
+
+pub use config::{Architecture, ModelConfig};
+pub use kv_cache::KvCache;
+pub use linear::{Linear, Weight};
+pub use transformer::{Layer, Transformer};
+pub use weights::WeightFormat;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("cannot read {0}: {1}")]
+    Io(String, #[source] std::io::Error),
+    #[error(transparent)]
+    Gguf(#[from] gguf::GgufError),
+    #[error("unsupported architecture {0:?} (supported: llama, qwen2)")]
+    UnsupportedArchitecture(String),
+    #[error("model is missing tensor {0}")]
+    MissingTensor(String),
+    #[error("invalid model: {0}")]
+    Invalid(String),
+    #[error("building weights on the device failed: {0}")]
+    Mlx(#[from] mlx::Error),
+}
+
+/// What a loaded model runs with.
+#[derive(Clone, Copy, Debug)]
+pub struct LoadOptions {
+    /// Activations, KV cache and dense weights.
+    pub dtype: mlx::Dtype,
+    pub weights: WeightFormat,
+}
+
+impl LoadOptions {
+    /// float32 dense weights on CPU (OpenBLAS); bfloat16 with exact quantized
+    /// blocks kept quantized on a GPU.
+    pub fn for_device(device: mlx::Device) -> LoadOptions {
+        match device {
+            mlx::Device::Cpu => LoadOptions { dtype: mlx::Dtype::F32, weights: WeightFormat::Dense },
+            mlx::Device::Gpu => LoadOptions { dtype: mlx::Dtype::BF16, weights: WeightFormat::Quantized },
+        }
+    }
+}
+
+/// Loads weights from a `.gguf` file or a safetensors folder.
+pub fn load_transformer(path: &Path, opts: LoadOptions) -> Result<Transformer, LoadError> {
+    if path.is_dir() {
+        safetensors_loader::load(path, opts.dtype)
+    } else {
+        let file = gguf::GgufFile::open(path)?;
+        gguf_loader::load(&file, opts.dtype, opts.weights)
+    }
+}

@@ -1,0 +1,100 @@
+//! How a checkpoint's tensors become device arrays: dense in the compute
+//! dtype, or kept in MLX's affine quantized form when that form is exact.
+
+use mlx::{Array, Dtype, QuantizedWeights};
+
+/// How projection weights are held on the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightFormat {
+    /// Dequantized to the compute dtype. Fastest on CPU, where MLX's float32
+    /// matmul runs on OpenBLAS and its quantized kernels do not.
+    Dense,
+    /// Quantized blocks that map exactly onto MLX's affine form (GGUF Q4_0,
+    /// Q4_1, Q4_K, Q8_0) stay quantized; everything else is dense. Less memory
+    /// traffic per token, which is what decode on a GPU is bound by.
+    Quantized,
+}
+
+impl WeightFormat {
+    pub fn parse(s: &str) -> Option<WeightFormat> {
+        match s {
+            "dense" | "float" => Some(WeightFormat::Dense),
+            "quantized" | "q" => Some(WeightFormat::Quantized),
+            _ => None,
+        }
+    }
+}
+
+/// Packs one unsigned `bits`-wide code per element into uint32 words the way
+/// MLX's affine kernels read them: element `j` of a word at bit `bits * j`.
+/// Only widths that divide 32 (4, 8) are supported here.
+pub fn pack_codes(codes: &[u8], bits: u32) -> Option<Vec<u32>> {
+    if bits != 4 && bits != 8 {
+        return None;
+    }
+    let per_word = (32 / bits) as usize;
+    if codes.len() % per_word != 0 {
+        return None;
+    }
+    Some(
+        codes
+            .chunks_exact(per_word)
+            .map(|chunk| chunk.iter().enumerate().fold(0u32, |w, (j, &c)| w | (u32::from(c) << (bits as usize * j))))
+            .collect(),
+    )
+}
+
+/// Builds MLX quantized weights for a `[rows, cols]` matrix from unpacked
+/// codes and per-group scales/biases (group along `cols`).
+pub fn affine_to_mlx(
+    rows: usize,
+    cols: usize,
+    bits: u32,
+    group_size: usize,
+    codes: &[u8],
+    scales: &[f32],
+    biases: &[f32],
+    dtype: Dtype,
+) -> mlx::Result<Option<QuantizedWeights>> {
+    let Some(packed) = pack_codes(codes, bits) else { return Ok(None) };
+    let groups = cols / group_size;
+    let words = cols * bits as usize / 32;
+    Ok(Some(QuantizedWeights {
+        packed: Array::from_u32(&packed, &[rows, words])?,
+        scales: Array::from_f32(scales, &[rows, groups])?.astype(dtype)?,
+        biases: Array::from_f32(biases, &[rows, groups])?.astype(dtype)?,
+        group_size: group_size as i32,
+        bits: bits as i32,
+    }))
+}
+
+/// A dense array in `dtype` from float32 host data.
+pub fn dense(data: &[f32], shape: &[usize], dtype: Dtype) -> mlx::Result<Array> {
+    let a = Array::from_f32(data, shape)?;
+    if dtype == Dtype::F32 {
+        Ok(a)
+    } else {
+        a.astype(dtype)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packing_matches_mlx_dequantize() {
+        // Codes 0..15 repeating, scale 0.5, bias -1: value = 0.5 * code - 1.
+        for bits in [4u32, 8] {
+            let (rows, cols, group) = (2, 64, 32);
+            let max = (1u32 << bits) - 1;
+            let codes: Vec<u8> = (0..rows * cols).map(|i| (i as u32 * 7 % (max + 1)) as u8).collect();
+            let scales = vec![0.5; rows * cols / group];
+            let biases = vec![-1.0; rows * cols / group];
+            let q = affine_to_mlx(rows, cols, bits, group, &codes, &scales, &biases, Dtype::F32).unwrap().unwrap();
+            let got = mlx::dequantize(&q, Dtype::F32).unwrap().to_vec_f32().unwrap();
+            let want: Vec<f32> = codes.iter().map(|&c| 0.5 * c as f32 - 1.0).collect();
+            assert_eq!(got, want, "bits {bits}");
+        }
+    }
+}

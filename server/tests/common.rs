@@ -1,0 +1,40 @@
+//! Helpers shared by the integration tests: where the real models and the
+//! reference fixtures live.
+#![allow(dead_code)]
+use std::path::PathBuf;
+
+/// A fetched model's path. Tests need the real models; `scripts/test.sh`
+/// fetches them first, so a missing file is a setup error, not a skip.
+pub fn model_path(name: &str) -> PathBuf {
+    match tether::registry::resolve(name) {
+        Ok(p) => p,
+        Err(e) => panic!("{e} (scripts/test.sh fetches the test models)"),
+    }
+}
+
+pub fn fixtures_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
+}
+
+pub fn read_json(rel: &str) -> serde_json::Value {
+    let path = fixtures_dir().join(rel);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap()
+}
+
+pub fn read_f32(rel: &str) -> Vec<f32> {
+    let bytes = std::fs::read(fixtures_dir().join(rel)).unwrap();
+    bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+}
+
+pub fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+/// ||a - b|| / ||b||
+pub fn relative_error(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (num / den).sqrt()
+}
