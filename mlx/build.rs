@@ -12,6 +12,8 @@ fn main() {
     println!("cargo:rerun-if-env-changed=MLX_DIR");
     println!("cargo:rerun-if-changed=src/shim.h");
     println!("cargo:rerun-if-changed=src/shim.cc");
+    println!("cargo:rerun-if-changed=src/cpu_qmm.h");
+    println!("cargo:rerun-if-changed=src/cpu_qmm.cc");
     println!("cargo:rerun-if-changed=src/ffi.rs");
 
     let dir = match std::env::var_os("MLX_DIR") {
@@ -33,10 +35,13 @@ fn main() {
 
     cxx_build::bridge("src/ffi.rs")
         .file("src/shim.cc")
+        .file("src/cpu_qmm.cc")
         .include(&include)
         .std("c++20")
         .flag_if_supported("-Wno-unused-parameter")
         .flag_if_supported("-Wno-deprecated-declarations")
+        // GCC 12 flags its own AVX-512 intrinsics headers (_mm512_undefined_*).
+        .flag_if_supported("-Wno-maybe-uninitialized")
         .opt_level(2)
         .compile("tether_mlx_shim");
 

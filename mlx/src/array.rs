@@ -304,3 +304,19 @@ pub fn quantized_matmul(x: &Array, q: &QuantizedWeights) -> Result<Array> {
         bridge::quantized_matmul(x.raw(), q.packed.raw(), q.scales.raw(), q.biases.raw(), true, q.group_size, q.bits),
     )
 }
+
+/// The CPU decode kernel for affine-quantized weights (4 or 8 bits, float32
+/// activations, scales and biases): reads each quantized row once and expands
+/// it in registers, where MLX's own CPU kernel is compute-bound. Handles at
+/// most [`cpu_quantized_matmul_max_rows`] rows of `x`.
+pub fn cpu_quantized_matmul(x: &Array, q: &QuantizedWeights) -> Result<Array> {
+    wrap(
+        "cpu_quantized_matmul",
+        bridge::cpu_quantized_matmul(x.raw(), q.packed.raw(), q.scales.raw(), q.biases.raw(), q.group_size, q.bits),
+    )
+}
+
+/// Rows of activations [`cpu_quantized_matmul`] accepts in one call.
+pub fn cpu_quantized_matmul_max_rows() -> usize {
+    bridge::cpu_quantized_matmul_max_rows() as usize
+}

@@ -71,6 +71,9 @@ pub(crate) mod bridge {
         fn dequantize(w: &Array, scales: &Array, biases: &Array, group_size: i32, bits: i32, dtype: u8) -> Result<UniquePtr<Array>>;
         fn quantized_matmul(x: &Array, w: &Array, scales: &Array, biases: &Array, transpose: bool, group_size: i32, bits: i32) -> Result<UniquePtr<Array>>;
 
+        fn cpu_quantized_matmul(x: &Array, w: &Array, scales: &Array, biases: &Array, group_size: i32, bits: i32) -> Result<UniquePtr<Array>>;
+        fn cpu_quantized_matmul_max_rows() -> i32;
+
         fn rms_norm(x: &Array, weight: &Array, eps: f32) -> Result<UniquePtr<Array>>;
         fn rope(x: &Array, dims: i32, traditional: bool, base: f32, scale: f32, offset: i32) -> Result<UniquePtr<Array>>;
         fn rope_offsets(x: &Array, dims: i32, traditional: bool, base: f32, scale: f32, offsets: &Array) -> Result<UniquePtr<Array>>;

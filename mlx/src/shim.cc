@@ -3,6 +3,8 @@
 
 #include <stdexcept>
 
+#include "tether-mlx/src/cpu_qmm.h"
+
 namespace mx = mlx::core;
 
 namespace tether_mlx {
@@ -197,6 +199,11 @@ std::unique_ptr<Array> dequantize(const Array& w, const Array& scales, const Arr
 std::unique_ptr<Array> quantized_matmul(const Array& x, const Array& w, const Array& scales, const Array& biases, bool transpose, int32_t group_size, int32_t bits) {
   return boxed(mx::quantized_matmul(x, w, scales, biases, transpose, group_size, bits));
 }
+
+std::unique_ptr<Array> cpu_quantized_matmul(const Array& x, const Array& w, const Array& scales, const Array& biases, int32_t group_size, int32_t bits) {
+  return boxed(cpu_affine_matmul(x, w, scales, biases, group_size, bits));
+}
+int32_t cpu_quantized_matmul_max_rows() { return kCpuQmmMaxRows; }
 
 std::unique_ptr<Array> rms_norm(const Array& x, const Array& w, float eps) { return boxed(mx::fast::rms_norm(x, w, eps)); }
 std::unique_ptr<Array> rope(const Array& x, int32_t dims, bool traditional, float base, float scale, int32_t offset) {

@@ -97,6 +97,8 @@ std::unique_ptr<Array> contiguous(const Array& a);
 std::unique_ptr<ArrayList> quantize(const Array& w, int32_t group_size, int32_t bits);
 std::unique_ptr<Array> dequantize(const Array& w, const Array& scales, const Array& biases, int32_t group_size, int32_t bits, uint8_t dtype);
 std::unique_ptr<Array> quantized_matmul(const Array& x, const Array& w, const Array& scales, const Array& biases, bool transpose, int32_t group_size, int32_t bits);
+std::unique_ptr<Array> cpu_quantized_matmul(const Array& x, const Array& w, const Array& scales, const Array& biases, int32_t group_size, int32_t bits);
+int32_t cpu_quantized_matmul_max_rows();
 
 // ---- fused kernels
 std::unique_ptr<Array> rms_norm(const Array& x, const Array& weight, float eps);

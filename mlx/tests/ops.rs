@@ -108,3 +108,24 @@ fn memory_stats_track_live_arrays() {
     drop(a);
     assert!(mlx::memory::active() < before + 4 * 1024 * 1024);
 }
+
+#[test]
+fn cpu_quantized_matmul_matches_dequantized_product() {
+    let (n, k) = (200, 576);
+    let data: Vec<f32> = (0..n * k).map(|i| ((i * 2654435761usize) % 1000) as f32 / 500.0 - 1.0).collect();
+    let w = Array::from_f32(&data, &[n, k]).unwrap();
+    for bits in [4, 8] {
+        let q = mlx::quantize(&w, 32, bits).unwrap();
+        let dense = mlx::dequantize(&q, Dtype::F32).unwrap();
+        for m in [1usize, 3, 16] {
+            let xs: Vec<f32> = (0..m * k).map(|i| ((i * 7919) % 313) as f32 / 313.0 - 0.5).collect();
+            let x = Array::from_f32(&xs, &[m, k]).unwrap();
+            let got = mlx::cpu_quantized_matmul(&x, &q).unwrap().to_vec_f32().unwrap();
+            let want = x.matmul(&dense.transpose(&[1, 0]).unwrap()).unwrap().to_vec_f32().unwrap();
+            assert!(close(&got, &want, 1e-4), "bits {bits}, rows {m}");
+        }
+    }
+    let too_many = Array::zeros(&[17, k], Dtype::F32).unwrap();
+    let q = mlx::quantize(&w, 32, 4).unwrap();
+    assert!(mlx::cpu_quantized_matmul(&too_many, &q).is_err());
+}

@@ -10,6 +10,7 @@ use std::process::Command;
 
 use sha2::{Digest, Sha256};
 
+#[derive(Debug)]
 pub struct KnownModel {
     pub name: &'static str,
     pub description: &'static str,

@@ -68,9 +68,15 @@ fn qwen_coder_matches_reference() {
     check_model("qwen2.5-coder-0.5b", "greedy/qwen2.5-coder-0.5b.json", WeightFormat::Dense);
 }
 
-/// Q4_1/Q8_0 blocks kept in MLX's affine form are exact, so the quantized
-/// path must meet the same bar.
+/// Q4_1/Q4_K/Q8_0 blocks kept in MLX's affine form are exact, so the
+/// quantized path (the CPU default, through the decode kernel) must meet the
+/// same bar.
 #[test]
 fn smollm2_quantized_weights_match_reference() {
     check_model("smollm2-135m", "greedy/smollm2.json", WeightFormat::Quantized);
+}
+
+#[test]
+fn qwen_coder_quantized_weights_match_reference() {
+    check_model("qwen2.5-coder-0.5b", "greedy/qwen2.5-coder-0.5b.json", WeightFormat::Quantized);
 }

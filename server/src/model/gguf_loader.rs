@@ -121,7 +121,13 @@ pub fn load(file: &GgufFile, dtype: Dtype, format: WeightFormat) -> Result<Trans
     }
     let final_norm = loader.dense("output_norm.weight", &[d])?;
     let lm_head = if c.tied_embeddings {
-        Linear { weight: Weight::Dense(embedding.clone()), bias: None }
+        // The gather needs the dense table; the head may still read the
+        // (smaller) quantized form of the same tensor when it is exact.
+        let t = tensor(file, "token_embd.weight")?;
+        match loader.quantized(t, c.vocab_size, d)? {
+            Some(q) => Linear { weight: Weight::Quantized(q), bias: None },
+            None => Linear { weight: Weight::Dense(embedding.clone()), bias: None },
+        }
     } else {
         loader.linear("output", c.vocab_size, d)?
     };

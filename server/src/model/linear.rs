@@ -2,6 +2,23 @@
 //! affine quantized form.
 use mlx::{Array, QuantizedWeights};
 
+/// `x @ W^T` for quantized `W`, by the fastest route for the device and
+/// the number of activation rows.
+fn quantized_product(x: &Array, q: &QuantizedWeights) -> mlx::Result<Array> {
+    if mlx::default_device() == mlx::Device::Gpu {
+        return mlx::quantized_matmul(x, q);
+    }
+    let in_features = x.dim(-1);
+    let rows = x.size() / in_features.max(1);
+    if rows <= mlx::cpu_quantized_matmul_max_rows() && q.scales.dtype() == mlx::Dtype::F32 {
+        // Decode: memory-bound, our kernel reads each quantized row once.
+        mlx::cpu_quantized_matmul(x, q)
+    } else {
+        // Prefill: compute-bound, so expand once and let BLAS do the GEMM.
+        x.matmul(&mlx::dequantize(q, x.dtype())?.transpose(&[1, 0])?)
+    }
+}
+
 #[derive(Clone, Debug)]
 pub enum Weight {
     /// `[out, in]`, in the model's compute dtype.
@@ -21,7 +38,7 @@ impl Linear {
         let y = match &self.weight {
             // A transposed view: MLX hands BLAS the transpose flag, no copy.
             Weight::Dense(w) => x.matmul(&w.transpose(&[1, 0])?)?,
-            Weight::Quantized(q) => mlx::quantized_matmul(x, q)?,
+            Weight::Quantized(q) => quantized_product(x, q)?,
         };
         match &self.bias {
             Some(b) => y.add(b),

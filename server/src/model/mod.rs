@@ -43,11 +43,12 @@ pub struct LoadOptions {
 }
 
 impl LoadOptions {
-    /// float32 dense weights on CPU (OpenBLAS); bfloat16 with exact quantized
-    /// blocks kept quantized on a GPU.
+    /// float32 on CPU, bfloat16 on a GPU; quantized blocks with an exact
+    /// affine form stay quantized on both (decode reads fewer bytes; on CPU
+    /// through Tether's own decode kernel, see `mlx::cpu_quantized_matmul`).
     pub fn for_device(device: mlx::Device) -> LoadOptions {
         match device {
-            mlx::Device::Cpu => LoadOptions { dtype: mlx::Dtype::F32, weights: WeightFormat::Dense },
+            mlx::Device::Cpu => LoadOptions { dtype: mlx::Dtype::F32, weights: WeightFormat::Quantized },
             mlx::Device::Gpu => LoadOptions { dtype: mlx::Dtype::BF16, weights: WeightFormat::Quantized },
         }
     }

@@ -505,3 +505,14 @@ impl TextTokenizer {
         &self.with_special
     }
 }
+
+// The server shares one tokenizer across connections.
+const _: () = {
+    fn assert_send_sync<T: Send + Sync>() {}
+    #[allow(dead_code)]
+    fn check() {
+        assert_send_sync::<TextTokenizer>();
+        assert_send_sync::<ChatTemplate>();
+        assert_send_sync::<StreamDecoder>();
+    }
+};

@@ -672,3 +672,69 @@ fn hf_dir_qwen3_npm() {
 
 const EXPECTED_QWEN3_TOOLS: &str = "<|im_start|>system\nBe exact.\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"add\", \"description\": \"Add two ints\", \"parameters\": {\"type\": \"object\", \"properties\": {\"a\": {\"type\": \"integer\"}, \"b\": {\"type\": \"integer\"}}}}}\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n<|im_start|>user\nQ1<|im_end|>\n<|im_start|>assistant\nA1<|im_end|>\n<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 2, \"b\": 3}}\n</tool_call>\n<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 0, \"b\": 0}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n";
 const EXPECTED_QWEN3_THINK: &str = "<|im_start|>system\nBe exact.<|im_end|>\n<|im_start|>user\nQ1<|im_end|>\n<|im_start|>assistant\n<think>\nr1\n</think>\n\nA1<|im_end|>\n";
+
+/// A tiny SentencePiece-style tokenizer.json (Llama-2 layout: `▁` spaces,
+/// `<0xXX>` byte fallback, decoder strips the leading space, post-processor adds BOS).
+#[test]
+fn hf_dir_sentencepiece_style() {
+    let mut vocab = serde_json::Map::new();
+    for (i, t) in ["<unk>", "<s>", "</s>"].iter().enumerate() {
+        vocab.insert(t.to_string(), i.into());
+    }
+    for b in 0..=255u32 {
+        vocab.insert(format!("<0x{b:02X}>"), (3 + b).into());
+    }
+    for (i, t) in ["▁", "h", "i", "▁h", "▁hi"].iter().enumerate() {
+        vocab.insert(t.to_string(), (259 + i).into());
+    }
+    let special = |id: u32, content: &str| {
+        serde_json::json!({"id": id, "content": content, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true})
+    };
+    let tj = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null,
+        "added_tokens": [special(0, "<unk>"), special(1, "<s>"), special(2, "</s>")],
+        "normalizer": {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "▁"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]},
+        "pre_tokenizer": null,
+        "post_processor": {"type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}},
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+            {"type": "ByteFallback"}, {"type": "Fuse"},
+            {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+        "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>", "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true,
+            "vocab": vocab, "merges": ["▁ h", "▁h i"]}
+    });
+    let dir = scratch_dir("spm");
+    std::fs::write(dir.join("tokenizer.json"), tj.to_string()).unwrap();
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        r#"{"bos_token": "<s>", "eos_token": "</s>"}"#,
+    )
+    .unwrap();
+    let t = TextTokenizer::from_hf_dir(&dir).unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+    assert_eq!(t.bos_id(), Some(1));
+    assert!(t.add_bos(), "BOS detected from the post-processor");
+    assert_eq!(t.eos_ids(), &[2]);
+    let ids = t.encode("hi 🦀", false).unwrap();
+    assert_eq!(ids, vec![263, 259, 3 + 0xF0, 3 + 0x9F, 3 + 0xA6, 3 + 0x80]);
+    assert_eq!(t.decode(&ids, false), "hi 🦀");
+    assert_eq!(
+        t.encode_with_special_tokens("hi", false).unwrap(),
+        vec![1, 263]
+    );
+    let (streamed, pieces, held) = stream_all(&t, &ids, false);
+    assert_eq!(streamed, "hi 🦀");
+    assert!(
+        held && pieces.iter().all(|p| !p.contains('\u{FFFD}')),
+        "{pieces:?}"
+    );
+    assert_eq!(t.decode(&[1, 263, 263, 2], true), "hi hi");
+}

@@ -1,0 +1,296 @@
+// CPU decode kernel for affine-quantized matmul.
+//
+// Why: MLX's CPU quantized_matmul is compute-bound (about as slow as the
+// float32 product it replaces), so 4-bit weights bought no decode speed on
+// CPU. Decode is a memory-bound matrix-vector product; this kernel reads each
+// quantized row once, expands codes to float in registers, and multiplies
+// them against up to kCpuQmmMaxRows activation rows, split over all cores.
+//
+// Math per output (m, n): sum_g [ s_ng * sum_j q_nj x_mj + b_ng * sum_j x_mj ]
+// with j over group g. The scale is folded into the codes before the FMA, and
+// the bias term uses per-group sums of x computed once per call.
+//
+// Invariants: inputs are made row-contiguous before the primitive is built;
+// the output buffer is allocated in eval_cpu and filled by the dispatched task,
+// which holds copies of the input arrays so their buffers outlive it.
+#include "tether-mlx/src/cpu_qmm.h"
+
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include <immintrin.h>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
+
+namespace mx = mlx::core;
+
+namespace tether_mlx {
+namespace {
+
+// A fixed pool of workers (one per core, the caller being one of them) that
+// split a range of rows. Persistent threads: spawning per call would cost
+// more than a decode-sized product takes.
+class RowPool {
+ public:
+  static RowPool& get() {
+    static RowPool pool;
+    return pool;
+  }
+
+  // Runs fn(begin, end) over [0, n) in chunks on all workers; returns when done.
+  void run(int n, int chunk, const std::function<void(int, int)>& fn) {
+    std::lock_guard<std::mutex> serial(run_mutex_);
+    if (workers_.empty() || n <= chunk) {
+      fn(0, n);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      job_ = &fn;
+      n_ = n;
+      chunk_ = chunk;
+      next_.store(0);
+      active_ = static_cast<int>(workers_.size());
+      ++generation_;
+    }
+    cv_.notify_all();
+    work();
+    std::unique_lock<std::mutex> lk(mu_);
+    done_cv_.wait(lk, [&] { return active_ == 0; });
+    job_ = nullptr;
+  }
+
+ private:
+  RowPool() {
+    unsigned n = std::thread::hardware_concurrency();
+    for (unsigned i = 1; i < (n == 0 ? 1 : n); ++i) workers_.emplace_back([this] { loop(); });
+  }
+  ~RowPool() {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+      ++generation_;
+    }
+    cv_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+
+  void work() {
+    for (;;) {
+      int begin = next_.fetch_add(chunk_);
+      if (begin >= n_) return;
+      (*job_)(begin, std::min(n_, begin + chunk_));
+    }
+  }
+
+  void loop() {
+    uint64_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return generation_ != seen; });
+        seen = generation_;
+        if (stop_) return;
+      }
+      work();
+      std::lock_guard<std::mutex> lk(mu_);
+      if (--active_ == 0) done_cv_.notify_all();
+    }
+  }
+
+  std::mutex run_mutex_, mu_;
+  std::condition_variable cv_, done_cv_;
+  std::vector<std::thread> workers_;
+  const std::function<void(int, int)>* job_ = nullptr;
+  std::atomic<int> next_{0};
+  int n_ = 0, chunk_ = 1, active_ = 0;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+};
+
+struct Problem {
+  const float* x;        // [M, K]
+  const uint8_t* w;      // [N, K * bits / 8] bytes
+  const float* scales;   // [N, G]
+  const float* biases;   // [N, G]
+  const float* xsum;     // [M, G]: sum of x over each group
+  const float* xeven;    // 4-bit only: [M, K / 2], x at even positions of each group
+  const float* xodd;     // 4-bit only: [M, K / 2]
+  float* out;            // [M, N]
+  int M, N, K, G, bits;
+};
+
+// Portable version; also the reference the vector one is checked against.
+void rows_scalar(const Problem& p, int n0, int n1) {
+  const int gs = p.K / p.G;
+  const int row_bytes = p.K * p.bits / 8;
+  std::vector<float> q(gs);
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* wr = p.w + static_cast<size_t>(n) * row_bytes;
+    for (int m = 0; m < p.M; ++m) p.out[static_cast<size_t>(m) * p.N + n] = 0.f;
+    for (int g = 0; g < p.G; ++g) {
+      for (int j = 0; j < gs; ++j) {
+        int e = g * gs + j;
+        q[j] = p.bits == 8 ? wr[e] : static_cast<float>((wr[e / 2] >> ((e & 1) * 4)) & 0xF);
+      }
+      float s = p.scales[static_cast<size_t>(n) * p.G + g], b = p.biases[static_cast<size_t>(n) * p.G + g];
+      for (int m = 0; m < p.M; ++m) {
+        const float* xm = p.x + static_cast<size_t>(m) * p.K + g * gs;
+        float d = 0.f;
+        for (int j = 0; j < gs; ++j) d += q[j] * xm[j];
+        p.out[static_cast<size_t>(m) * p.N + n] += s * d + b * p.xsum[m * p.G + g];
+      }
+    }
+  }
+}
+
+// AVX-512 version for group size 32 (GGUF's block size, the only one the
+// loader produces for 4/8-bit blocks).
+__attribute__((target("avx512f,avx512bw")))
+void rows_avx512_g32(const Problem& p, int n0, int n1) {
+  const int row_bytes = p.K * p.bits / 8;
+  const __m512i nibble = _mm512_set1_epi32(0xF);
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* wr = p.w + static_cast<size_t>(n) * row_bytes;
+    const float* sr = p.scales + static_cast<size_t>(n) * p.G;
+    const float* br = p.biases + static_cast<size_t>(n) * p.G;
+    __m512 acc[kCpuQmmMaxRows];
+    float bias_acc[kCpuQmmMaxRows];
+    for (int m = 0; m < p.M; ++m) {
+      acc[m] = _mm512_setzero_ps();
+      bias_acc[m] = 0.f;
+    }
+    for (int g = 0; g < p.G; ++g) {
+      const __m512 s = _mm512_set1_ps(sr[g]);
+      __m512 qa, qb;
+      const float *xa_base, *xb_base;
+      size_t xa_stride, xb_stride;
+      if (p.bits == 8) {
+        const uint8_t* src = wr + g * 32;
+        qa = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)))), s);
+        qb = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16)))), s);
+        xa_base = p.x + g * 32;
+        xb_base = p.x + g * 32 + 16;
+        xa_stride = xb_stride = p.K;
+      } else {
+        // 16 bytes hold 32 codes: byte i is element 2i (low nibble) and 2i+1 (high).
+        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + g * 16)));
+        qa = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, nibble)), s);
+        qb = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s);
+        xa_base = p.xeven + g * 16;
+        xb_base = p.xodd + g * 16;
+        xa_stride = xb_stride = p.K / 2;
+      }
+      for (int m = 0; m < p.M; ++m) {
+        acc[m] = _mm512_fmadd_ps(qa, _mm512_loadu_ps(xa_base + m * xa_stride), acc[m]);
+        acc[m] = _mm512_fmadd_ps(qb, _mm512_loadu_ps(xb_base + m * xb_stride), acc[m]);
+        bias_acc[m] += br[g] * p.xsum[m * p.G + g];
+      }
+    }
+    for (int m = 0; m < p.M; ++m) p.out[static_cast<size_t>(m) * p.N + n] = _mm512_reduce_add_ps(acc[m]) + bias_acc[m];
+  }
+}
+
+bool has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  return yes;
+}
+
+void run_problem(Problem p) {
+  const int gs = p.K / p.G;
+  std::vector<float> xsum(static_cast<size_t>(p.M) * p.G), xeven, xodd;
+  for (int m = 0; m < p.M; ++m)
+    for (int g = 0; g < p.G; ++g) {
+      float s = 0.f;
+      for (int j = 0; j < gs; ++j) s += p.x[static_cast<size_t>(m) * p.K + g * gs + j];
+      xsum[m * p.G + g] = s;
+    }
+  p.xsum = xsum.data();
+  bool vector = has_avx512() && gs == 32;
+  if (vector && p.bits == 4) {
+    xeven.resize(static_cast<size_t>(p.M) * p.K / 2);
+    xodd.resize(xeven.size());
+    for (int m = 0; m < p.M; ++m)
+      for (int i = 0; i < p.K / 2; ++i) {
+        xeven[static_cast<size_t>(m) * p.K / 2 + i] = p.x[static_cast<size_t>(m) * p.K + 2 * i];
+        xodd[static_cast<size_t>(m) * p.K / 2 + i] = p.x[static_cast<size_t>(m) * p.K + 2 * i + 1];
+      }
+    p.xeven = xeven.data();
+    p.xodd = xodd.data();
+  }
+  RowPool::get().run(p.N, 64, [&](int a, int b) {
+    if (vector) rows_avx512_g32(p, a, b);
+    else rows_scalar(p, a, b);
+  });
+}
+
+class CpuAffineMatmul : public mx::UnaryPrimitive {
+ public:
+  CpuAffineMatmul(mx::Stream s, int group_size, int bits) : mx::UnaryPrimitive(s), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : in) enc.set_input_array(a);
+    enc.set_output_array(out);
+    Problem p{};
+    p.M = static_cast<int>(in[0].size() / in[0].shape(-1));
+    p.K = in[0].shape(-1);
+    p.N = in[1].shape(0);
+    p.G = p.K / group_size_;
+    p.bits = bits_;
+    float* out_ptr = out.data<float>();
+    enc.dispatch([x = in[0], w = in[1], s = in[2], b = in[3], out_ptr, p]() mutable {
+      p.x = x.data<float>();
+      p.w = reinterpret_cast<const uint8_t*>(w.data<uint32_t>());
+      p.scales = s.data<float>();
+      p.biases = b.data<float>();
+      p.out = out_ptr;
+      run_problem(p);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("cpu_affine_matmul runs on the CPU only");
+  }
+
+  const char* name() const override { return "TetherCpuAffineMatmul"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const CpuAffineMatmul*>(&other);
+    return o && o->group_size_ == group_size_ && o->bits_ == bits_;
+  }
+
+ private:
+  int group_size_, bits_;
+};
+
+}  // namespace
+
+mx::array cpu_affine_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits) {
+  if (bits != 4 && bits != 8) throw std::invalid_argument("cpu_affine_matmul supports 4 and 8 bits");
+  if (x.dtype() != mx::float32 || scales.dtype() != mx::float32 || biases.dtype() != mx::float32)
+    throw std::invalid_argument("cpu_affine_matmul needs float32 activations, scales and biases");
+  if (w.dtype() != mx::uint32 || w.ndim() != 2) throw std::invalid_argument("cpu_affine_matmul: packed weights must be 2-D uint32");
+  int K = x.shape(-1);
+  int N = w.shape(0);
+  if (group_size <= 0 || K % group_size != 0 || w.shape(1) * 32 != K * bits || scales.shape(0) != N || scales.shape(1) != K / group_size ||
+      biases.shape() != scales.shape())
+    throw std::invalid_argument("cpu_affine_matmul: shapes of x, weights, scales and biases disagree");
+  if (static_cast<int>(x.size() / K) > kCpuQmmMaxRows)
+    throw std::invalid_argument("cpu_affine_matmul: too many rows (use dequantize + matmul)");
+  auto cpu = mx::default_stream(mx::Device::cpu);
+  auto out_shape = x.shape();
+  out_shape.back() = N;
+  std::vector<mx::array> inputs = {mx::contiguous(x, false, cpu), mx::contiguous(w, false, cpu), mx::contiguous(scales, false, cpu),
+                                   mx::contiguous(biases, false, cpu)};
+  return mx::array(out_shape, mx::float32, std::make_shared<CpuAffineMatmul>(cpu, group_size, bits), std::move(inputs));
+}
+
+}  // namespace tether_mlx

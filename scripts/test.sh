@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Sets up everything the tests need and runs all of them:
+# MLX + OpenBLAS (scripts/setup.sh), the two real test models (fetched and
+# hash-checked into ~/.cache/tether/models), then the Rust workspace tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+scripts/setup.sh
+cargo build --release --locked -p tether
+for model in smollm2-135m qwen2.5-coder-0.5b; do
+  target/release/tether fetch-model "$model" >/dev/null
+done
+# Release profile: the numerical tests run real models token by token.
+cargo test --release --locked --workspace
