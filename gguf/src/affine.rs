@@ -21,8 +21,11 @@
 //! every product and the final sum are representable; for the others the
 //! operations are the same ones ggml performs, in the same order.
 //!
-//! Q6_K (signed 8-bit scales over groups of 16) and the float types have no
-//! exact group-32 form and yield `None`.
+//! * Q6_K: w = (d·sc)·(q − 32) per sub-block of 16 → scale d·sc, bias
+//!   −32·d·sc, groups of 16 (the product may round differently from ggml's
+//!   by one ulp: d·sc·q can need 25 significant bits).
+//!
+//! The float types have no affine form and yield `None`.
 
 use crate::dequant::{bytes_at, check_layout, f16_at, q5_high_bits, scale_min_k4};
 use crate::error::GgufError;
@@ -77,7 +80,8 @@ struct Out<'a, const BS: usize, const G: usize> {
 type AffineKernel = fn(&[u8], &mut [u8], &mut [f32], &mut [f32]);
 
 /// The exact affine form of `n_elements` elements of type `ty` in `bytes`,
-/// or `Ok(None)` if the type has none (F32, F16, BF16, Q6_K). Errors as
+/// or `Ok(None)` if the type has none (F32, F16, BF16). Q6_K's form has
+/// groups of 16 (`group_size` says so); all others groups of 32. Errors as
 /// [`crate::dequantize`] for unsupported types and size mismatches.
 pub fn to_affine(
     ty: GgmlType,
@@ -85,15 +89,17 @@ pub fn to_affine(
     n_elements: usize,
 ) -> Result<Option<AffineQuant>, GgufError> {
     let ty = ty.normalized();
-    let (bits, kernel): (u8, AffineKernel) = match ty {
-        GgmlType::Q4_0 => (4, q4_0),
-        GgmlType::Q4_1 => (4, q4_1),
-        GgmlType::Q5_0 => (5, q5_0),
-        GgmlType::Q5_1 => (5, q5_1),
-        GgmlType::Q8_0 => (8, q8_0),
-        GgmlType::Q4_K => (4, q4_k),
-        GgmlType::Q5_K => (5, q5_k),
-        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::Q6_K => {
+    let (bits, gs, kernel): (u8, usize, AffineKernel) = match ty {
+        GgmlType::Q4_0 => (4, AFFINE_GROUP_SIZE, q4_0),
+        GgmlType::Q4_1 => (4, AFFINE_GROUP_SIZE, q4_1),
+        GgmlType::Q5_0 => (5, AFFINE_GROUP_SIZE, q5_0),
+        GgmlType::Q5_1 => (5, AFFINE_GROUP_SIZE, q5_1),
+        GgmlType::Q8_0 => (8, AFFINE_GROUP_SIZE, q8_0),
+        GgmlType::Q4_K => (4, AFFINE_GROUP_SIZE, q4_k),
+        GgmlType::Q5_K => (5, AFFINE_GROUP_SIZE, q5_k),
+        // Q6_K's scales cover 16 elements, so its exact form has groups of 16.
+        GgmlType::Q6_K => (6, 16, q6_k),
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
             // Still validate, so a bad buffer is an error regardless of type.
             check_layout(ty, bytes.len(), n_elements)?;
             return Ok(None);
@@ -106,7 +112,6 @@ pub fn to_affine(
         }
     };
     let (bs, ts) = check_layout(ty, bytes.len(), n_elements)?;
-    let gs = AFFINE_GROUP_SIZE;
     let n_groups = n_elements / gs;
     let mut codes = vec![0u8; n_elements];
     let mut scales = vec![0.0f32; n_groups];
@@ -247,6 +252,31 @@ fn q4_k(src: &[u8], c: &mut [u8], s: &mut [f32], m: &mut [f32]) {
                 let q = b[16 + 32 * i + l];
                 o.codes[64 * i + l] = q & 0x0F;
                 o.codes[64 * i + 32 + l] = q >> 4;
+            }
+        }
+    });
+}
+
+/// Q6_K: `{u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d}` per 256 elements;
+/// group k (16 elements) is `(d * scales[k]) * (q - 32)` with a 6-bit q, so
+/// scale `d * scales[k]`, bias `-32 * d * scales[k]`, code q.
+fn q6_k(src: &[u8], c: &mut [u8], s: &mut [f32], m: &mut [f32]) {
+    each_block::<210, QK_K, 16>(src, c, s, m, |b, out| {
+        let d = f16_at(b, 208);
+        for k in 0..16 {
+            let scale = d * (b[192 + k] as i8) as f32;
+            out.scales[k] = scale;
+            out.biases[k] = -32.0 * scale;
+        }
+        for half in 0..2 {
+            let ql = &b[64 * half..64 * half + 64];
+            let qh = &b[128 + 32 * half..128 + 32 * half + 32];
+            let codes = &mut out.codes[128 * half..128 * half + 128];
+            for l in 0..32 {
+                codes[l] = (ql[l] & 0x0F) | ((qh[l] & 3) << 4);
+                codes[l + 32] = (ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4);
+                codes[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+                codes[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
             }
         }
     });

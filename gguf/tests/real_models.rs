@@ -126,7 +126,7 @@ fn check_affine(model: &str) {
         let Some(a) = f.affine(info).unwrap() else {
             assert!(matches!(
                 info.ggml_type,
-                GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::Q6_K
+                GgmlType::F32 | GgmlType::F16 | GgmlType::BF16
             ));
             continue;
         };
@@ -134,6 +134,7 @@ fn check_affine(model: &str) {
         assert_eq!(a.scales.len() * a.group_size, w.len());
         let expect_bits = match info.ggml_type {
             GgmlType::Q8_0 => 8,
+            GgmlType::Q6_K => 6,
             GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q5_K => 5,
             _ => 4,
         };

@@ -197,6 +197,31 @@ void rows_avx512_g32(const Problem& p, int n0, int n1) {
   }
 }
 
+// AVX-512 version for 8-bit codes in groups of 16 (GGUF Q6_K's exact form).
+__attribute__((target("avx512f,avx512bw")))
+void rows_avx512_8bit_g16(const Problem& p, int n0, int n1) {
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* wr = p.w + static_cast<size_t>(n) * p.K;
+    const float* sr = p.scales + static_cast<size_t>(n) * p.G;
+    const float* br = p.biases + static_cast<size_t>(n) * p.G;
+    __m512 acc[kCpuQmmMaxRows];
+    float bias_acc[kCpuQmmMaxRows];
+    for (int m = 0; m < p.M; ++m) {
+      acc[m] = _mm512_setzero_ps();
+      bias_acc[m] = 0.f;
+    }
+    for (int g = 0; g < p.G; ++g) {
+      __m512 q = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + g * 16)))),
+                               _mm512_set1_ps(sr[g]));
+      for (int m = 0; m < p.M; ++m) {
+        acc[m] = _mm512_fmadd_ps(q, _mm512_loadu_ps(p.x + static_cast<size_t>(m) * p.K + g * 16), acc[m]);
+        bias_acc[m] += br[g] * p.xsum[m * p.G + g];
+      }
+    }
+    for (int m = 0; m < p.M; ++m) p.out[static_cast<size_t>(m) * p.N + n] = _mm512_reduce_add_ps(acc[m]) + bias_acc[m];
+  }
+}
+
 bool has_avx512() {
   static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
   return yes;
@@ -212,7 +237,10 @@ void run_problem(Problem p) {
       xsum[m * p.G + g] = s;
     }
   p.xsum = xsum.data();
-  bool vector = has_avx512() && gs == 32;
+  enum { kScalar, kG32, kG16 } path = kScalar;
+  if (has_avx512() && gs == 32) path = kG32;
+  if (has_avx512() && gs == 16 && p.bits == 8) path = kG16;
+  bool vector = path == kG32;
   if (vector && p.bits == 4) {
     xeven.resize(static_cast<size_t>(p.M) * p.K / 2);
     xodd.resize(xeven.size());
@@ -225,8 +253,11 @@ void run_problem(Problem p) {
     p.xodd = xodd.data();
   }
   RowPool::get().run(p.N, 64, [&](int a, int b) {
-    if (vector) rows_avx512_g32(p, a, b);
-    else rows_scalar(p, a, b);
+    switch (path) {
+      case kG32: rows_avx512_g32(p, a, b); break;
+      case kG16: rows_avx512_8bit_g16(p, a, b); break;
+      default: rows_scalar(p, a, b);
+    }
   });
 }
 

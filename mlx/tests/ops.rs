@@ -129,3 +129,33 @@ fn cpu_quantized_matmul_matches_dequantized_product() {
     let q = mlx::quantize(&w, 32, 4).unwrap();
     assert!(mlx::cpu_quantized_matmul(&too_many, &q).is_err());
 }
+
+/// Groups of 16 (GGUF Q6_K's exact form) are not an MLX quantize() option,
+/// so this builds the packed form by hand and checks against plain math.
+#[test]
+fn cpu_quantized_matmul_handles_8bit_groups_of_16() {
+    let (n, k, g) = (70usize, 64usize, 16usize);
+    let codes: Vec<u8> = (0..n * k).map(|i| (i * 37 % 64) as u8).collect();
+    let scales: Vec<f32> = (0..n * k / g).map(|i| 0.01 * (1 + i % 7) as f32).collect();
+    let biases: Vec<f32> = scales.iter().map(|s| -32.0 * s).collect();
+    let packed: Vec<u32> = codes.chunks(4).map(|c| c.iter().enumerate().fold(0u32, |w, (j, &b)| w | (b as u32) << (8 * j))).collect();
+    let q = mlx::QuantizedWeights {
+        packed: Array::from_u32(&packed, &[n, k / 4]).unwrap(),
+        scales: Array::from_f32(&scales, &[n, k / g]).unwrap(),
+        biases: Array::from_f32(&biases, &[n, k / g]).unwrap(),
+        group_size: g as i32,
+        bits: 8,
+    };
+    for m in [1usize, 5] {
+        let xs: Vec<f32> = (0..m * k).map(|i| ((i * 13) % 29) as f32 / 29.0 - 0.4).collect();
+        let x = Array::from_f32(&xs, &[m, k]).unwrap();
+        let got = mlx::cpu_quantized_matmul(&x, &q).unwrap().to_vec_f32().unwrap();
+        let want: Vec<f32> = (0..m)
+            .flat_map(|r| {
+                let (codes, scales, biases, xs) = (&codes, &scales, &biases, &xs);
+                (0..n).map(move |o| (0..k).map(|j| xs[r * k + j] * (scales[(o * k + j) / g] * codes[o * k + j] as f32 + biases[(o * k + j) / g])).sum::<f32>())
+            })
+            .collect();
+        assert!(close(&got, &want, 1e-4), "rows {m}");
+    }
+}

@@ -27,7 +27,13 @@ pub const MAX_TOP_LOGPROBS: u8 = 20;
 pub const MAX_TEMPERATURE: f32 = 2.0;
 
 /// Every client message `type`, in the order the protocol documents them.
-pub const CLIENT_MESSAGE_TYPES: [&str; 5] = ["session.open", "generate", "cancel", "session.close", "ping"];
+pub const CLIENT_MESSAGE_TYPES: [&str; 5] = [
+    "session.open",
+    "generate",
+    "cancel",
+    "session.close",
+    "ping",
+];
 
 /// A frame sent by the client to the server.
 ///
@@ -165,16 +171,18 @@ impl SessionOpen {
 }
 
 fn check_session_token(field: &str, v: &str) -> Result<(), ProtocolError> {
-    let ok = !v.is_empty() && v.len() <= MAX_SESSION_TOKEN_LEN && v.bytes().all(|b| (0x21..=0x7e).contains(&b));
-    if ok {
-        Ok(())
+    let why = if v.is_empty() {
+        "got an empty string".to_string()
+    } else if v.len() > MAX_SESSION_TOKEN_LEN {
+        format!("got {} bytes", v.len())
+    } else if let Some(c) = v.chars().find(|c| !matches!(*c as u32, 0x21..=0x7e)) {
+        format!("got invalid character {c:?}")
     } else {
-        Err(ProtocolError::invalid_parameter(format!(
-            "{field} must be 1 to {MAX_SESSION_TOKEN_LEN} printable ASCII characters without spaces, got {} bytes{}",
-            v.len(),
-            if v.is_empty() { "" } else { " with invalid content" }
-        )))
-    }
+        return Ok(());
+    };
+    Err(ProtocolError::invalid_parameter(format!(
+        "{field} must be 1 to {MAX_SESSION_TOKEN_LEN} printable ASCII characters without spaces, {why}"
+    )))
 }
 
 // ---------------------------------------------------------------------------
@@ -193,7 +201,10 @@ fn request_id_problem(id: &str) -> Result<(), String> {
     if n > MAX_REQUEST_ID_LEN {
         return Err(format!("got {n} characters"));
     }
-    if let Some(c) = id.chars().find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | ':' | '-'))) {
+    if let Some(c) = id
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | ':' | '-')))
+    {
         return Err(format!("got invalid character {c:?}"));
     }
     Ok(())
@@ -335,7 +346,8 @@ impl GenerateRequest {
     /// `invalid_parameter` and carry `request_id` when it is itself valid.
     pub fn validate(&self) -> Result<(), ProtocolError> {
         check_request_id(&self.request_id)?;
-        self.validate_params().map_err(|e| e.with_request_id(self.request_id.clone()))
+        self.validate_params()
+            .map_err(|e| e.with_request_id(self.request_id.clone()))
     }
 
     fn validate_params(&self) -> Result<(), ProtocolError> {
@@ -351,7 +363,10 @@ impl GenerateRequest {
             return Err(bad("max_tokens must be at least 1, got 0"));
         }
         if !(self.temperature >= 0.0 && self.temperature <= MAX_TEMPERATURE) {
-            return Err(bad(format!("temperature must be in [0, 2], got {}", self.temperature)));
+            return Err(bad(format!(
+                "temperature must be in [0, 2], got {}",
+                self.temperature
+            )));
         }
         if let Some(p) = self.top_p {
             if !(p > 0.0 && p <= 1.0) {
@@ -360,7 +375,9 @@ impl GenerateRequest {
         }
         if let Some(k) = self.top_k {
             if k > MAX_TOP_K {
-                return Err(bad(format!("top_k must be in [0, {MAX_TOP_K}] (0 = off), got {k}")));
+                return Err(bad(format!(
+                    "top_k must be in [0, {MAX_TOP_K}] (0 = off), got {k}"
+                )));
             }
         }
         if let Some(p) = self.min_p {
@@ -384,7 +401,9 @@ impl GenerateRequest {
         }
         if let Some(n) = self.top_logprobs {
             if n > MAX_TOP_LOGPROBS {
-                return Err(bad(format!("top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {n}")));
+                return Err(bad(format!(
+                    "top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {n}"
+                )));
             }
             if !self.logprobs {
                 return Err(bad("top_logprobs requires logprobs: true"));
@@ -404,11 +423,16 @@ impl GenerateRequest {
     /// and `max_tokens < limits.context_length` (`context_overflow`: even a
     /// one-token prompt would not fit). Errors carry `request_id`.
     pub fn check_limits(&self, limits: &Limits) -> Result<(), ProtocolError> {
-        let err = |code, msg: String| Err(ProtocolError::new(code, msg).with_request_id(self.request_id.clone()));
+        let err = |code, msg: String| {
+            Err(ProtocolError::new(code, msg).with_request_id(self.request_id.clone()))
+        };
         if self.max_tokens > limits.max_tokens {
             return err(
                 ErrorCode::InvalidParameter,
-                format!("max_tokens must be in [1, {}], got {}", limits.max_tokens, self.max_tokens),
+                format!(
+                    "max_tokens must be in [1, {}], got {}",
+                    limits.max_tokens, self.max_tokens
+                ),
             );
         }
         if self.max_tokens >= limits.context_length {
@@ -426,12 +450,21 @@ impl GenerateRequest {
     /// Checks after tokenization: `prompt_tokens <= limits.max_prompt_tokens`
     /// (`prompt_too_long`) and `prompt_tokens + max_tokens <= limits.context_length`
     /// (`context_overflow`). Errors carry `request_id`.
-    pub fn check_prompt_tokens(&self, prompt_tokens: usize, limits: &Limits) -> Result<(), ProtocolError> {
-        let err = |code, msg: String| Err(ProtocolError::new(code, msg).with_request_id(self.request_id.clone()));
+    pub fn check_prompt_tokens(
+        &self,
+        prompt_tokens: usize,
+        limits: &Limits,
+    ) -> Result<(), ProtocolError> {
+        let err = |code, msg: String| {
+            Err(ProtocolError::new(code, msg).with_request_id(self.request_id.clone()))
+        };
         if prompt_tokens > limits.max_prompt_tokens as usize {
             return err(
                 ErrorCode::PromptTooLong,
-                format!("prompt is {prompt_tokens} tokens, the limit is {}", limits.max_prompt_tokens),
+                format!(
+                    "prompt is {prompt_tokens} tokens, the limit is {}",
+                    limits.max_prompt_tokens
+                ),
             );
         }
         let total = prompt_tokens as u64 + self.max_tokens as u64;
@@ -545,11 +578,19 @@ impl TryFrom<GenerateWire> for GenerateRequest {
             (None, Some(m), None) => GenerateInput::Messages(m),
             (None, None, Some(f)) => GenerateInput::Fim(f),
             (p, m, f) => {
-                let given: Vec<&str> = [("`prompt`", p.is_some()), ("`messages`", m.is_some()), ("`fim`", f.is_some())]
-                    .into_iter()
-                    .filter_map(|(n, on)| on.then_some(n))
-                    .collect();
-                let got = if given.is_empty() { "none".to_string() } else { given.join(" and ") };
+                let given: Vec<&str> = [
+                    ("`prompt`", p.is_some()),
+                    ("`messages`", m.is_some()),
+                    ("`fim`", f.is_some()),
+                ]
+                .into_iter()
+                .filter_map(|(n, on)| on.then_some(n))
+                .collect();
+                let got = if given.is_empty() {
+                    "none".to_string()
+                } else {
+                    given.join(" and ")
+                };
                 return Err(InputChoiceError(format!(
                     "exactly one of `prompt`, `messages` or `fim` is required, got {got}"
                 )));
@@ -613,8 +654,8 @@ impl JsonSchema for GenerateRequest {
 // ---------------------------------------------------------------------------
 // cancel, session.close, ping
 
-/// `cancel`: stop an in-flight request. It ends with `done` (`finish_reason`
-/// `cancelled`); unknown or finished ids get `unknown_request`.
+/// `cancel`: stop a request, queued or running. It ends with `done`
+/// (`finish_reason` `cancelled`); unknown or finished ids get `unknown_request`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Cancel {

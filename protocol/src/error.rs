@@ -69,9 +69,10 @@ pub enum ErrorCode {
     /// The server's generation queue is full; the request was not started.
     /// Retry later.
     Overloaded,
-    /// The request was aborted before it produced any output (e.g. cancelled
-    /// while still queued). A request that has started ends with a `done`
-    /// frame whose `finish_reason` is `cancelled` instead.
+    /// The server aborted the request on its own (e.g. drained from the queue
+    /// at shutdown); this error is that request's terminal frame. A client's
+    /// `cancel` ends the request with `done` (`finish_reason` `cancelled`)
+    /// instead.
     Cancelled,
     /// An unexpected server-side failure. If it has a `request_id`, that
     /// request is over; the session remains usable.
@@ -214,7 +215,11 @@ pub struct ProtocolError {
 
 impl ProtocolError {
     pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
-        ProtocolError { code, message: message.into(), request_id: None }
+        ProtocolError {
+            code,
+            message: message.into(),
+            request_id: None,
+        }
     }
 
     /// Sets `request_id` (replacing any previous one).

@@ -6,7 +6,9 @@ use serde::de::{DeserializeOwned, Deserializer, Error as _, MapAccess, SeqAccess
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
-use crate::client::{Cancel, ClientMessage, GenerateRequest, Ping, SessionClose, SessionOpen, CLIENT_MESSAGE_TYPES};
+use crate::client::{
+    Cancel, ClientMessage, GenerateRequest, Ping, SessionClose, SessionOpen, CLIENT_MESSAGE_TYPES,
+};
 use crate::error::{ErrorCode, ProtocolError};
 
 /// Parses and validates one client text frame.
@@ -39,7 +41,12 @@ pub fn parse_client(text: &str) -> Result<ClientMessage, ProtocolError> {
     let ty = match obj.shift_remove("type") {
         None => return Err(unknown_type("missing field `type`".to_string())),
         Some(Value::String(s)) => s,
-        Some(other) => return Err(unknown_type(format!("`type` must be a string, got {}", json_kind(&other)))),
+        Some(other) => {
+            return Err(unknown_type(format!(
+                "`type` must be a string, got {}",
+                json_kind(&other)
+            )))
+        }
     };
     let request_id = match ty.as_str() {
         "generate" | "cancel" => obj
@@ -71,14 +78,18 @@ pub fn parse_client(text: &str) -> Result<ClientMessage, ProtocolError> {
         }
     };
     let msg = msg.map_err(|e| e.or_request_id(request_id.as_deref()))?;
-    msg.validate().map_err(|e| e.or_request_id(request_id.as_deref()))?;
+    msg.validate()
+        .map_err(|e| e.or_request_id(request_id.as_deref()))?;
     Ok(msg)
 }
 
 fn unknown_type(what: String) -> ProtocolError {
     ProtocolError::new(
         ErrorCode::UnknownType,
-        format!("{what}; expected one of: {}", CLIENT_MESSAGE_TYPES.join(", ")),
+        format!(
+            "{what}; expected one of: {}",
+            CLIENT_MESSAGE_TYPES.join(", ")
+        ),
     )
 }
 
@@ -196,7 +207,9 @@ impl<'de> Visitor<'de> for StrictVisitor {
         Ok(Value::Number(v.into()))
     }
     fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Value, E> {
-        serde_json::Number::from_f64(v).map(Value::Number).ok_or_else(|| E::custom("non-finite number"))
+        serde_json::Number::from_f64(v)
+            .map(Value::Number)
+            .ok_or_else(|| E::custom("non-finite number"))
     }
     fn visit_str<E>(self, v: &str) -> Result<Value, E> {
         Ok(Value::String(v.to_owned()))

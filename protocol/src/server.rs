@@ -76,7 +76,11 @@ impl ServerMessage {
 
     /// An `error` frame.
     pub fn error(code: ErrorCode, message: impl Into<String>, request_id: Option<String>) -> Self {
-        ServerMessage::Error(ErrorFrame { request_id, code, message: message.into() })
+        ServerMessage::Error(ErrorFrame {
+            request_id,
+            code,
+            message: message.into(),
+        })
     }
 }
 
@@ -106,7 +110,10 @@ impl Limits {
         if len > self.max_frame_bytes as usize {
             Err(ProtocolError::new(
                 ErrorCode::FrameTooLarge,
-                format!("frame is {len} bytes, the limit is {}", self.max_frame_bytes),
+                format!(
+                    "frame is {len} bytes, the limit is {}",
+                    self.max_frame_bytes
+                ),
             ))
         } else {
             Ok(())

@@ -2,8 +2,8 @@
 //! and the limit checks.
 
 use protocol::{
-    parse_client, ChatMessage, ClientMessage, ErrorCode, FimExtra, FimInput, GenerateInput, GenerateRequest, Limits,
-    PingId, ProtocolError, Role, SessionOpen,
+    parse_client, ChatMessage, ClientMessage, ErrorCode, FimExtra, FimInput, GenerateInput,
+    GenerateRequest, Limits, PingId, ProtocolError, Role, SessionOpen,
 };
 use serde_json::json;
 
@@ -11,7 +11,13 @@ use ErrorCode::*;
 
 /// (name, frame, expected code, substrings the message must contain,
 /// expected request_id on the error)
-type Case = (&'static str, String, ErrorCode, &'static [&'static str], Option<&'static str>);
+type Case = (
+    &'static str,
+    String,
+    ErrorCode,
+    &'static [&'static str],
+    Option<&'static str>,
+);
 
 /// A valid `generate` with request_id "r1", with `extra` merged in (a `null`
 /// in `extra` removes the key instead).
@@ -32,6 +38,7 @@ fn s(x: &str) -> String {
     x.to_string()
 }
 
+#[rustfmt::skip]
 fn bad_cases() -> Vec<Case> {
     let long_id = "a".repeat(65);
     let huge_id = "x".repeat(10_000);
@@ -130,8 +137,8 @@ fn bad_cases() -> Vec<Case> {
         ("session.open last_seq as array", s(r#"{"type":"session.open","session_id":"s","resume_token":"t","last_seq":[1]}"#), InvalidField, &["`last_seq`", "expected a map"], None),
         ("session.open negative last_seq", s(r#"{"type":"session.open","session_id":"s","resume_token":"t","last_seq":{"r1":-1}}"#), InvalidField, &["`last_seq.r1`", "expected u64"], None),
         ("session.open unknown field", s(r#"{"type":"session.open","token":"t"}"#), InvalidField, &["unknown field `token`", "`session_id`, `resume_token`, `last_seq`"], None),
-        ("session.open empty session_id", s(r#"{"type":"session.open","session_id":"","resume_token":"t"}"#), InvalidParameter, &["session_id must be 1 to 128"], None),
-        ("session.open resume_token with spaces", s(r#"{"type":"session.open","session_id":"s","resume_token":"a b"}"#), InvalidParameter, &["resume_token must be 1 to 128 printable ASCII"], None),
+        ("session.open empty session_id", s(r#"{"type":"session.open","session_id":"","resume_token":"t"}"#), InvalidParameter, &["session_id must be 1 to 128", "got an empty string"], None),
+        ("session.open resume_token with spaces", s(r#"{"type":"session.open","session_id":"s","resume_token":"a b"}"#), InvalidParameter, &["resume_token must be 1 to 128 printable ASCII", "invalid character ' '"], None),
         ("session.open bad last_seq key", s(r#"{"type":"session.open","session_id":"s","resume_token":"t","last_seq":{"bad id":1}}"#), InvalidParameter, &["last_seq keys must be request ids", "invalid character ' '"], None),
         // --- cancel, session.close, ping -------------------------------------
         ("cancel without request_id", s(r#"{"type":"cancel"}"#), InvalidField, &["missing field `request_id`"], None),
@@ -160,7 +167,10 @@ fn bad_inputs_are_classified() {
             Ok(msg) => failures.push(format!("{name}: accepted as {msg:?}")),
             Err(e) => {
                 if e.code != *code {
-                    failures.push(format!("{name}: code {:?}, expected {code:?} (message: {})", e.code, e.message));
+                    failures.push(format!(
+                        "{name}: code {:?}, expected {code:?} (message: {})",
+                        e.code, e.message
+                    ));
                 }
                 for needle in needles.iter() {
                     if !e.message.contains(needle) {
@@ -168,14 +178,23 @@ fn bad_inputs_are_classified() {
                     }
                 }
                 if e.request_id.as_deref() != *request_id {
-                    failures.push(format!("{name}: request_id {:?}, expected {request_id:?}", e.request_id));
+                    failures.push(format!(
+                        "{name}: request_id {:?}, expected {request_id:?}",
+                        e.request_id
+                    ));
                 }
                 // Only transport-level failures close the socket.
                 assert!(!e.is_fatal(), "{name}: parse errors are never fatal");
             }
         }
     }
-    assert!(failures.is_empty(), "{} of {} cases failed:\n{}", failures.len(), cases.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} of {} cases failed:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
     println!("{} bad-input cases", cases.len());
 }
 
@@ -197,9 +216,13 @@ fn error_frame_for_a_bad_generate_carries_request_id() {
         r#"{"type":"error","request_id":"r1","code":"invalid_parameter","message":"top_p must be in (0, 1], got 0"}"#
     );
     let err = parse_client("nope").unwrap_err();
-    let v: serde_json::Value = serde_json::from_str(&protocol::ServerMessage::from(err).to_json()).unwrap();
+    let v: serde_json::Value =
+        serde_json::from_str(&protocol::ServerMessage::from(err).to_json()).unwrap();
     assert_eq!(v["code"], "bad_json");
-    assert!(v.get("request_id").is_none(), "absent request_id is omitted, not null");
+    assert!(
+        v.get("request_id").is_none(),
+        "absent request_id is omitted, not null"
+    );
 }
 
 // ---------------------------------------------------------------------------
@@ -219,13 +242,19 @@ fn ok_gen(extra: serde_json::Value) -> GenerateRequest {
 #[test]
 fn minimal_generate_gets_defaults() {
     let g = ok_gen(json!({}));
-    assert_eq!(g, GenerateRequest::new("r1", GenerateInput::Prompt("Hello".into())));
+    assert_eq!(
+        g,
+        GenerateRequest::new("r1", GenerateInput::Prompt("Hello".into()))
+    );
     assert_eq!(g.max_tokens, 256);
     assert_eq!(g.temperature, 0.0);
     assert!(g.is_greedy());
     assert!(!g.logprobs);
     assert!(g.stop.is_empty());
-    assert_eq!((g.top_p, g.top_k, g.min_p, g.seed, g.top_logprobs), (None, None, None, None, None));
+    assert_eq!(
+        (g.top_p, g.top_k, g.min_p, g.seed, g.top_logprobs),
+        (None, None, None, None, None)
+    );
 }
 
 #[test]
@@ -269,31 +298,60 @@ fn messages_and_fim_inputs() {
         {"role": "assistant", "content": "Hello!"},
         {"role": "tool", "content": "{}"},
     ]}));
-    let GenerateInput::Messages(m) = &g.input else { panic!() };
-    assert_eq!(m.iter().map(|m| m.role).collect::<Vec<_>>(), [Role::System, Role::User, Role::Assistant, Role::Tool]);
-    assert_eq!(m[1], ChatMessage { role: Role::User, content: "Hi".into() });
+    let GenerateInput::Messages(m) = &g.input else {
+        panic!()
+    };
+    assert_eq!(
+        m.iter().map(|m| m.role).collect::<Vec<_>>(),
+        [Role::System, Role::User, Role::Assistant, Role::Tool]
+    );
+    assert_eq!(
+        m[1],
+        ChatMessage {
+            role: Role::User,
+            content: "Hi".into()
+        }
+    );
 
     let g = ok_gen(json!({"prompt": null, "fim": {"prefix": "fn main() {", "suffix": "}"}}));
-    assert_eq!(g.input, GenerateInput::Fim(FimInput { prefix: "fn main() {".into(), suffix: "}".into(), extra: vec![] }));
+    assert_eq!(
+        g.input,
+        GenerateInput::Fim(FimInput {
+            prefix: "fn main() {".into(),
+            suffix: "}".into(),
+            extra: vec![]
+        })
+    );
 
     let g = ok_gen(json!({"prompt": null, "fim": {"prefix": "a", "suffix": "b",
         "extra": [{"path": "src/lib.rs", "content": "pub fn f() {}"}, {"content": "notes"}]}}));
-    let GenerateInput::Fim(f) = g.input else { panic!() };
+    let GenerateInput::Fim(f) = g.input else {
+        panic!()
+    };
     assert_eq!(
         f.extra,
         vec![
-            FimExtra { path: Some("src/lib.rs".into()), content: "pub fn f() {}".into() },
-            FimExtra { path: None, content: "notes".into() },
+            FimExtra {
+                path: Some("src/lib.rs".into()),
+                content: "pub fn f() {}".into()
+            },
+            FimExtra {
+                path: None,
+                content: "notes".into()
+            },
         ]
     );
 }
 
 #[test]
 fn other_client_messages() {
-    assert_eq!(ok(r#"{"type":"session.open"}"#), ClientMessage::SessionOpen(SessionOpen::default()));
-    let ClientMessage::SessionOpen(open) =
-        ok(r#"{"type":"session.open","session_id":"s-1","resume_token":"tok_abc","last_seq":{"r1":4,"r2":0}}"#)
-    else {
+    assert_eq!(
+        ok(r#"{"type":"session.open"}"#),
+        ClientMessage::SessionOpen(SessionOpen::default())
+    );
+    let ClientMessage::SessionOpen(open) = ok(
+        r#"{"type":"session.open","session_id":"s-1","resume_token":"tok_abc","last_seq":{"r1":4,"r2":0}}"#,
+    ) else {
         panic!()
     };
     assert!(open.is_resume());
@@ -307,15 +365,26 @@ fn other_client_messages() {
     let cancel = ok(r#"{"type":"cancel","request_id":"r1"}"#);
     assert_eq!(cancel.request_id(), Some("r1"));
     assert_eq!(cancel.type_name(), "cancel");
-    assert_eq!(ok(r#"{"type":"session.close"}"#).type_name(), "session.close");
+    assert_eq!(
+        ok(r#"{"type":"session.close"}"#).type_name(),
+        "session.close"
+    );
 
-    let ClientMessage::Ping(p) = ok(r#"{"type":"ping"}"#) else { panic!() };
+    let ClientMessage::Ping(p) = ok(r#"{"type":"ping"}"#) else {
+        panic!()
+    };
     assert_eq!(p.id, None);
-    let ClientMessage::Ping(p) = ok(r#"{"type":"ping","id":42}"#) else { panic!() };
+    let ClientMessage::Ping(p) = ok(r#"{"type":"ping","id":42}"#) else {
+        panic!()
+    };
     assert_eq!(p.id, Some(PingId::from(42)));
-    let ClientMessage::Ping(p) = ok(r#"{"type":"ping","id":-1.5}"#) else { panic!() };
+    let ClientMessage::Ping(p) = ok(r#"{"type":"ping","id":-1.5}"#) else {
+        panic!()
+    };
     assert_eq!(serde_json::to_string(&p.id).unwrap(), "-1.5");
-    let ClientMessage::Ping(p) = ok(r#"{"type":"ping","id":"hb-7"}"#) else { panic!() };
+    let ClientMessage::Ping(p) = ok(r#"{"type":"ping","id":"hb-7"}"#) else {
+        panic!()
+    };
     assert_eq!(p.id, Some(PingId::from("hb-7")));
 }
 
@@ -377,7 +446,11 @@ fn check_limits() {
     assert_eq!(e.message, "max_tokens must be in [1, 1024], got 1025");
     assert_eq!(e.request_id.as_deref(), Some("r1"));
 
-    let small_ctx = Limits { max_tokens: 8192, context_length: 2048, ..l.clone() };
+    let small_ctx = Limits {
+        max_tokens: 8192,
+        context_length: 2048,
+        ..l.clone()
+    };
     g.max_tokens = 2048;
     let e = g.check_limits(&small_ctx).unwrap_err();
     assert_eq!(e.code, ContextOverflow);
@@ -393,12 +466,18 @@ fn check_prompt_tokens() {
     g.max_tokens = 1000;
     assert_eq!(g.check_prompt_tokens(3000, &l), Ok(()));
     let e = g.check_prompt_tokens(3001, &l).unwrap_err();
-    assert_eq!((e.code, e.request_id.as_deref()), (PromptTooLong, Some("r7")));
+    assert_eq!(
+        (e.code, e.request_id.as_deref()),
+        (PromptTooLong, Some("r7"))
+    );
     assert_eq!(e.message, "prompt is 3001 tokens, the limit is 3000");
     g.max_tokens = 1097;
     let e = g.check_prompt_tokens(3000, &l).unwrap_err();
     assert_eq!(e.code, ContextOverflow);
-    assert_eq!(e.message, "prompt (3000 tokens) + max_tokens (1097) = 4097 exceeds the context length 4096");
+    assert_eq!(
+        e.message,
+        "prompt (3000 tokens) + max_tokens (1097) = 4097 exceeds the context length 4096"
+    );
     g.max_tokens = 1096;
     assert_eq!(g.check_prompt_tokens(3000, &l), Ok(()));
 }
@@ -417,7 +496,11 @@ fn check_frame_len() {
 fn validate_is_callable_on_built_requests() {
     let mut g = GenerateRequest::new("ok", GenerateInput::Messages(vec![]));
     let e = g.validate().unwrap_err();
-    assert_eq!(e, ProtocolError::invalid_parameter("messages must contain at least 1 message, got 0").with_request_id("ok"));
+    assert_eq!(
+        e,
+        ProtocolError::invalid_parameter("messages must contain at least 1 message, got 0")
+            .with_request_id("ok")
+    );
     g.input = GenerateInput::Prompt("p".into());
     assert_eq!(ClientMessage::Generate(g).validate(), Ok(()));
 }

@@ -1,4 +1,5 @@
 //! Tether: a stateful, streaming LLM inference server.
+pub mod bench;
 pub mod generate;
 pub mod loaded;
 pub mod model;

@@ -30,6 +30,18 @@ enum Command {
     Models,
     /// Generate text from a prompt and stream it to stdout.
     Generate(GenerateArgs),
+    /// Measure single-stream prefill and decode tokens/s (prints one JSON line).
+    Bench(BenchArgs),
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[arg(long, default_value_t = 512)]
+    prompt_tokens: usize,
+    #[arg(long, default_value_t = 128)]
+    gen_tokens: usize,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -112,6 +124,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Generate(args) => run_generate(args),
+        Command::Bench(args) => {
+            let model = load_model(&args.model)?;
+            let weights = match &args.model.weights {
+                Some(w) => w.clone(),
+                None => format!("{:?}", LoadOptions::for_device(mlx::default_device()).weights).to_lowercase(),
+            };
+            let result = tether::bench::run_decode_bench(&model, args.prompt_tokens, args.gen_tokens, &weights)?;
+            println!("{}", serde_json::to_string(&result)?);
+            Ok(())
+        }
     }
 }
 

@@ -90,7 +90,7 @@ fn known_values() {
 #[test]
 fn types_without_affine_form_and_errors() {
     let mut rng = Rng::new(3);
-    for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q6_K] {
+    for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16] {
         let n = ty.block_size().unwrap() * 2;
         let bytes = random_blocks(ty, 2, &mut rng);
         assert!(to_affine(ty, &bytes, n).unwrap().is_none(), "{ty}");
@@ -110,4 +110,19 @@ fn types_without_affine_form_and_errors() {
         to_affine(GgmlType::Q4_K, &[0; 144], 128),
         Err(GgufError::ShapeMismatch { .. })
     ));
+}
+
+#[test]
+fn q6_k_affine_form_has_groups_of_16_and_matches_dequantize() {
+    let mut rng = Rng::new(11);
+    let bytes = random_blocks(GgmlType::Q6_K, 3, &mut rng);
+    let n = 3 * 256;
+    let a = to_affine(GgmlType::Q6_K, &bytes, n).unwrap().unwrap();
+    assert_eq!((a.bits, a.group_size, a.scales.len()), (6, 16, n / 16));
+    assert!(a.codes.iter().all(|&c| c < 64));
+    let want = crate::dequantize(GgmlType::Q6_K, &bytes, n).unwrap();
+    for (i, (&c, &w)) in a.codes.iter().zip(&want).enumerate() {
+        let got = a.scales[i / 16] * c as f32 + a.biases[i / 16];
+        assert!((got - w).abs() <= 1e-6 * w.abs().max(1e-30), "element {i}: {got} vs {w}");
+    }
 }

@@ -9,9 +9,11 @@ pub enum WeightFormat {
     /// Dequantized to the compute dtype. Fastest on CPU, where MLX's float32
     /// matmul runs on OpenBLAS and its quantized kernels do not.
     Dense,
-    /// Quantized blocks that map exactly onto MLX's affine form (GGUF Q4_0,
-    /// Q4_1, Q4_K, Q8_0) stay quantized; everything else is dense. Less memory
-    /// traffic per token, which is what decode on a GPU is bound by.
+    /// Quantized blocks stay quantized where they map exactly onto an affine
+    /// form with a kernel on this device (GGUF Q4_0, Q4_1, Q4_K as 4-bit;
+    /// Q5_0, Q5_1, Q5_K, Q8_0 as 8-bit; Q6_K as 8-bit in groups of 16 on CPU
+    /// only); everything else is dense. Decode is bound by the bytes it
+    /// reads per token, on CPU and GPU alike.
     Quantized,
 }
 
@@ -27,7 +29,7 @@ impl WeightFormat {
 
 /// Packs one unsigned `bits`-wide code per element into uint32 words the way
 /// MLX's affine kernels read them: element `j` of a word at bit `bits * j`.
-/// Only widths that divide 32 (4, 8) are supported here.
+/// Only the widths [`storage_bits`] gives (4, 8).
 pub fn pack_codes(codes: &[u8], bits: u32) -> Option<Vec<u32>> {
     if bits != 4 && bits != 8 {
         return None;
@@ -44,8 +46,26 @@ pub fn pack_codes(codes: &[u8], bits: u32) -> Option<Vec<u32>> {
     )
 }
 
+/// The packed width for codes of `bits` significant bits: MLX's kernels and
+/// Tether's CPU kernel read 4- and 8-bit words; 5- and 6-bit codes are
+/// stored as 8-bit ones, which keeps them exact.
+pub fn storage_bits(bits: u32) -> Option<u32> {
+    match bits {
+        1..=4 => Some(4),
+        5..=8 => Some(8),
+        _ => None,
+    }
+}
+
+/// Whether the current default device's kernels take this group size: MLX's
+/// quantized matmul takes 32, 64 and 128; Tether's CPU kernel takes any.
+pub fn group_supported(group_size: usize) -> bool {
+    mlx::default_device() == mlx::Device::Cpu || matches!(group_size, 32 | 64 | 128)
+}
+
 /// Builds MLX quantized weights for a `[rows, cols]` matrix from unpacked
-/// codes and per-group scales/biases (group along `cols`).
+/// codes and per-group scales/biases (group along `cols`). `None` when the
+/// form has no kernel here (the caller loads the tensor dense instead).
 pub fn affine_to_mlx(
     rows: usize,
     cols: usize,
@@ -56,6 +76,7 @@ pub fn affine_to_mlx(
     biases: &[f32],
     dtype: Dtype,
 ) -> mlx::Result<Option<QuantizedWeights>> {
+    let Some(bits) = storage_bits(bits).filter(|_| group_supported(group_size)) else { return Ok(None) };
     let Some(packed) = pack_codes(codes, bits) else { return Ok(None) };
     let groups = cols / group_size;
     let words = cols * bits as usize / 32;

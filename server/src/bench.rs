@@ -1,0 +1,61 @@
+//! Single-stream prefill/decode throughput, measured the way the peer script
+//! (bench/peer/mlx_lm_decode.py) measures mlx-lm: a prompt of exactly P tokens,
+//! G greedy tokens with end-of-text ignored, one warm-up run first.
+use std::ops::ControlFlow;
+
+use serde::Serialize;
+
+use crate::generate::{generate, GenerateOptions};
+use crate::loaded::LoadedModel;
+use crate::sample::SamplingParams;
+
+/// Text the benchmark prompt is cut from (repeated as needed).
+const PROMPT_TEXT: &str = "The history of computing is a story of abstraction. Early machines were programmed \
+by rewiring panels; later, stored programs let the same hardware run many tasks. Compilers turned \
+human-readable code into machine instructions, operating systems shared one computer among many users, \
+and networks joined computers into systems larger than any one of them. ";
+
+#[derive(Debug, Serialize)]
+pub struct DecodeBench {
+    pub engine: &'static str,
+    pub model: String,
+    pub device: String,
+    pub weights: String,
+    pub prompt_tokens: usize,
+    pub gen_tokens: usize,
+    pub prefill_tok_s: f64,
+    pub decode_tok_s: f64,
+    /// Bytes of weights one decode step reads.
+    pub weight_bytes: usize,
+    /// weight_bytes x decode_tok_s: the memory traffic decode sustains.
+    pub decode_gb_s: f64,
+}
+
+/// Exactly `n` tokens of benchmark text.
+pub fn prompt_tokens(model: &LoadedModel, n: usize) -> anyhow::Result<Vec<u32>> {
+    let one = model.tokenizer.encode(PROMPT_TEXT, false)?;
+    anyhow::ensure!(!one.is_empty(), "benchmark text encodes to no tokens");
+    Ok(one.iter().copied().cycle().take(n).collect())
+}
+
+pub fn run_decode_bench(model: &LoadedModel, prompt_len: usize, gen: usize, weights: &str) -> anyhow::Result<DecodeBench> {
+    let prompt = prompt_tokens(model, prompt_len)?;
+    // No stop ids: every run produces exactly `gen` tokens.
+    let opts = GenerateOptions { max_tokens: gen, sampling: SamplingParams::default(), stop_ids: vec![], prefill_chunk: 512 };
+    generate(&model.transformer, &prompt, &GenerateOptions { max_tokens: 8, ..opts.clone() }, |_| ControlFlow::Continue(()))?;
+    let stats = generate(&model.transformer, &prompt, &opts, |_| ControlFlow::Continue(()))?;
+    let weight_bytes = model.transformer.nbytes();
+    let decode = stats.decode_tokens_per_second();
+    Ok(DecodeBench {
+        engine: "tether",
+        model: model.name.clone(),
+        device: format!("{:?}", mlx::default_device()).to_lowercase(),
+        weights: weights.to_string(),
+        prompt_tokens: stats.prompt_tokens,
+        gen_tokens: stats.completion_tokens,
+        prefill_tok_s: stats.prefill_tokens_per_second(),
+        decode_tok_s: decode,
+        weight_bytes,
+        decode_gb_s: weight_bytes as f64 * decode / 1e9,
+    })
+}
