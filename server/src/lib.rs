@@ -1,5 +1,6 @@
 //! Tether: a stateful, streaming LLM inference server.
 pub mod bench;
+pub mod engine;
 pub mod generate;
 pub mod loaded;
 pub mod model;

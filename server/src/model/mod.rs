@@ -13,7 +13,7 @@ mod weights;
 use std::path::Path;
 
 pub use config::{Architecture, ModelConfig};
-pub use kv_cache::KvCache;
+pub use kv_cache::{KvCache, CAPACITY_STEP as KV_CAPACITY_STEP};
 pub use linear::{Linear, Weight};
 pub use transformer::{Layer, Transformer};
 pub use weights::WeightFormat;

@@ -1,0 +1,109 @@
+//! One request inside the engine: its KV cache, sampler and progress.
+use mlx::Array;
+
+use super::{EngineEvent, Finish, FinishInfo, RequestId, SubmitRequest, TokenLogprob};
+use crate::model::KvCache;
+use crate::sample::Sampler;
+
+pub(super) struct Row {
+    pub id: RequestId,
+    pub request: SubmitRequest,
+    pub events: tokio::sync::mpsc::Sender<EngineEvent>,
+    pub cache: KvCache,
+    pub sampler: Sampler,
+    /// Prompt tokens already in the cache.
+    pub prefilled: usize,
+    /// Tokens generated and published.
+    pub generated: usize,
+    /// The last sampled token, not yet fed back through the model.
+    pub pending_token: Option<u32>,
+}
+
+/// What a row does in one step.
+pub(super) enum Work {
+    Prefill { tokens: usize },
+    Decode,
+}
+
+impl Row {
+    pub fn new(id: RequestId, request: SubmitRequest, events: tokio::sync::mpsc::Sender<EngineEvent>, cache: KvCache) -> mlx::Result<Row> {
+        let sampler = Sampler::new(request.sampling.clone())?;
+        Ok(Row { id, request, events, cache, sampler, prefilled: 0, generated: 0, pending_token: None })
+    }
+
+    pub fn prompt_remaining(&self) -> usize {
+        self.request.prompt.len() - self.prefilled
+    }
+
+    /// Room for this step's events (a token batch now, a final event later).
+    pub fn can_publish(&self) -> bool {
+        self.events.capacity() >= 2
+    }
+
+    pub fn consumer_gone(&self) -> bool {
+        self.events.is_closed()
+    }
+
+    /// Runs this row's share of the step and returns the lazily sampled next
+    /// token (and its logits when log-probabilities are wanted), or `None`
+    /// for a prefill chunk that does not reach the end of the prompt.
+    pub fn forward(&mut self, model: &crate::model::Transformer, work: &Work) -> mlx::Result<Option<(Array, Option<Array>)>> {
+        let logits = match *work {
+            Work::Prefill { tokens } => {
+                let chunk = &self.request.prompt[self.prefilled..self.prefilled + tokens];
+                let logits = model.forward(chunk, &mut self.cache, 1)?;
+                self.prefilled += tokens;
+                if self.prompt_remaining() > 0 {
+                    return Ok(None);
+                }
+                logits
+            }
+            Work::Decode => {
+                let token = self.pending_token.take().ok_or_else(|| mlx::Error { op: "engine", message: "decode without a token".into() })?;
+                model.forward(&[token], &mut self.cache, 1)?
+            }
+        };
+        let sampled = self.sampler.sample(&logits)?;
+        let wants_logprobs = self.request.logprobs.is_some();
+        Ok(Some((sampled, wants_logprobs.then_some(logits))))
+    }
+
+    pub fn final_event(&self, reason: Finish) -> EngineEvent {
+        EngineEvent::Finished(FinishInfo {
+            reason,
+            prompt_tokens: self.request.prompt.len(),
+            cached_tokens: 0,
+            completion_tokens: self.generated,
+        })
+    }
+}
+
+/// The sampled token's log-probability and the top `n` alternatives, from a
+/// row of float32 logits read back to the host.
+pub(super) fn logprobs_of(logits: &[f32], token: u32, n: usize) -> TokenLogprob {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let log_z = max + logits.iter().map(|l| (l - max).exp()).sum::<f32>().ln();
+    let mut top: Vec<(u32, f32)> = Vec::with_capacity(n);
+    if n > 0 {
+        let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+        let n = n.min(idx.len());
+        idx.select_nth_unstable_by(n - 1, |a, b| logits[*b as usize].total_cmp(&logits[*a as usize]));
+        idx.truncate(n);
+        idx.sort_by(|a, b| logits[*b as usize].total_cmp(&logits[*a as usize]));
+        top = idx.into_iter().map(|i| (i, logits[i as usize] - log_z)).collect();
+    }
+    TokenLogprob { token_id: token, logprob: logits[token as usize] - log_z, top }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn logprobs_normalise_and_rank() {
+        let lp = logprobs_of(&[0.0, 2.0, 1.0], 2, 2);
+        let z = (1f32 + 2f32.exp() + 1f32.exp()).ln();
+        assert!((lp.logprob - (1.0 - z)).abs() < 1e-6);
+        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 2]);
+    }
+}

@@ -1,0 +1,375 @@
+//! The engine thread's loop: admit, schedule, forward, sample, publish.
+//!
+//! Each step gives every running row work under a token budget: decode rows
+//! first (one token each), then prefill chunks of rows still reading their
+//! prompt. All rows' graphs are built lazily and evaluated together with ONE
+//! `eval`, then the sampled ids are read back and published. A row whose
+//! consumer has no room is paused (skipped) until it drains.
+use std::collections::VecDeque;
+use std::sync::mpsc::{Receiver, Sender, TryRecvError};
+use std::time::Instant;
+
+use super::row::{logprobs_of, Row, Work};
+use super::{Command, EngineEvent, EngineModelInfo, EngineStats, Finish, RequestId, SubmitRequest};
+use crate::loaded::LoadedModel;
+use crate::model::Transformer;
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Rows decoding or prefilling at once.
+    pub max_running: usize,
+    /// Requests waiting for a row; more are refused as overloaded.
+    pub max_waiting: usize,
+    /// Tokens (decode + prefill) per engine step.
+    pub step_token_budget: usize,
+    /// Default prompt tokens per prefill chunk, and the range a request may ask for.
+    pub prefill_chunk: usize,
+    pub min_prefill_chunk: usize,
+    pub max_prefill_chunk: usize,
+    /// Capacity of each request's event channel.
+    pub event_buffer: usize,
+    /// KV cache bytes all running rows may reserve together.
+    pub kv_budget_bytes: usize,
+    /// Return MLX's cached buffers to the system every this many steps.
+    pub reclaim_every_steps: u64,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            max_running: 16,
+            max_waiting: 256,
+            step_token_budget: 512,
+            prefill_chunk: 256,
+            min_prefill_chunk: 16,
+            max_prefill_chunk: 2048,
+            event_buffer: 64,
+            kv_budget_bytes: 4 << 30,
+            reclaim_every_steps: 256,
+        }
+    }
+}
+
+struct Waiting {
+    id: RequestId,
+    request: SubmitRequest,
+    events: tokio::sync::mpsc::Sender<EngineEvent>,
+    queued_at: Instant,
+}
+
+struct Engine {
+    config: EngineConfig,
+    model: Transformer,
+    kv_bytes_per_token: usize,
+    waiting: VecDeque<Waiting>,
+    running: Vec<Row>,
+    /// Final events that found their channel full; retried every step.
+    undelivered: Vec<(tokio::sync::mpsc::Sender<EngineEvent>, EngineEvent)>,
+    stats: EngineStats,
+    shutting_down: bool,
+    /// Where the next step's round-robin starts, so no row is always last.
+    rotate: usize,
+}
+
+pub(super) fn run<F>(config: EngineConfig, load: F, rx: Receiver<Command>, info_tx: Sender<anyhow::Result<EngineModelInfo>>)
+where
+    F: FnOnce() -> anyhow::Result<LoadedModel>,
+{
+    let model = match load() {
+        Ok(m) => m,
+        Err(e) => {
+            let _ = info_tx.send(Err(e));
+            return;
+        }
+    };
+    let c = &model.transformer.config;
+    let kv_bytes_per_token = c.kv_bytes_per_token(model.transformer.dtype.size());
+    let info = EngineModelInfo {
+        name: model.name.clone(),
+        architecture: c.arch.name().to_string(),
+        context_length: c.context_length,
+        vocab_size: c.vocab_size,
+        kv_bytes_per_token,
+        weight_bytes: model.transformer.nbytes(),
+    };
+    let _ = info_tx.send(Ok(info));
+    let mut engine = Engine {
+        config,
+        model: model.transformer,
+        kv_bytes_per_token,
+        waiting: VecDeque::new(),
+        running: Vec::new(),
+        undelivered: Vec::new(),
+        stats: EngineStats::default(),
+        shutting_down: false,
+        rotate: 0,
+    };
+    engine.run(rx);
+}
+
+impl Engine {
+    fn run(&mut self, rx: Receiver<Command>) {
+        loop {
+            // Idle: block until there is something to do.
+            if self.running.is_empty() && self.waiting.is_empty() && self.undelivered.is_empty() {
+                if self.shutting_down {
+                    return;
+                }
+                let _ = mlx::memory::clear_cache();
+                match rx.recv() {
+                    Ok(cmd) => self.handle(cmd),
+                    Err(_) => return,
+                }
+            }
+            loop {
+                match rx.try_recv() {
+                    Ok(cmd) => self.handle(cmd),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => {
+                        self.shutting_down = true;
+                        break;
+                    }
+                }
+            }
+            self.retry_undelivered();
+            self.admit();
+            if let Err(e) = self.step() {
+                self.fail_all(&format!("engine step failed: {e}"));
+            }
+            if self.stats.steps % self.config.reclaim_every_steps == 0 {
+                let _ = mlx::memory::clear_cache();
+            }
+            if self.running.iter().all(|r| !r.can_publish()) && !self.running.is_empty() {
+                // Every consumer is full: wait briefly instead of spinning.
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+        }
+    }
+
+    fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Submit { id, request, events, queued_at } => {
+                if self.shutting_down {
+                    let _ = events.try_send(EngineEvent::Failed { message: "the engine is shutting down".into() });
+                } else if self.waiting.len() >= self.config.max_waiting {
+                    let _ = events.try_send(EngineEvent::Failed { message: format!("overloaded: {} requests waiting", self.waiting.len()) });
+                } else if self.reserved_bytes(&request) > self.config.kv_budget_bytes {
+                    let _ = events.try_send(EngineEvent::Failed {
+                        message: format!("the request needs more KV cache than the engine's budget of {} bytes", self.config.kv_budget_bytes),
+                    });
+                } else {
+                    self.waiting.push_back(Waiting { id, request, events, queued_at });
+                }
+            }
+            Command::Cancel { id } => self.cancel(id),
+            Command::Stats { reply } => {
+                let _ = reply.send(self.snapshot());
+            }
+            Command::Shutdown => self.shutting_down = true,
+        }
+    }
+
+    /// KV bytes a request can grow to (prompt + max_tokens, in cache blocks).
+    fn reserved_bytes(&self, r: &SubmitRequest) -> usize {
+        let tokens = (r.prompt.len() + r.max_tokens).div_ceil(crate::model::KV_CAPACITY_STEP) * crate::model::KV_CAPACITY_STEP;
+        tokens * self.kv_bytes_per_token
+    }
+
+    fn cancel(&mut self, id: RequestId) {
+        if let Some(pos) = self.running.iter().position(|r| r.id == id) {
+            let row = self.running.remove(pos);
+            self.finish(row, Finish::Cancelled);
+        } else if let Some(pos) = self.waiting.iter().position(|w| w.id == id) {
+            let w = self.waiting.remove(pos).expect("position is valid");
+            let event = EngineEvent::Finished(super::FinishInfo {
+                reason: Finish::Cancelled,
+                prompt_tokens: w.request.prompt.len(),
+                cached_tokens: 0,
+                completion_tokens: 0,
+            });
+            self.deliver_final(w.events, event);
+        }
+    }
+
+    /// Moves waiting requests into rows while rows and KV budget allow,
+    /// in arrival order (a request that does not fit yet blocks those behind
+    /// it, so large requests are not starved by small ones).
+    fn admit(&mut self) {
+        while self.running.len() < self.config.max_running {
+            let Some(front) = self.waiting.front() else { break };
+            if front.events.is_closed() {
+                self.waiting.pop_front();
+                continue;
+            }
+            let reserved: usize = self.running.iter().map(|r| self.reserved_bytes(&r.request)).sum();
+            if reserved + self.reserved_bytes(&front.request) > self.config.kv_budget_bytes {
+                break;
+            }
+            let w = self.waiting.pop_front().expect("front exists");
+            let queue_ms = w.queued_at.elapsed().as_secs_f64() * 1e3;
+            match Row::new(w.id, w.request, w.events.clone(), self.model.new_cache()) {
+                Ok(row) => {
+                    let _ = row.events.try_send(EngineEvent::Started { queue_ms });
+                    self.running.push(row);
+                }
+                Err(e) => self.deliver_final(w.events, EngineEvent::Failed { message: e.to_string() }),
+            }
+        }
+    }
+
+    /// Assigns this step's work: decode rows first, then prefill chunks, all
+    /// under the token budget, starting at a rotating row for fairness.
+    fn plan(&self) -> Vec<(usize, Work)> {
+        let n = self.running.len();
+        let order: Vec<usize> = (0..n).map(|i| (i + self.rotate) % n.max(1)).collect();
+        let mut budget = self.config.step_token_budget;
+        let mut plan = Vec::new();
+        for &i in &order {
+            let row = &self.running[i];
+            if row.pending_token.is_some() && row.can_publish() && budget > 0 {
+                plan.push((i, Work::Decode));
+                budget -= 1;
+            }
+        }
+        for &i in &order {
+            let row = &self.running[i];
+            let remaining = row.prompt_remaining();
+            if remaining == 0 || !row.can_publish() || budget == 0 {
+                continue;
+            }
+            let chunk = row
+                .request
+                .prefill_chunk
+                .unwrap_or(self.config.prefill_chunk)
+                .clamp(self.config.min_prefill_chunk, self.config.max_prefill_chunk);
+            let tokens = remaining.min(chunk).min(budget);
+            plan.push((i, Work::Prefill { tokens }));
+            budget -= tokens;
+        }
+        plan
+    }
+
+    fn step(&mut self) -> mlx::Result<()> {
+        self.drop_finished_consumers();
+        if self.running.is_empty() {
+            return Ok(());
+        }
+        let plan = self.plan();
+        self.rotate = self.rotate.wrapping_add(1);
+        if plan.is_empty() {
+            return Ok(());
+        }
+        // Build every row's graph, then evaluate them all at once.
+        let mut sampled: Vec<(usize, mlx::Array, Option<mlx::Array>)> = Vec::new();
+        let mut prefill_only: Vec<usize> = Vec::new();
+        for (i, work) in &plan {
+            if let Work::Prefill { tokens } = work {
+                self.stats.prompt_tokens += *tokens as u64;
+            }
+            match self.running[*i].forward(&self.model, work)? {
+                Some((token, logits)) => sampled.push((*i, token, logits)),
+                None => prefill_only.push(*i),
+            }
+        }
+        let mut to_eval: Vec<&mlx::Array> = sampled.iter().map(|(_, t, _)| t).collect();
+        for i in &prefill_only {
+            to_eval.extend(self.running[*i].cache.buffers());
+        }
+        mlx::eval(&to_eval)?;
+        self.stats.steps += 1;
+
+        let mut finished: Vec<(usize, Finish)> = Vec::new();
+        for (i, token, logits) in sampled {
+            let id = token.to_vec_i32()?[0] as u32;
+            let row = &mut self.running[i];
+            if row.request.stop_ids.contains(&id) {
+                finished.push((i, Finish::Stop));
+                continue;
+            }
+            let logprobs = match (&logits, row.request.logprobs) {
+                (Some(l), Some(n)) => vec![logprobs_of(&l.to_vec_f32()?, id, n as usize)],
+                _ => Vec::new(),
+            };
+            row.generated += 1;
+            self.stats.generated_tokens += 1;
+            // can_publish() held when the row was scheduled, so this fits.
+            if row.events.try_send(EngineEvent::Tokens { ids: vec![id], logprobs }).is_err() {
+                finished.push((i, Finish::Cancelled));
+                continue;
+            }
+            row.pending_token = Some(id);
+            if row.generated >= row.request.max_tokens {
+                finished.push((i, Finish::Length));
+            } else if row.request.deadline.is_some_and(|d| Instant::now() >= d) {
+                finished.push((i, Finish::TimeLimit));
+            }
+        }
+        // Deadlines also end rows still reading a long prompt.
+        for (i, row) in self.running.iter().enumerate() {
+            if row.request.deadline.is_some_and(|d| Instant::now() >= d) && !finished.iter().any(|(j, _)| *j == i) {
+                finished.push((i, Finish::TimeLimit));
+            }
+        }
+        finished.sort_by(|a, b| b.0.cmp(&a.0));
+        for (i, reason) in finished {
+            let row = self.running.remove(i);
+            self.finish(row, reason);
+        }
+        Ok(())
+    }
+
+    /// Rows whose receiver was dropped are cancelled.
+    fn drop_finished_consumers(&mut self) {
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].consumer_gone() {
+                let row = self.running.remove(i);
+                drop(row); // nobody to tell; its KV cache is freed here
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    fn finish(&mut self, row: Row, reason: Finish) {
+        let event = row.final_event(reason);
+        let events = row.events.clone();
+        drop(row); // frees the KV cache before the consumer hears about it
+        self.deliver_final(events, event);
+    }
+
+    fn deliver_final(&mut self, events: tokio::sync::mpsc::Sender<EngineEvent>, event: EngineEvent) {
+        match events.try_send(event) {
+            Err(tokio::sync::mpsc::error::TrySendError::Full(event)) => self.undelivered.push((events, event)),
+            _ => {}
+        }
+    }
+
+    fn retry_undelivered(&mut self) {
+        let pending = std::mem::take(&mut self.undelivered);
+        for (events, event) in pending {
+            self.deliver_final(events, event);
+        }
+    }
+
+    fn fail_all(&mut self, message: &str) {
+        for row in std::mem::take(&mut self.running) {
+            let events = row.events.clone();
+            drop(row);
+            self.deliver_final(events, EngineEvent::Failed { message: message.to_string() });
+        }
+    }
+
+    fn snapshot(&self) -> EngineStats {
+        EngineStats {
+            running: self.running.len(),
+            waiting: self.waiting.len(),
+            kv_bytes: self.running.iter().map(|r| r.cache.nbytes()).sum(),
+            active_memory: mlx::memory::active(),
+            peak_memory: mlx::memory::peak(),
+            cache_memory: mlx::memory::cache(),
+            ..self.stats.clone()
+        }
+    }
+}
+

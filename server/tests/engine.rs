@@ -1,0 +1,110 @@
+//! The engine thread with the real model: requests run concurrently give the
+//! same greedy tokens as each alone; cancel and dropped receivers free rows.
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use tether::engine::{EngineConfig, EngineEvent, EngineHandle, Finish, SubmitRequest};
+use tether::generate::greedy_tokens;
+use tether::loaded::LoadedModel;
+use tether::model::{load_transformer, LoadOptions};
+use tether::sample::SamplingParams;
+
+fn start(config: EngineConfig) -> EngineHandle {
+    let path = model_path("smollm2-135m");
+    EngineHandle::start(config, move || {
+        mlx::set_default_device(mlx::Device::Cpu)?;
+        Ok(LoadedModel::load_path("smollm2-135m", &path, LoadOptions::for_device(mlx::Device::Cpu))?)
+    })
+    .unwrap()
+}
+
+fn request(prompt: Vec<u32>, max_tokens: usize) -> SubmitRequest {
+    SubmitRequest { prompt, max_tokens, sampling: SamplingParams::default(), stop_ids: vec![], logprobs: None, prefill_chunk: None, deadline: None }
+}
+
+async fn collect(mut rx: tokio::sync::mpsc::Receiver<EngineEvent>) -> (Vec<u32>, Option<Finish>) {
+    let mut ids = Vec::new();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            EngineEvent::Tokens { ids: t, .. } => ids.extend(t),
+            EngineEvent::Finished(f) => return (ids, Some(f.reason)),
+            EngineEvent::Failed { message } => panic!("request failed: {message}"),
+            EngineEvent::Started { .. } => {}
+        }
+    }
+    (ids, None)
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    let fx = read_json("greedy/smollm2.json");
+    fx["cases"].as_array().unwrap().iter().map(|c| ids(&c["prompt_ids"])).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_match_solo_greedy() {
+    let prompts = prompts();
+    // The reference: each prompt alone through the plain loop, on this thread.
+    mlx::set_default_device(mlx::Device::Cpu).unwrap();
+    let model = load_transformer(&model_path("smollm2-135m"), LoadOptions::for_device(mlx::Device::Cpu)).unwrap();
+    let solo: Vec<Vec<u32>> = prompts.iter().map(|p| greedy_tokens(&model, p, 12).unwrap()).collect();
+    drop(model);
+
+    // Small chunks and budget so prefills interleave with decodes across steps.
+    let engine = start(EngineConfig { prefill_chunk: 16, min_prefill_chunk: 1, step_token_budget: 24, ..Default::default() });
+    let mut handles = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        let chunk = if i % 2 == 0 { Some(3) } else { None };
+        let (_, rx) = engine.submit(SubmitRequest { prefill_chunk: chunk, ..request(p.clone(), 12) }).unwrap();
+        handles.push(tokio::spawn(collect(rx)));
+        // Join some requests mid-way through the others.
+        tokio::time::sleep(Duration::from_millis(30 * i as u64)).await;
+    }
+    for (h, want) in handles.into_iter().zip(solo) {
+        let (got, finish) = h.await.unwrap();
+        assert_eq!(finish, Some(Finish::Length));
+        assert_eq!(got, want);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_and_dropped_receivers_free_rows() {
+    let engine = start(EngineConfig::default());
+    let prompt = prompts()[0].clone();
+    let (id, mut rx) = engine.submit(request(prompt.clone(), 10_00)).unwrap();
+    // Wait for the first token, then cancel.
+    loop {
+        if let Some(EngineEvent::Tokens { .. }) = rx.recv().await {
+            break;
+        }
+    }
+    engine.cancel(id);
+    let (_, finish) = collect(rx).await;
+    assert_eq!(finish, Some(Finish::Cancelled));
+
+    let (_, rx) = engine.submit(request(prompt, 1000)).unwrap();
+    drop(rx);
+    for _ in 0..100 {
+        let s = engine.stats().await.unwrap();
+        if s.running == 0 && s.waiting == 0 {
+            assert_eq!(s.kv_bytes, 0);
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("rows were not freed: {:?}", engine.stats().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_ids_and_context_limit() {
+    let engine = start(EngineConfig::default());
+    let prompt = prompts()[0].clone();
+    // Greedy " Paris" is 7042 for this prompt: stopping on it yields nothing.
+    let (_, rx) = engine.submit(SubmitRequest { stop_ids: vec![7042], ..request(prompt.clone(), 5) }).unwrap();
+    let (ids, finish) = collect(rx).await;
+    assert!(ids.is_empty());
+    assert_eq!(finish, Some(Finish::Stop));
+    let too_long = request(vec![1; 10], engine.info().context_length);
+    assert!(engine.submit(too_long).is_err());
+}
