@@ -10,5 +10,8 @@ cargo build --release --locked -p tether
 for model in smollm2-135m qwen2.5-coder-0.5b; do
   target/release/tether fetch-model "$model" >/dev/null
 done
+# The same models as HF safetensors folders (+ the mlx-lm peer that makes the
+# 4-bit one), for server/tests/hf_safetensors.rs; about a minute when fresh.
+bench/peer/setup.sh
 # Release profile: the numerical tests run real models token by token.
 cargo test --release --locked --workspace

@@ -25,7 +25,7 @@ pub struct DecodeBench {
     pub gen_tokens: usize,
     pub prefill_tok_s: f64,
     pub decode_tok_s: f64,
-    /// Bytes of weights one decode step reads.
+    /// Bytes of weights one decode step reads (layers, final norm, LM head).
     pub weight_bytes: usize,
     /// weight_bytes x decode_tok_s: the memory traffic decode sustains.
     pub decode_gb_s: f64,
@@ -44,7 +44,7 @@ pub fn run_decode_bench(model: &LoadedModel, prompt_len: usize, gen: usize, weig
     let opts = GenerateOptions { max_tokens: gen, sampling: SamplingParams::default(), stop_ids: vec![], prefill_chunk: 512 };
     generate(&model.transformer, &prompt, &GenerateOptions { max_tokens: 8, ..opts.clone() }, |_| ControlFlow::Continue(()))?;
     let stats = generate(&model.transformer, &prompt, &opts, |_| ControlFlow::Continue(()))?;
-    let weight_bytes = model.transformer.nbytes();
+    let weight_bytes = model.transformer.decode_read_bytes();
     let decode = stats.decode_tokens_per_second();
     Ok(DecodeBench {
         engine: "tether",

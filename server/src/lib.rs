@@ -6,5 +6,6 @@ pub mod loaded;
 pub mod model;
 pub mod registry;
 pub mod sample;
+pub mod server;
 pub mod stop;
 pub mod tokenizer;

@@ -2,6 +2,8 @@
 use std::io::Write;
 use std::ops::ControlFlow;
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use tether::generate::{generate, GenerateOptions};
@@ -9,8 +11,10 @@ use tether::loaded::LoadedModel;
 use tether::model::{LoadOptions, WeightFormat};
 use tether::registry;
 use tether::sample::SamplingParams;
+use tether::engine::{EngineConfig, EngineHandle};
+use tether::server::ServerConfig;
 use tether::stop::{StopMatcher, StopScan};
-use tether::tokenizer::ChatMessage;
+use tether::tokenizer::{ChatMessage, TextTokenizer};
 
 #[derive(Parser)]
 #[command(name = "tether", version, about = "A stateful, streaming LLM inference server")]
@@ -32,6 +36,67 @@ enum Command {
     Generate(GenerateArgs),
     /// Measure single-stream prefill and decode tokens/s (prints one JSON line).
     Bench(BenchArgs),
+    /// Serve protocol v1 over WebSocket (`GET /v1/ws`), with `/healthz` and `/metrics`.
+    Serve(ServeArgs),
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Address to bind.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to bind; 0 picks a free one. The bound address is printed as
+    /// `listening on http://HOST:PORT`.
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Bearer token clients must present (header, `?token=` or the
+    /// `tether.bearer.<token>` subprotocol). Default: $TETHER_AUTH_TOKEN; none = no auth.
+    #[arg(long)]
+    auth_token: Option<String>,
+    /// An allowed `Origin` (repeatable); none allows every origin.
+    #[arg(long = "allow-origin")]
+    allow_origin: Vec<String>,
+    /// Largest client frame in bytes.
+    #[arg(long, default_value_t = 1 << 20)]
+    max_frame_bytes: usize,
+    /// Most prompt tokens (default: the context length minus one).
+    #[arg(long)]
+    max_prompt_tokens: Option<usize>,
+    /// Largest `max_tokens` a request may ask for.
+    #[arg(long, default_value_t = 4096)]
+    max_tokens: usize,
+    /// Concurrent requests per session.
+    #[arg(long, default_value_t = 8)]
+    max_in_flight: usize,
+    /// Sessions per server.
+    #[arg(long, default_value_t = 256)]
+    max_sessions: usize,
+    /// Open connections per server.
+    #[arg(long, default_value_t = 1024)]
+    max_connections: usize,
+    /// Seconds a session outlives its socket.
+    #[arg(long, default_value_t = 60.0)]
+    session_ttl_secs: f64,
+    /// Seconds a socket may stay silent with nothing in flight.
+    #[arg(long, default_value_t = 300.0)]
+    idle_timeout_secs: f64,
+    /// Frames kept per session for replay on resume.
+    #[arg(long, default_value_t = 1024)]
+    replay_frames: usize,
+    /// Connection-level frames queued per socket.
+    #[arg(long, default_value_t = 256)]
+    outgoing_queue: usize,
+    /// Seconds a client may stop reading before its socket is closed.
+    #[arg(long, default_value_t = 30.0)]
+    stall_timeout_secs: f64,
+    /// Client frames per second per connection (burst: twice that).
+    #[arg(long, default_value_t = 100.0)]
+    rate_limit: f64,
+    /// Seconds graceful shutdown waits for in-flight requests.
+    #[arg(long, default_value_t = 30.0)]
+    drain_timeout_secs: f64,
 }
 
 #[derive(Args)]
@@ -124,6 +189,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Generate(args) => run_generate(args),
+        Command::Serve(args) => run_serve(args),
         Command::Bench(args) => {
             let model = load_model(&args.model)?;
             let weights = match &args.model.weights {
@@ -137,20 +203,103 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
-fn load_model(args: &ModelArgs) -> anyhow::Result<LoadedModel> {
-    let device = match args.device {
+fn load_options(args: &ModelArgs) -> anyhow::Result<LoadOptions> {
+    let device = pick_device(args)?;
+    let mut opts = LoadOptions::for_device(device);
+    if let Some(w) = &args.weights {
+        opts.weights = WeightFormat::parse(w).ok_or_else(|| anyhow::anyhow!("--weights must be `dense` or `quantized`, got {w:?}"))?;
+    }
+    Ok(opts)
+}
+
+fn pick_device(args: &ModelArgs) -> anyhow::Result<mlx::Device> {
+    Ok(match args.device {
         DeviceArg::Cpu => mlx::Device::Cpu,
         DeviceArg::Gpu if !mlx::gpu_available() => anyhow::bail!("--device gpu: this MLX build has no usable GPU"),
         DeviceArg::Gpu => mlx::Device::Gpu,
         DeviceArg::Auto if mlx::gpu_available() => mlx::Device::Gpu,
         DeviceArg::Auto => mlx::Device::Cpu,
+    })
+}
+
+fn secs(name: &str, v: f64) -> anyhow::Result<Duration> {
+    Duration::try_from_secs_f64(v).map_err(|_| anyhow::anyhow!("--{name} must be a non-negative number of seconds, got {v}"))
+}
+
+fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
+    let device = pick_device(&args.model)?;
+    let opts = load_options(&args.model)?;
+    let path = registry::resolve(&args.model.model)?;
+    let tokenizer = if path.is_dir() { TextTokenizer::from_hf_dir(&path) } else { TextTokenizer::from_gguf_path(&path) }
+        .map_err(|e| anyhow::anyhow!("tokenizer of {}: {e}", path.display()))?;
+    let config = ServerConfig {
+        host: args.host.clone(),
+        port: args.port,
+        model_name: Some(args.model.model.clone()),
+        max_frame_bytes: args.max_frame_bytes,
+        max_prompt_tokens: args.max_prompt_tokens,
+        max_tokens: args.max_tokens,
+        max_in_flight: args.max_in_flight,
+        max_sessions: args.max_sessions,
+        max_connections: args.max_connections,
+        session_ttl: secs("session-ttl-secs", args.session_ttl_secs)?,
+        idle_timeout: secs("idle-timeout-secs", args.idle_timeout_secs)?,
+        replay_frames: args.replay_frames,
+        outgoing_queue: args.outgoing_queue,
+        stall_timeout: secs("stall-timeout-secs", args.stall_timeout_secs)?,
+        rate_limit_per_sec: args.rate_limit,
+        rate_limit_burst: (args.rate_limit * 2.0).max(1.0),
+        auth_token: args.auth_token.clone().or_else(|| std::env::var("TETHER_AUTH_TOKEN").ok().filter(|t| !t.is_empty())),
+        allowed_origins: args.allow_origin.clone(),
+        drain_timeout: secs("drain-timeout-secs", args.drain_timeout_secs)?,
+        ..ServerConfig::default()
     };
-    mlx::set_default_device(device)?;
-    let mut opts = LoadOptions::for_device(device);
-    if let Some(w) = &args.weights {
-        opts.weights = WeightFormat::parse(w).ok_or_else(|| anyhow::anyhow!("--weights must be `dense` or `quantized`, got {w:?}"))?;
+    config.validate().map_err(anyhow::Error::msg)?;
+    let model = args.model.model.clone();
+    let engine = EngineHandle::start(EngineConfig::default(), move || {
+        mlx::set_default_device(device)?;
+        Ok(LoadedModel::load(&model, opts)?)
+    })?;
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let result = runtime.block_on(async {
+        let server = tether::server::serve(config, engine.clone(), Arc::new(tokenizer)).await?;
+        println!("listening on http://{}", server.addr());
+        std::io::stdout().flush()?;
+        shutdown_signal().await;
+        eprintln!("[serve] shutting down: draining in-flight requests");
+        server.shutdown().await;
+        anyhow::Ok(())
+    });
+    engine.shutdown();
+    result
+}
+
+/// SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
     }
-    Ok(LoadedModel::load(&args.model, opts)?)
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+fn load_model(args: &ModelArgs) -> anyhow::Result<LoadedModel> {
+    mlx::set_default_device(pick_device(args)?)?;
+    Ok(LoadedModel::load(&args.model, load_options(args)?)?)
 }
 
 fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {

@@ -46,6 +46,17 @@ impl Transformer {
         self.embedding.nbytes() + layers + self.final_norm.nbytes() + head
     }
 
+    /// Bytes of weights one decode step reads: every layer, the final norm and
+    /// the LM head (the embedding table itself is only gathered a row at a time).
+    pub fn decode_read_bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| l.attn_norm.nbytes() + l.qkv.nbytes() + l.attn_out.nbytes() + l.ffn_norm.nbytes() + l.gate_up.nbytes() + l.down.nbytes())
+            .sum();
+        layers + self.final_norm.nbytes() + self.lm_head.nbytes()
+    }
+
     /// Runs `tokens` (one sequence) through the model after the cached
     /// positions, appends their keys/values to `cache`, and returns logits
     /// `[n, vocab]` in float32 for the last `n_logits` positions.

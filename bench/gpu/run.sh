@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Decode/prefill benchmark on an NVIDIA GPU machine, Tether beside mlx-lm on
+# the same random-weight Qwen2.5-0.5B/1.5B-shaped checkpoints (bf16 and MLX
+# 4-bit), in one run. Needs, in $KEEP: the MLX CUDA wheel's two halves
+# (part_aa, part_ab: see the device notes), the `mlx` and `mlx-lm` wheels for
+# the machine's Python, and a Qwen tokenizer.json + tokenizer_config.json;
+# and a `tether` binary built against MLX 0.32.4 (TETHER_BIN).
+# Prints a table; full logs go to $OUT (or /tmp/tether-gpu-bench).
+set -euo pipefail
+KEEP=${KEEP:-/root/keep}
+TETHER_BIN=${TETHER_BIN:-./tether}
+OUT=${OUT:-/tmp/tether-gpu-bench}
+PY=${PY:-/opt/torch/.venv/bin/python}
+NVIDIA=${NVIDIA:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia}
+HBM_GB_S=${HBM_GB_S:-4800}   # H200 HBM3e peak
+here=$(cd "$(dirname "$0")" && pwd)
+mkdir -p "$OUT" /opt/py /opt/models
+
+if [ ! -f /opt/py/mlx/lib/libmlx.so ]; then
+  cat "$KEEP"/part_aa "$KEEP"/part_ab > /tmp/mlx_cuda.whl
+  cp /tmp/mlx_cuda.whl /tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
+  "$PY" -m pip install -q --no-deps --target /opt/py /tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl "$KEEP"/mlx-0.32.4-*.whl "$KEEP"/mlx_lm-*.whl
+  ln -sfn "$NVIDIA" /opt/py/nvidia
+fi
+export LD_LIBRARY_PATH=/opt/py/mlx/lib PYTHONPATH=/opt/py
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+
+for m in qwen2.5-0.5b qwen2.5-1.5b; do
+  [ -f /opt/models/$m-bf16/model.safetensors ] || "$PY" "$here/make_random_model.py" /opt/models/$m-bf16 $m "$KEEP"
+  [ -f /opt/models/$m-4bit/config.json ] || "$PY" -m mlx_lm convert --hf-path /opt/models/$m-bf16 --mlx-path /opt/models/$m-4bit -q --q-bits 4 --q-group-size 64 >"$OUT/convert-$m.log" 2>&1
+done
+
+: > "$OUT/results.jsonl"
+for m in qwen2.5-0.5b qwen2.5-1.5b; do
+  for fmt in bf16 4bit; do
+    dir=/opt/models/$m-$fmt
+    for rep in 1 2; do
+      "$TETHER_BIN" bench --model "$dir" --device gpu --prompt-tokens 512 --gen-tokens 256 2>>"$OUT/tether.log" \
+        | sed "s/\"model\":\"[^\"]*\"/\"model\":\"$m-$fmt\"/" >> "$OUT/results.jsonl" || echo "tether failed on $m-$fmt" >&2
+      "$PY" "$here/../peer/mlx_lm_decode.py" --model-dir "$dir" --device gpu --prompt-tokens 512 --gen-tokens 256 2>>"$OUT/mlx_lm.log" \
+        | sed "s/\"model\":\"[^\"]*\"/\"model\":\"$m-$fmt\"/" >> "$OUT/results.jsonl" || echo "mlx-lm failed on $m-$fmt" >&2
+    done
+  done
+done
+
+"$PY" "$here/../report.py" "$OUT/results.jsonl" --hbm-gb-s "$HBM_GB_S"

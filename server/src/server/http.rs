@@ -1,0 +1,256 @@
+//! The HTTP side: routing, the WebSocket upgrade of `GET /v1/ws` (with the
+//! Origin and bearer-token checks done BEFORE upgrading), `/healthz` and
+//! `/metrics`.
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http_body_util::Full;
+use hyper::body::{Bytes, Incoming};
+use hyper::header::{self, HeaderMap, HeaderValue};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use subtle::ConstantTimeEq;
+use protocol::{ErrorCode, ServerMessage};
+use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
+use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
+use tokio_tungstenite::WebSocketStream;
+
+use super::{ws, ServerState};
+
+pub type Body = Full<Bytes>;
+
+/// The subprotocol a browser client may offer to name the protocol.
+pub const SUBPROTOCOL: &str = "tether.v1";
+/// Prefix of the subprotocol entry that carries a bearer token (browsers
+/// cannot set `Authorization` on a WebSocket).
+pub const BEARER_SUBPROTOCOL_PREFIX: &str = "tether.bearer.";
+
+pub async fn handle(state: Arc<ServerState>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
+    let path = req.uri().path();
+    Ok(match (req.method(), path) {
+        (&Method::GET, "/v1/ws") => upgrade(state, req),
+        (&Method::GET, "/healthz") => healthz(&state).await,
+        (&Method::GET, "/metrics") => metrics(&state).await,
+        (_, "/v1/ws" | "/healthz" | "/metrics") => {
+            let mut r = json(StatusCode::METHOD_NOT_ALLOWED, serde_json::json!({"error": "method not allowed"}).to_string());
+            r.headers_mut().insert(header::ALLOW, HeaderValue::from_static("GET"));
+            r
+        }
+        _ => json(StatusCode::NOT_FOUND, serde_json::json!({"error": "not found", "path": path}).to_string()),
+    })
+}
+
+fn json(status: StatusCode, body: String) -> Response<Body> {
+    let mut r = Response::new(Full::new(Bytes::from(body)));
+    *r.status_mut() = status;
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r
+}
+
+/// An HTTP error response whose body is the protocol's `error` frame.
+fn refuse(status: StatusCode, code: ErrorCode, message: &str) -> Response<Body> {
+    json(status, ServerMessage::error(code, message, None).to_json())
+}
+
+fn header_str<'a>(h: &'a HeaderMap, name: header::HeaderName) -> impl Iterator<Item = &'a str> {
+    h.get_all(name).into_iter().filter_map(|v| v.to_str().ok())
+}
+
+fn has_token(h: &HeaderMap, name: header::HeaderName, token: &str) -> bool {
+    header_str(h, name).flat_map(|v| v.split(',')).any(|t| t.trim().eq_ignore_ascii_case(token))
+}
+
+/// Subprotocols the client offered, in order.
+fn offered_protocols(h: &HeaderMap) -> Vec<String> {
+    header_str(h, header::SEC_WEBSOCKET_PROTOCOL).flat_map(|v| v.split(',')).map(|p| p.trim().to_string()).filter(|p| !p.is_empty()).collect()
+}
+
+fn percent_decode(s: &str) -> Option<String> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'%' => {
+                let hex = s.get(i + 1..i + 3)?;
+                out.push(u8::from_str_radix(hex, 16).ok()?);
+                i += 3;
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            c => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+/// Bearer tokens the request presents: `Authorization: Bearer`, `?token=`,
+/// and `tether.bearer.<token>` subprotocol entries.
+fn presented_tokens(req: &Request<Incoming>, offered: &[String]) -> Vec<String> {
+    let mut tokens = Vec::new();
+    for v in header_str(req.headers(), header::AUTHORIZATION) {
+        if let Some((scheme, rest)) = v.trim().split_once(' ') {
+            if scheme.eq_ignore_ascii_case("bearer") {
+                tokens.push(rest.trim().to_string());
+            }
+        }
+    }
+    if let Some(q) = req.uri().query() {
+        for pair in q.split('&') {
+            if let Some(v) = pair.strip_prefix("token=") {
+                tokens.extend(percent_decode(v));
+            }
+        }
+    }
+    tokens.extend(offered.iter().filter_map(|p| p.strip_prefix(BEARER_SUBPROTOCOL_PREFIX)).map(str::to_string));
+    tokens
+}
+
+fn token_matches(expected: &str, presented: &str) -> bool {
+    bool::from(expected.as_bytes().ct_eq(presented.as_bytes()))
+}
+
+fn upgrade(state: Arc<ServerState>, mut req: Request<Incoming>) -> Response<Body> {
+    let h = req.headers();
+    let is_upgrade = has_token(h, header::CONNECTION, "upgrade") && has_token(h, header::UPGRADE, "websocket");
+    let Some(key) = h.get(header::SEC_WEBSOCKET_KEY).filter(|_| is_upgrade) else {
+        let mut r = json(
+            StatusCode::UPGRADE_REQUIRED,
+            serde_json::json!({"error": "this endpoint speaks WebSocket only (GET with Upgrade: websocket)"}).to_string(),
+        );
+        r.headers_mut().insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        return r;
+    };
+    if h.get(header::SEC_WEBSOCKET_VERSION).map_or(true, |v| v != "13") {
+        let mut r = json(StatusCode::UPGRADE_REQUIRED, serde_json::json!({"error": "WebSocket version 13 is required"}).to_string());
+        r.headers_mut().insert(header::SEC_WEBSOCKET_VERSION, HeaderValue::from_static("13"));
+        return r;
+    }
+    let cfg = &state.config;
+    if !cfg.allowed_origins.is_empty() {
+        if let Some(origin) = h.get(header::ORIGIN) {
+            let allowed = origin.to_str().is_ok_and(|o| cfg.allowed_origins.iter().any(|a| a.eq_ignore_ascii_case(o.trim_end_matches('/'))));
+            if !allowed {
+                state.metrics.error(ErrorCode::OriginNotAllowed);
+                let shown = String::from_utf8_lossy(origin.as_bytes()).chars().take(100).collect::<String>();
+                return refuse(StatusCode::FORBIDDEN, ErrorCode::OriginNotAllowed, &format!("origin {shown:?} is not allowed"));
+            }
+        }
+    }
+    let offered = offered_protocols(h);
+    if let Some(expected) = &cfg.auth_token {
+        let presented = presented_tokens(&req, &offered);
+        // Check every presented token, so the timing does not say which matched.
+        let ok = presented.iter().fold(false, |acc, t| token_matches(expected, t) | acc);
+        if !ok {
+            state.metrics.error(ErrorCode::Unauthorized);
+            let why = if presented.is_empty() { "a bearer token is required" } else { "the bearer token is wrong" };
+            let mut r = refuse(
+                StatusCode::UNAUTHORIZED,
+                ErrorCode::Unauthorized,
+                &format!("{why}: send `Authorization: Bearer <token>`, `?token=<token>` or the subprotocol `tether.bearer.<token>`"),
+            );
+            r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            return r;
+        }
+    }
+    if !state.try_open_connection() {
+        state.metrics.error(ErrorCode::ServerBusy);
+        return refuse(StatusCode::SERVICE_UNAVAILABLE, ErrorCode::ServerBusy, "too many connections; retry later");
+    }
+    let chosen = offered
+        .iter()
+        .find(|p| p.as_str() == SUBPROTOCOL)
+        .or_else(|| offered.iter().find(|p| p.starts_with(BEARER_SUBPROTOCOL_PREFIX)))
+        .and_then(|p| HeaderValue::from_str(p).ok());
+    let accept = derive_accept_key(key.as_bytes());
+    let version = req.version();
+    let ws_config = WebSocketConfig::default()
+        .max_message_size(Some(ws_size_cap(cfg.max_frame_bytes)))
+        .max_frame_size(Some(ws_size_cap(cfg.max_frame_bytes)));
+    tokio::spawn(async move {
+        match hyper::upgrade::on(&mut req).await {
+            Ok(upgraded) => {
+                let ws = WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Server, Some(ws_config)).await;
+                ws::run(state, ws).await;
+            }
+            Err(_) => state.connection_closed(),
+        }
+    });
+    let mut r = Response::new(Body::default());
+    *r.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+    *r.version_mut() = version;
+    let rh = r.headers_mut();
+    rh.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
+    rh.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+    rh.insert(header::SEC_WEBSOCKET_ACCEPT, HeaderValue::from_str(&accept).expect("base64 is a valid header"));
+    if let Some(p) = chosen {
+        rh.insert(header::SEC_WEBSOCKET_PROTOCOL, p);
+    }
+    r
+}
+
+/// tungstenite's own message cap: above the protocol limit, so frames a bit
+/// too large are read whole and answered with `frame_too_large`; far larger
+/// ones are refused from their header without being buffered.
+pub fn ws_size_cap(max_frame_bytes: usize) -> usize {
+    max_frame_bytes.saturating_add((max_frame_bytes / 4).max(64 << 10))
+}
+
+async fn engine_stats(state: &ServerState) -> Option<crate::engine::EngineStats> {
+    tokio::time::timeout(Duration::from_secs(2), state.engine.stats()).await.ok().flatten()
+}
+
+async fn healthz(state: &ServerState) -> Response<Body> {
+    let stats = engine_stats(state).await;
+    let status = if state.is_draining() {
+        "draining"
+    } else if stats.is_none() {
+        "engine_unavailable"
+    } else {
+        "ok"
+    };
+    let engine = stats.map(|s| {
+        serde_json::json!({
+            "running": s.running,
+            "waiting": s.waiting,
+            "steps": s.steps,
+            "generated_tokens": s.generated_tokens,
+            "prompt_tokens": s.prompt_tokens,
+            "kv_bytes": s.kv_bytes,
+            "active_memory": s.active_memory,
+            "peak_memory": s.peak_memory,
+            "cache_memory": s.cache_memory,
+        })
+    });
+    let body = serde_json::json!({
+        "status": status,
+        "model": state.model.name,
+        "architecture": state.model.architecture,
+        "context_length": state.model.context_length,
+        "sessions": state.sessions.len(),
+        "connections": state.connection_count(),
+        "requests_in_flight": state.in_flight(),
+        "engine": engine,
+    });
+    let code = if status == "ok" { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    json(code, body.to_string())
+}
+
+async fn metrics(state: &ServerState) -> Response<Body> {
+    let stats = engine_stats(state).await;
+    state.metrics.sessions.set(state.sessions.len() as i64);
+    let body = state.metrics.render(stats.as_ref());
+    let mut r = Response::new(Full::new(Bytes::from(body)));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+    );
+    r
+}

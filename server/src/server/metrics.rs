@@ -1,0 +1,117 @@
+//! Prometheus metrics (`GET /metrics`, OpenMetrics text). Engine gauges are
+//! refreshed from [`EngineStats`] on every scrape.
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use protocol::{ErrorCode, FinishReason};
+
+use crate::engine::EngineStats;
+
+type Labels = [(&'static str, &'static str); 1];
+
+pub struct Metrics {
+    registry: Registry,
+    pub sessions: Gauge,
+    pub connections: Gauge,
+    pub requests_in_flight: Gauge,
+    requests: Family<Labels, Counter>,
+    errors: Family<Labels, Counter>,
+    pub generated_tokens: Counter,
+    pub prompt_tokens: Counter,
+    pub replayed_frames: Counter,
+    pub sessions_expired: Counter,
+    engine_running: Gauge,
+    engine_waiting: Gauge,
+    engine_kv_bytes: Gauge,
+    engine_active_memory: Gauge,
+    engine_peak_memory: Gauge,
+    engine_cache_memory: Gauge,
+    engine_steps: Counter<u64, AtomicU64>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("tether");
+        let m = Metrics {
+            registry: Registry::default(),
+            sessions: Gauge::default(),
+            connections: Gauge::default(),
+            requests_in_flight: Gauge::default(),
+            requests: Family::default(),
+            errors: Family::default(),
+            generated_tokens: Counter::default(),
+            prompt_tokens: Counter::default(),
+            replayed_frames: Counter::default(),
+            sessions_expired: Counter::default(),
+            engine_running: Gauge::default(),
+            engine_waiting: Gauge::default(),
+            engine_kv_bytes: Gauge::default(),
+            engine_active_memory: Gauge::default(),
+            engine_peak_memory: Gauge::default(),
+            engine_cache_memory: Gauge::default(),
+            engine_steps: Counter::default(),
+        };
+        registry.register("sessions", "Sessions alive (attached or awaiting resume)", m.sessions.clone());
+        registry.register("connections", "Open WebSocket connections", m.connections.clone());
+        registry.register("requests_in_flight", "Generation requests in flight", m.requests_in_flight.clone());
+        registry.register("requests", "Finished generation requests by finish reason (or error)", m.requests.clone());
+        registry.register("errors", "Error frames sent, by code", m.errors.clone());
+        registry.register("generated_tokens", "Tokens generated and streamed", m.generated_tokens.clone());
+        registry.register("prompt_tokens", "Prompt tokens submitted", m.prompt_tokens.clone());
+        registry.register("replayed_frames", "Frames replayed on resume", m.replayed_frames.clone());
+        registry.register("sessions_expired", "Sessions dropped after their TTL", m.sessions_expired.clone());
+        registry.register("engine_running", "Requests holding an engine row", m.engine_running.clone());
+        registry.register("engine_waiting", "Requests queued in the engine", m.engine_waiting.clone());
+        registry.register("engine_kv_bytes", "KV cache bytes held by live requests", m.engine_kv_bytes.clone());
+        registry.register("engine_active_memory_bytes", "MLX bytes held by live arrays", m.engine_active_memory.clone());
+        registry.register("engine_peak_memory_bytes", "MLX peak active bytes", m.engine_peak_memory.clone());
+        registry.register("engine_cache_memory_bytes", "MLX free-buffer cache bytes", m.engine_cache_memory.clone());
+        registry.register("engine_steps", "Engine steps run", m.engine_steps.clone());
+        Metrics { registry, ..m }
+    }
+
+    pub fn request_finished(&self, reason: FinishReason) {
+        self.requests.get_or_create(&[("finish_reason", reason.as_str())]).inc();
+    }
+
+    pub fn request_failed(&self, code: ErrorCode) {
+        self.requests.get_or_create(&[("finish_reason", code.as_str())]).inc();
+    }
+
+    pub fn error(&self, code: ErrorCode) {
+        self.errors.get_or_create(&[("code", code.as_str())]).inc();
+    }
+
+    pub fn error_count(&self, code: ErrorCode) -> u64 {
+        self.errors.get_or_create(&[("code", code.as_str())]).get()
+    }
+
+    /// OpenMetrics text, with the engine gauges set from `stats`.
+    pub fn render(&self, stats: Option<&EngineStats>) -> String {
+        if let Some(s) = stats {
+            self.engine_running.set(s.running as i64);
+            self.engine_waiting.set(s.waiting as i64);
+            self.engine_kv_bytes.set(s.kv_bytes as i64);
+            self.engine_active_memory.set(s.active_memory as i64);
+            self.engine_peak_memory.set(s.peak_memory as i64);
+            self.engine_cache_memory.set(s.cache_memory as i64);
+            let seen = self.engine_steps.get();
+            if s.steps > seen {
+                self.engine_steps.inc_by(s.steps - seen);
+            }
+        }
+        let mut out = String::new();
+        encode(&mut out, &self.registry).expect("writing to a String cannot fail");
+        out
+    }
+}

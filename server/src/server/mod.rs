@@ -1,0 +1,266 @@
+//! The network server: protocol v1 over WebSocket (`GET /v1/ws`), plus
+//! `/healthz` and Prometheus `/metrics`, in front of the engine.
+//!
+//! * `config` — limits, TTLs, auth ([`ServerConfig`]).
+//! * `http` — routing, Origin / bearer checks, the WebSocket upgrade.
+//! * `ws` — one connection: reader and writer tasks.
+//! * `session` — sessions, their requests and replay ring, the registry.
+//! * `request` — `generate` → token ids → engine; engine events → frames.
+//! * `metrics` — the Prometheus registry.
+//!
+//! [`serve`] binds and starts serving; [`ServerHandle::shutdown`] drains.
+mod config;
+mod http;
+mod metrics;
+mod request;
+mod session;
+mod ws;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use protocol::{Limits, ModelInfo};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+pub use config::ServerConfig;
+pub use http::{ws_size_cap, BEARER_SUBPROTOCOL_PREFIX, SUBPROTOCOL};
+pub use metrics::Metrics;
+pub use request::{tokenize, FimTokens};
+pub use session::new_secret;
+
+use crate::engine::EngineHandle;
+use crate::tokenizer::TextTokenizer;
+use session::{SessionLimits, SessionRegistry};
+
+/// Everything the connections share.
+pub struct ServerState {
+    pub config: ServerConfig,
+    pub engine: EngineHandle,
+    pub tokenizer: Arc<TextTokenizer>,
+    pub fim: Option<FimTokens>,
+    pub model: ModelInfo,
+    pub limits: Limits,
+    sessions: SessionRegistry,
+    pub metrics: Metrics,
+    draining: AtomicBool,
+    /// Stop accepting connections (listener and idle HTTP connections).
+    stop_accepting: watch::Sender<bool>,
+    /// Close every WebSocket (after the drain).
+    stop: watch::Sender<bool>,
+    in_flight: AtomicUsize,
+    connections: AtomicUsize,
+    next_conn: AtomicU64,
+}
+
+impl ServerState {
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
+    }
+
+    /// Requests submitted to the engine and not finished yet.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Acquire)
+    }
+
+    pub fn connection_count(&self) -> usize {
+        self.connections.load(Ordering::Acquire)
+    }
+
+    pub fn session_count(&self) -> usize {
+        self.sessions.len()
+    }
+
+    fn next_conn_id(&self) -> u64 {
+        self.next_conn.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn try_open_connection(&self) -> bool {
+        if self.connections.fetch_add(1, Ordering::AcqRel) >= self.config.max_connections {
+            self.connections.fetch_sub(1, Ordering::AcqRel);
+            false
+        } else {
+            true
+        }
+    }
+
+    fn connection_closed(&self) {
+        self.connections.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    fn request_started(&self, prompt_tokens: usize) {
+        self.in_flight.fetch_add(1, Ordering::AcqRel);
+        self.metrics.requests_in_flight.inc();
+        self.metrics.prompt_tokens.inc_by(prompt_tokens as u64);
+    }
+
+    fn request_ended(&self) {
+        self.in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.metrics.requests_in_flight.dec();
+    }
+
+    fn stop_signal(&self) -> watch::Receiver<bool> {
+        self.stop.subscribe()
+    }
+}
+
+/// A running server.
+pub struct ServerHandle {
+    addr: SocketAddr,
+    state: Arc<ServerState>,
+    accept: JoinHandle<()>,
+    reaper: JoinHandle<()>,
+}
+
+/// Binds `config.host:config.port` and serves until [`ServerHandle::shutdown`].
+/// Must be called inside a Tokio runtime. The engine is shared, not owned:
+/// stopping the server leaves it running.
+pub async fn serve(config: ServerConfig, engine: EngineHandle, tokenizer: Arc<TextTokenizer>) -> anyhow::Result<ServerHandle> {
+    config.validate().map_err(anyhow::Error::msg)?;
+    let listener = TcpListener::bind((config.host.as_str(), config.port)).await?;
+    let addr = listener.local_addr()?;
+    let info = engine.info().clone();
+    let fim = FimTokens::detect(&tokenizer);
+    let model = ModelInfo {
+        name: config.model_name.clone().unwrap_or_else(|| info.name.clone()),
+        architecture: info.architecture.clone(),
+        context_length: info.context_length.min(u32::MAX as usize) as u32,
+        vocab_size: info.vocab_size.min(u32::MAX as usize) as u32,
+        fim: fim.is_some(),
+    };
+    let limits = config.limits(info.context_length);
+    let session_limits = SessionLimits {
+        max_in_flight: config.max_in_flight,
+        replay_frames: config.replay_frames,
+        replay_bytes: config.replay_bytes,
+        stall_timeout: config.stall_timeout,
+    };
+    let state = Arc::new(ServerState {
+        sessions: SessionRegistry::new(config.max_sessions, config.session_ttl, session_limits),
+        config,
+        engine,
+        tokenizer,
+        fim,
+        model,
+        limits,
+        metrics: Metrics::new(),
+        draining: AtomicBool::new(false),
+        stop_accepting: watch::Sender::new(false),
+        stop: watch::Sender::new(false),
+        in_flight: AtomicUsize::new(0),
+        connections: AtomicUsize::new(0),
+        next_conn: AtomicU64::new(1),
+    });
+    let accept = tokio::spawn(accept_loop(state.clone(), listener));
+    let reaper = tokio::spawn(reaper_loop(state.clone()));
+    Ok(ServerHandle { addr, state, accept, reaper })
+}
+
+async fn accept_loop(state: Arc<ServerState>, listener: TcpListener) {
+    let mut stop = state.stop_accepting.subscribe();
+    loop {
+        let (stream, _) = tokio::select! {
+            _ = until_true(&mut stop) => break,
+            r = listener.accept() => match r {
+                Ok(x) => x,
+                Err(_) => {
+                    // Out of file descriptors or similar: back off a little.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let state = state.clone();
+        tokio::spawn(async move {
+            let mut stop = state.stop_accepting.subscribe();
+            let svc = {
+                let state = state.clone();
+                service_fn(move |req| http::handle(state.clone(), req))
+            };
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(Duration::from_secs(30))
+                .serve_connection(TokioIo::new(stream), svc)
+                .with_upgrades();
+            let mut conn = std::pin::pin!(conn);
+            tokio::select! {
+                _ = conn.as_mut() => {}
+                _ = until_true(&mut stop) => {
+                    conn.as_mut().graceful_shutdown();
+                    let _ = tokio::time::timeout(Duration::from_secs(5), conn.as_mut()).await;
+                }
+            }
+        });
+    }
+}
+
+/// Resolves once the watched flag is true (or its sender is gone).
+async fn until_true(rx: &mut watch::Receiver<bool>) {
+    let _ = rx.wait_for(|s| *s).await;
+}
+
+async fn reaper_loop(state: Arc<ServerState>) {
+    let period = (state.config.session_ttl / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let n = state.sessions.reap();
+        if n > 0 {
+            state.metrics.sessions_expired.inc_by(n as u64);
+            state.metrics.sessions.set(state.sessions.len() as i64);
+        }
+    }
+}
+
+impl ServerHandle {
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn state(&self) -> &Arc<ServerState> {
+        &self.state
+    }
+
+    pub fn engine(&self) -> &EngineHandle {
+        &self.state.engine
+    }
+
+    /// Graceful shutdown: stop accepting connections, sessions and requests
+    /// (new `generate`s get error `cancelled`); wait up to
+    /// `config.drain_timeout` for in-flight requests (still streaming to
+    /// their sockets); cancel what is left; then send `shutting_down` to
+    /// every socket and close them. The engine is left running.
+    pub async fn shutdown(self) {
+        let st = &self.state;
+        st.draining.store(true, Ordering::Release);
+        st.stop_accepting.send_replace(true);
+        let deadline = tokio::time::Instant::now() + st.config.drain_timeout;
+        while st.in_flight() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        if st.in_flight() > 0 {
+            for s in st.sessions.all() {
+                s.server_cancel_all();
+            }
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+            while st.in_flight() > 0 && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        st.stop.send_replace(true);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while st.connection_count() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        st.sessions.close_all();
+        self.reaper.abort();
+        let _ = self.accept.await;
+    }
+}

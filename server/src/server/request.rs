@@ -1,0 +1,392 @@
+//! One `generate`: input → token ids → engine request, and the forwarding
+//! task that turns engine events into `delta` / `done` frames.
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use protocol::{
+    Delta, Done, ErrorCode, FimInput, FinishReason, GenerateInput, GenerateRequest, ProtocolError, ServerMessage,
+    Timing, TokenLogprob as WireLogprob, TopLogprob, Usage,
+};
+use tokio::sync::mpsc;
+
+use super::session::{Frame, Session};
+use super::ServerState;
+use crate::engine::{EngineError, EngineEvent, Finish, RequestId, SubmitRequest, TokenLogprob};
+use crate::sample::SamplingParams;
+use crate::stop::{StopMatcher, StopScan};
+use crate::tokenizer::{ChatMessage, TextTokenizer, TokenizerError};
+
+/// Qwen2.5-Coder-style fill-in-the-middle tokens.
+#[derive(Clone, Copy, Debug)]
+pub struct FimTokens {
+    pub prefix: u32,
+    pub suffix: u32,
+    pub middle: u32,
+    /// `<|file_sep|>`, for extra context files.
+    pub file_sep: Option<u32>,
+}
+
+impl FimTokens {
+    /// The model's FIM tokens, if it has all three.
+    pub fn detect(tok: &TextTokenizer) -> Option<FimTokens> {
+        let id = |t: &str| tok.token_id(t).filter(|&id| tok.token_kind(id).is_some());
+        Some(FimTokens {
+            prefix: id("<|fim_prefix|>")?,
+            suffix: id("<|fim_suffix|>")?,
+            middle: id("<|fim_middle|>")?,
+            file_sep: id("<|file_sep|>"),
+        })
+    }
+}
+
+fn tokenizer_error(e: TokenizerError) -> ProtocolError {
+    match e {
+        TokenizerError::NoChatTemplate => {
+            ProtocolError::invalid_parameter("this model has no chat template: send `prompt` instead of `messages`")
+        }
+        TokenizerError::TemplateRaised(m) | TokenizerError::TemplateRender(m) => {
+            ProtocolError::invalid_parameter(format!("the model's chat template rejected these messages: {m}"))
+        }
+        other => ProtocolError::new(ErrorCode::Internal, format!("tokenizing the input failed: {other}")),
+    }
+}
+
+/// Token ids of a request's input.
+///
+/// * `prompt`: BOS when the model wants it, then the text with special-token
+///   text parsed (as `tether generate` does).
+/// * `messages`: the model's chat template with the generation prompt.
+/// * `fim`: `[<|file_sep|>{path}\n{content}\n]* <|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>`
+///   (Qwen2.5-Coder's repo-level format), where the user's text never turns
+///   into control tokens.
+pub fn tokenize(tok: &TextTokenizer, fim: Option<&FimTokens>, input: &GenerateInput) -> Result<Vec<u32>, ProtocolError> {
+    let mut ids = Vec::new();
+    match input {
+        GenerateInput::Prompt(text) => {
+            if tok.add_bos() {
+                ids.extend(tok.bos_id());
+            }
+            ids.extend(tok.encode(text, true).map_err(tokenizer_error)?);
+        }
+        GenerateInput::Messages(messages) => {
+            let messages: Vec<ChatMessage> = messages.iter().map(|m| ChatMessage::new(m.role.as_str(), m.content.clone())).collect();
+            let text = tok.apply_chat_template(&messages, true).map_err(tokenizer_error)?;
+            ids.extend(tok.encode(&text, true).map_err(tokenizer_error)?);
+        }
+        GenerateInput::Fim(f) => {
+            let fim = fim.ok_or_else(fim_unsupported)?;
+            fim_ids(tok, fim, f, &mut ids)?;
+        }
+    }
+    if ids.is_empty() {
+        return Err(ProtocolError::invalid_parameter("the input is empty: it tokenizes to no tokens"));
+    }
+    Ok(ids)
+}
+
+fn fim_ids(tok: &TextTokenizer, fim: &FimTokens, f: &FimInput, ids: &mut Vec<u32>) -> Result<(), ProtocolError> {
+    let enc = |s: &str| tok.encode(s, false).map_err(tokenizer_error);
+    if tok.add_bos() {
+        ids.extend(tok.bos_id());
+    }
+    for extra in &f.extra {
+        let mut text = String::new();
+        if let Some(path) = &extra.path {
+            text.push_str(path);
+            text.push('\n');
+        }
+        text.push_str(&extra.content);
+        if !text.ends_with('\n') {
+            text.push('\n');
+        }
+        match fim.file_sep {
+            Some(sep) => ids.push(sep),
+            None => text.insert_str(0, "\n"),
+        }
+        ids.extend(enc(&text)?);
+    }
+    ids.push(fim.prefix);
+    ids.extend(enc(&f.prefix)?);
+    ids.push(fim.suffix);
+    ids.extend(enc(&f.suffix)?);
+    ids.push(fim.middle);
+    Ok(())
+}
+
+pub fn fim_unsupported() -> ProtocolError {
+    ProtocolError::new(
+        ErrorCode::FimUnsupported,
+        "this model has no fill-in-the-middle tokens (model.fim is false); send `prompt` or `messages`",
+    )
+}
+
+/// The engine request for a validated, tokenized `generate`.
+pub fn submit_request(state: &ServerState, req: &GenerateRequest, prompt: Vec<u32>, received: Instant) -> SubmitRequest {
+    SubmitRequest {
+        prompt,
+        max_tokens: req.max_tokens as usize,
+        sampling: SamplingParams {
+            temperature: req.temperature,
+            top_k: req.top_k.unwrap_or(0),
+            top_p: req.top_p.unwrap_or(1.0),
+            min_p: req.min_p.unwrap_or(0.0),
+            seed: req.seed,
+        },
+        stop_ids: state.tokenizer.eos_ids().to_vec(),
+        logprobs: req.logprobs.then(|| req.top_logprobs.unwrap_or(0)),
+        prefill_chunk: req.chunk_size.map(|c| (c as usize).min(state.config.max_prefill_chunk)),
+        deadline: req.max_time_ms.map(|ms| received + Duration::from_millis(ms as u64)),
+    }
+}
+
+/// Validates, tokenizes and submits a `generate`, then spawns its forwarder.
+/// Errors carry the request id; the request is not registered after one.
+pub async fn start(
+    state: &Arc<ServerState>,
+    session: &Arc<Session>,
+    conn_id: u64,
+    req: GenerateRequest,
+    received: Instant,
+) -> Result<(), ProtocolError> {
+    let rid = req.request_id.clone();
+    let with_id = |e: ProtocolError| e.with_request_id(rid.clone());
+    if state.is_draining() {
+        return Err(with_id(ProtocolError::new(
+            ErrorCode::Cancelled,
+            "the server is shutting down and accepts no new requests",
+        )));
+    }
+    req.check_limits(&state.limits)?;
+    if matches!(req.input, GenerateInput::Fim(_)) && state.fim.is_none() {
+        return Err(with_id(fim_unsupported()));
+    }
+    let key = session.register(conn_id, &rid)?;
+    let prepared = {
+        let state = state.clone();
+        let req = req.clone();
+        tokio::task::spawn_blocking(move || {
+            let prompt = tokenize(&state.tokenizer, state.fim.as_ref(), &req.input).map_err(|e| e.with_request_id(req.request_id.clone()))?;
+            req.check_prompt_tokens(prompt.len(), &state.limits)?;
+            Ok::<_, ProtocolError>(submit_request(&state, &req, prompt, received))
+        })
+        .await
+        .unwrap_or_else(|e| Err(ProtocolError::new(ErrorCode::Internal, format!("tokenizer task failed: {e}")).with_request_id(rid.clone())))
+    };
+    let submit = match prepared {
+        Ok(s) => s,
+        Err(e) => {
+            session.unregister(key, &rid);
+            return Err(e);
+        }
+    };
+    let prompt_tokens = submit.prompt.len();
+    let submitted = Instant::now();
+    let (engine_id, events) = match state.engine.submit(submit) {
+        Ok(x) => x,
+        Err(e) => {
+            session.unregister(key, &rid);
+            let (code, msg) = match e {
+                EngineError::Overloaded(n) => {
+                    (ErrorCode::Overloaded, format!("the generation queue is full ({n} requests waiting); retry later"))
+                }
+                EngineError::ShuttingDown => (ErrorCode::Cancelled, "the engine is shutting down".to_string()),
+                EngineError::TooLarge(m) => (ErrorCode::ContextOverflow, m),
+            };
+            return Err(with_id(ProtocolError::new(code, msg)));
+        }
+    };
+    state.request_started(prompt_tokens);
+    if !session.set_engine_id(key, &rid, engine_id) {
+        state.engine.cancel(engine_id);
+    }
+    let fwd = Forwarder {
+        state: state.clone(),
+        session: session.clone(),
+        key,
+        request_id: rid,
+        engine_id,
+        stops: req.stop,
+        logprobs: req.logprobs.then(|| req.top_logprobs.unwrap_or(0)),
+        received,
+        submitted,
+        prompt_tokens,
+    };
+    tokio::spawn(fwd.run(events));
+    Ok(())
+}
+
+struct Forwarder {
+    state: Arc<ServerState>,
+    session: Arc<Session>,
+    key: u64,
+    request_id: String,
+    engine_id: RequestId,
+    stops: Vec<String>,
+    logprobs: Option<u8>,
+    received: Instant,
+    submitted: Instant,
+    prompt_tokens: usize,
+}
+
+fn ms(d: Duration) -> u64 {
+    d.as_millis() as u64
+}
+
+fn finite(lp: f32) -> f32 {
+    if lp.is_finite() {
+        lp.min(0.0)
+    } else {
+        f32::MIN
+    }
+}
+
+impl Forwarder {
+    async fn push(&self, seq: Option<u64>, msg: ServerMessage, terminal: bool) -> bool {
+        let frame = Frame { seq, json: Arc::from(msg.to_json()), terminal };
+        self.session.push(self.key, &self.request_id, frame).await
+    }
+
+    fn wire_logprobs(&self, lps: &[TokenLogprob]) -> Option<Vec<WireLogprob>> {
+        let top = self.logprobs?;
+        Some(
+            lps.iter()
+                .map(|l| WireLogprob {
+                    token_id: l.token_id,
+                    logprob: finite(l.logprob),
+                    top: (top > 0).then(|| {
+                        l.top.iter().map(|&(token_id, lp)| TopLogprob { token_id, logprob: finite(lp) }).collect()
+                    }),
+                })
+                .collect(),
+        )
+    }
+
+    async fn run(self, mut events: mpsc::Receiver<EngineEvent>) {
+        let tok = self.state.tokenizer.clone();
+        let mut decoder = tok.stream_decoder(true);
+        let mut stops = StopMatcher::new(self.stops.clone());
+        let mut seq = 0u64;
+        // A stop sequence matched: the engine was told to stop, later tokens are dropped.
+        let mut stopped = false;
+        // Frames are still wanted (false once the session dropped one).
+        let mut alive = true;
+        let mut completion = 0usize;
+        let mut queue_ms = None;
+        let mut first_token = None;
+        let outcome = loop {
+            let Some(event) = events.recv().await else {
+                break Err((ErrorCode::Internal, "the engine stopped before finishing the request".to_string()));
+            };
+            match event {
+                EngineEvent::Started { queue_ms: q } => {
+                    queue_ms = Some(ms(self.submitted - self.received) + q.max(0.0) as u64);
+                }
+                EngineEvent::Tokens { ids, logprobs } => {
+                    if stopped || !alive {
+                        continue;
+                    }
+                    first_token.get_or_insert_with(Instant::now);
+                    completion += ids.len();
+                    self.state.metrics.generated_tokens.inc_by(ids.len() as u64);
+                    let mut text = String::new();
+                    for &id in &ids {
+                        if let Some(t) = decoder.push(&tok, id) {
+                            text.push_str(&t);
+                        }
+                    }
+                    let text = match stops.push(&text) {
+                        StopScan::Continue(t) => t,
+                        StopScan::Stopped(t) => {
+                            stopped = true;
+                            self.state.engine.cancel(self.engine_id);
+                            t
+                        }
+                    };
+                    seq += 1;
+                    let delta = Delta { request_id: self.request_id.clone(), seq, text, token_ids: ids, logprobs: self.wire_logprobs(&logprobs) };
+                    if !self.push(Some(seq), ServerMessage::Delta(delta), false).await {
+                        alive = false;
+                        self.state.engine.cancel(self.engine_id);
+                    }
+                }
+                EngineEvent::Finished(info) => {
+                    if alive && !stopped {
+                        // Text held back by the decoder or the stop matcher.
+                        let tail = decoder.flush(&tok).unwrap_or_default();
+                        let text = match stops.push(&tail) {
+                            StopScan::Continue(t) => t + &stops.finish(),
+                            StopScan::Stopped(t) => {
+                                stopped = true;
+                                t
+                            }
+                        };
+                        if !text.is_empty() {
+                            seq += 1;
+                            let delta = Delta {
+                                request_id: self.request_id.clone(),
+                                seq,
+                                text,
+                                token_ids: Vec::new(),
+                                logprobs: self.logprobs.map(|_| Vec::new()),
+                            };
+                            alive = self.push(Some(seq), ServerMessage::Delta(delta), false).await;
+                        }
+                    }
+                    let reason = if stopped {
+                        FinishReason::Stop
+                    } else {
+                        match info.reason {
+                            Finish::Stop => FinishReason::Stop,
+                            Finish::Length => FinishReason::Length,
+                            Finish::TimeLimit => FinishReason::TimeLimit,
+                            Finish::Cancelled => match self.session.cancel_origin(self.key, &self.request_id) {
+                                Some(true) => FinishReason::Cancelled,
+                                Some(false) => {
+                                    break Err((ErrorCode::Cancelled, "the server cancelled the request (shutting down)".into()))
+                                }
+                                None if !alive => FinishReason::Cancelled,
+                                None => break Err((ErrorCode::Cancelled, "the engine cancelled the request".into())),
+                            },
+                        }
+                    };
+                    break Ok((reason, info.prompt_tokens, info.cached_tokens));
+                }
+                EngineEvent::Failed { message } => break Err((ErrorCode::Internal, format!("generation failed: {message}"))),
+            }
+        };
+        let total = self.received.elapsed();
+        match outcome {
+            Ok((reason, prompt_tokens, cached_tokens)) => {
+                self.state.metrics.request_finished(reason);
+                if alive {
+                    let done = Done {
+                        request_id: self.request_id.clone(),
+                        seq: seq + 1,
+                        finish_reason: reason,
+                        usage: Usage {
+                            prompt_tokens: if prompt_tokens > 0 { prompt_tokens } else { self.prompt_tokens } as u32,
+                            cached_tokens: cached_tokens as u32,
+                            completion_tokens: completion as u32,
+                        },
+                        timing: Timing {
+                            queue_ms: queue_ms.unwrap_or(ms(total)),
+                            ttft_ms: first_token.map_or(ms(total), |t| ms(t - self.received)),
+                            total_ms: ms(total),
+                        },
+                    };
+                    self.push(Some(seq + 1), ServerMessage::Done(done), true).await;
+                }
+            }
+            Err((code, message)) => {
+                self.state.metrics.request_failed(code);
+                if alive {
+                    self.state.metrics.error(code);
+                    let msg = ServerMessage::error(code, message, Some(self.request_id.clone()));
+                    self.push(None, msg, true).await;
+                }
+            }
+        }
+        self.session.finish(self.key, &self.request_id);
+        self.state.request_ended();
+    }
+}
