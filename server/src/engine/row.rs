@@ -1,6 +1,4 @@
 //! One request inside the engine: its KV cache, sampler and progress.
-use mlx::Array;
-
 use super::{EngineEvent, Finish, FinishInfo, RequestId, SubmitRequest, TokenLogprob};
 use crate::model::KvCache;
 use crate::sample::Sampler;
@@ -44,28 +42,25 @@ impl Row {
         self.events.is_closed()
     }
 
-    /// Runs this row's share of the step and returns the lazily sampled next
-    /// token (and its logits when log-probabilities are wanted), or `None`
-    /// for a prefill chunk that does not reach the end of the prompt.
-    pub fn forward(&mut self, model: &crate::model::Transformer, work: &Work) -> mlx::Result<Option<(Array, Option<Array>)>> {
-        let logits = match *work {
+    /// This row's tokens for the step's forward; advances its progress.
+    pub fn take_input(&mut self, work: &Work) -> mlx::Result<Vec<u32>> {
+        match *work {
             Work::Prefill { tokens } => {
-                let chunk = &self.request.prompt[self.prefilled..self.prefilled + tokens];
-                let logits = model.forward(chunk, &mut self.cache, 1)?;
+                let chunk = self.request.prompt[self.prefilled..self.prefilled + tokens].to_vec();
                 self.prefilled += tokens;
-                if self.prompt_remaining() > 0 {
-                    return Ok(None);
-                }
-                logits
+                Ok(chunk)
             }
             Work::Decode => {
                 let token = self.pending_token.take().ok_or_else(|| mlx::Error { op: "engine", message: "decode without a token".into() })?;
-                model.forward(&[token], &mut self.cache, 1)?
+                Ok(vec![token])
             }
-        };
-        let sampled = self.sampler.sample(&logits)?;
-        let wants_logprobs = self.request.logprobs.is_some();
-        Ok(Some((sampled, wants_logprobs.then_some(logits))))
+        }
+    }
+
+    /// Whether the step's forward ends with a token to sample: every decode
+    /// step, and the prefill chunk that completes the prompt.
+    pub fn samples_after(&self, work: &Work) -> bool {
+        matches!(work, Work::Decode) || self.prompt_remaining() == 0
     }
 
     pub fn final_event(&self, reason: Finish) -> EngineEvent {

@@ -12,7 +12,7 @@ use std::time::Instant;
 use super::row::{logprobs_of, Row, Work};
 use super::{Command, EngineEvent, EngineModelInfo, EngineStats, Finish, RequestId, SubmitRequest};
 use crate::loaded::LoadedModel;
-use crate::model::Transformer;
+use crate::model::{RowInput, Transformer};
 
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
@@ -259,21 +259,39 @@ impl Engine {
         if plan.is_empty() {
             return Ok(());
         }
-        // Build every row's graph, then evaluate them all at once.
-        let mut sampled: Vec<(usize, mlx::Array, Option<mlx::Array>)> = Vec::new();
-        let mut prefill_only: Vec<usize> = Vec::new();
-        for (i, work) in &plan {
+        // One forward for every scheduled row, then one eval.
+        let mut work_of: Vec<Option<Work>> = (0..self.running.len()).map(|_| None).collect();
+        for (i, work) in plan {
             if let Work::Prefill { tokens } = work {
-                self.stats.prompt_tokens += *tokens as u64;
+                self.stats.prompt_tokens += tokens as u64;
             }
-            match self.running[*i].forward(&self.model, work)? {
-                Some((token, logits)) => sampled.push((*i, token, logits)),
-                None => prefill_only.push(*i),
+            work_of[i] = Some(work);
+        }
+        let mut inputs = Vec::new();
+        let mut scheduled = Vec::new();
+        for (i, row) in self.running.iter_mut().enumerate() {
+            let Some(work) = &work_of[i] else { continue };
+            let tokens: Vec<i32> = row.take_input(work)?.into_iter().map(|t| t as i32).collect();
+            let ids = mlx::Array::from_i32(&tokens, &[1, tokens.len()])?;
+            scheduled.push((i, row.samples_after(work)));
+            inputs.push(RowInput { ids, cache: &mut row.cache, n_logits: 1 });
+        }
+        let logits = self.model.forward_batch(&mut inputs)?;
+        drop(inputs);
+        let mut sampled: Vec<(usize, mlx::Array, Option<mlx::Array>)> = Vec::new();
+        for ((i, samples), logits) in scheduled.iter().zip(logits) {
+            if *samples {
+                let row = &mut self.running[*i];
+                let token = row.sampler.sample(&logits)?;
+                let keep = row.request.logprobs.is_some().then_some(logits);
+                sampled.push((*i, token, keep));
             }
         }
         let mut to_eval: Vec<&mlx::Array> = sampled.iter().map(|(_, t, _)| t).collect();
-        for i in &prefill_only {
-            to_eval.extend(self.running[*i].cache.buffers());
+        for (i, samples) in &scheduled {
+            if !samples {
+                to_eval.extend(self.running[*i].cache.buffers());
+            }
         }
         mlx::eval(&to_eval)?;
         self.stats.steps += 1;

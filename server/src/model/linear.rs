@@ -2,6 +2,10 @@
 //! affine quantized form.
 use mlx::{Array, QuantizedWeights};
 
+/// Rows beyond which a CPU product expands the weights once for BLAS instead
+/// of streaming them through the decode kernel in chunks.
+const CPU_KERNEL_MAX_ROWS: usize = 64;
+
 /// `x @ W^T` for quantized `W`, by the fastest route for the device and
 /// the number of activation rows.
 fn quantized_product(x: &Array, q: &QuantizedWeights) -> mlx::Result<Array> {
@@ -10,13 +14,24 @@ fn quantized_product(x: &Array, q: &QuantizedWeights) -> mlx::Result<Array> {
     }
     let in_features = x.dim(-1);
     let rows = x.size() / in_features.max(1);
-    if rows <= mlx::cpu_quantized_matmul_max_rows() && q.scales.dtype() == mlx::Dtype::F32 {
-        // Decode: memory-bound, our kernel reads each quantized row once.
-        mlx::cpu_quantized_matmul(x, q)
-    } else {
+    if rows > CPU_KERNEL_MAX_ROWS || q.scales.dtype() != mlx::Dtype::F32 {
         // Prefill: compute-bound, so expand once and let BLAS do the GEMM.
-        x.matmul(&mlx::dequantize(q, x.dtype())?.transpose(&[1, 0])?)
+        return x.matmul(&mlx::dequantize(q, x.dtype())?.transpose(&[1, 0])?);
     }
+    // Decode (and batched decode): memory-bound; the kernel reads each
+    // quantized row once per chunk of up to `max_rows` activation rows.
+    let chunk = mlx::cpu_quantized_matmul_max_rows();
+    if rows <= chunk {
+        return mlx::cpu_quantized_matmul(x, q);
+    }
+    let flat = x.reshape(&[rows as i32, in_features as i32])?;
+    let parts = (0..rows)
+        .step_by(chunk)
+        .map(|s| mlx::cpu_quantized_matmul(&flat.slice(&[s as i32, 0], &[(s + chunk).min(rows) as i32, in_features as i32])?, q))
+        .collect::<mlx::Result<Vec<_>>>()?;
+    let mut shape: Vec<i32> = x.shape().iter().map(|&d| d as i32).collect();
+    *shape.last_mut().expect("x has an axis") = -1;
+    mlx::concatenate(&parts.iter().collect::<Vec<_>>(), 0)?.reshape(&shape)
 }
 
 #[derive(Clone, Debug)]

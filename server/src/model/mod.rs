@@ -15,7 +15,7 @@ use std::path::Path;
 pub use config::{Architecture, ModelConfig};
 pub use kv_cache::{KvCache, CAPACITY_STEP as KV_CAPACITY_STEP};
 pub use linear::{Linear, Weight};
-pub use transformer::{Layer, Transformer};
+pub use transformer::{Layer, RowInput, Transformer};
 pub use weights::WeightFormat;
 
 #[derive(Debug, thiserror::Error)]

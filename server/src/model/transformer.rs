@@ -70,49 +70,104 @@ impl Transformer {
     /// (`[1, n]` int32), such as the lazily sampled token of the previous step:
     /// the next step's graph can then be built before that token is known.
     pub fn forward_ids(&self, ids: &Array, cache: &mut KvCache, n_logits: usize) -> mlx::Result<Array> {
+        let mut rows = [RowInput { ids: ids.clone(), cache, n_logits }];
+        Ok(self.forward_batch(&mut rows)?.pop().expect("one row in, one out"))
+    }
+
+    /// One forward over several sequences at once: the mixed iteration.
+    /// Each row brings its own tokens (a decode token, draft tokens or a
+    /// prefill chunk) and KV cache. Their tokens are concatenated for the
+    /// per-token work (embedding, projections, MLP), so weights are read once
+    /// per step for all rows; attention runs row by row against each row's
+    /// own cache at its own position. Returns each row's float32 logits
+    /// `[n_logits, vocab]` for its last `n_logits` positions (lazy).
+    pub fn forward_batch(&self, rows: &mut [RowInput<'_>]) -> mlx::Result<Vec<Array>> {
         let c = &self.config;
-        let n = ids.dim(-1);
-        if n == 0 || n_logits == 0 || n_logits > n {
-            return Err(mlx::Error { op: "forward", message: format!("bad token count {n} / logits {n_logits}") });
+        let lens: Vec<usize> = rows.iter().map(|r| r.ids.dim(-1)).collect();
+        if rows.is_empty() || rows.iter().zip(&lens).any(|(r, &n)| n == 0 || r.n_logits == 0 || r.n_logits > n) {
+            return Err(mlx::Error { op: "forward", message: format!("bad batch: token counts {lens:?}") });
         }
-        let offset = cache.len() as i32;
-        cache.reserve(n)?;
-        let mut h = self.embedding.take(ids, 0)?; // [1, n, d]
+        let offsets: Vec<i32> = rows.iter().map(|r| r.cache.len() as i32).collect();
+        for (r, &n) in rows.iter_mut().zip(&lens) {
+            r.cache.reserve(n)?;
+        }
+        // Start of each row's tokens in the flattened batch.
+        let starts: Vec<i32> = lens.iter().scan(0i32, |acc, &n| {
+            let s = *acc;
+            *acc += n as i32;
+            Some(s)
+        }).collect();
+        let total: i32 = lens.iter().sum::<usize>() as i32;
+        let ids = if rows.len() == 1 { rows[0].ids.clone() } else { mlx::concatenate(&rows.iter().map(|r| &r.ids).collect::<Vec<_>>(), 1)? };
+        let mut h = self.embedding.take(&ids, 0)?; // [1, T, d]
 
         let (hq, hkv, hd) = (c.n_heads as i32, c.n_kv_heads as i32, c.head_dim as i32);
         let q_width = hq * hd;
         let kv_width = hkv * hd;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
-        let mask = if n > 1 { Mask::Causal } else { Mask::None };
 
         for (li, layer) in self.layers.iter().enumerate() {
             let x = fast::rms_norm(&h, &layer.attn_norm, c.rms_eps)?;
-            let qkv = layer.qkv.forward(&x)?; // [1, n, (hq + 2 hkv) hd]
-            let heads = |start: i32, width: i32, count: i32| -> mlx::Result<Array> {
-                qkv.slice(&[0, 0, start], &[1, n as i32, start + width])?.reshape(&[1, n as i32, count, hd])?.transpose(&[0, 2, 1, 3])
-            };
-            let q = heads(0, q_width, hq)?;
-            let k = heads(q_width, kv_width, hkv)?;
-            let v = heads(q_width + kv_width, kv_width, hkv)?;
-            let q = fast::rope(&q, hd, c.rope_traditional, c.rope_theta, 1.0, offset)?;
-            let k = fast::rope(&k, hd, c.rope_traditional, c.rope_theta, 1.0, offset)?;
-            let (keys, values) = cache.append(li, &k, &v)?;
-            let attn = fast::sdpa(&q, &keys, &values, scale, mask)?;
-            let attn = attn.transpose(&[0, 2, 1, 3])?.reshape(&[1, n as i32, q_width])?;
+            let qkv = layer.qkv.forward(&x)?; // [1, T, (hq + 2 hkv) hd]
+            let mut outs = Vec::with_capacity(rows.len());
+            for (r, row) in rows.iter_mut().enumerate() {
+                let (s, n) = (starts[r], lens[r] as i32);
+                let heads = |start: i32, width: i32, count: i32| -> mlx::Result<Array> {
+                    qkv.slice(&[0, s, start], &[1, s + n, start + width])?.reshape(&[1, n, count, hd])?.transpose(&[0, 2, 1, 3])
+                };
+                let q = fast::rope(&heads(0, q_width, hq)?, hd, c.rope_traditional, c.rope_theta, 1.0, offsets[r])?;
+                let k = fast::rope(&heads(q_width, kv_width, hkv)?, hd, c.rope_traditional, c.rope_theta, 1.0, offsets[r])?;
+                let v = heads(q_width + kv_width, kv_width, hkv)?;
+                let (keys, values) = row.cache.append(li, &k, &v)?;
+                let mask = if n > 1 { Mask::Causal } else { Mask::None };
+                let attn = fast::sdpa(&q, &keys, &values, scale, mask)?;
+                outs.push(attn.transpose(&[0, 2, 1, 3])?.reshape(&[1, n, q_width])?);
+            }
+            let attn = if outs.len() == 1 { outs.pop().expect("one row") } else { mlx::concatenate(&outs.iter().collect::<Vec<_>>(), 1)? };
             h = h.add(&layer.attn_out.forward(&attn)?)?;
 
             let x = fast::rms_norm(&h, &layer.ffn_norm, c.rms_eps)?;
             let gu = layer.gate_up.forward(&x)?;
             let ff = c.d_ff as i32;
-            let gate = gu.slice(&[0, 0, 0], &[1, n as i32, ff])?;
-            let up = gu.slice(&[0, 0, ff], &[1, n as i32, 2 * ff])?;
+            let gate = gu.slice(&[0, 0, 0], &[1, total, ff])?;
+            let up = gu.slice(&[0, 0, ff], &[1, total, 2 * ff])?;
             h = h.add(&layer.down.forward(&gate.silu()?.multiply(&up)?)?)?;
         }
-        cache.advance(n);
+        for (r, row) in rows.iter_mut().enumerate() {
+            row.cache.advance(lens[r]);
+        }
 
-        let last = h.slice(&[0, (n - n_logits) as i32, 0], &[1, n as i32, c.d_model as i32])?;
+        // Only the positions whose logits are wanted go through the head.
+        let d = c.d_model as i32;
+        let picks: Vec<Array> = rows
+            .iter()
+            .enumerate()
+            .map(|(r, row)| {
+                let end = starts[r] + lens[r] as i32;
+                h.slice(&[0, end - row.n_logits as i32, 0], &[1, end, d])
+            })
+            .collect::<mlx::Result<_>>()?;
+        let last = if picks.len() == 1 { picks[0].clone() } else { mlx::concatenate(&picks.iter().collect::<Vec<_>>(), 1)? };
         let last = fast::rms_norm(&last, &self.final_norm, c.rms_eps)?;
-        let logits = self.lm_head.forward(&last)?.reshape(&[n_logits as i32, -1])?;
-        logits.astype(Dtype::F32)
+        let logits = self.lm_head.forward(&last)?.astype(Dtype::F32)?; // [1, sum n_logits, vocab]
+        let vocab = logits.dim(-1) as i32;
+        let mut out = Vec::with_capacity(rows.len());
+        let mut at = 0i32;
+        for row in rows.iter() {
+            let k = row.n_logits as i32;
+            out.push(logits.slice(&[0, at, 0], &[1, at + k, vocab])?.reshape(&[k, vocab])?);
+            at += k;
+        }
+        Ok(out)
     }
+}
+
+/// One sequence's share of a batched forward.
+pub struct RowInput<'a> {
+    /// `[1, n]` int32 token ids.
+    pub ids: Array,
+    pub cache: &'a mut KvCache,
+    /// How many of the last positions need logits (1 for decode and prefill,
+    /// more to verify draft tokens).
+    pub n_logits: usize,
 }

@@ -1,0 +1,204 @@
+//! Streaming over a real socket through the real engine: deltas concatenate
+//! to the plain greedy text, chat, stop sequences with logprobs, several
+//! requests per session, two isolated sessions, ping, /healthz, /metrics.
+mod ws_harness;
+
+use std::time::Instant;
+
+use protocol::{ErrorCode, FinishReason, ServerMessage};
+use serde_json::json;
+use tether::server::ServerConfig;
+use tether::tokenizer::ChatMessage;
+use tokio::sync::OnceCell;
+use ws_harness::*;
+
+const COUNT: &str = "1, 2, 3, 4,";
+const CAPITAL: &str = "The capital of France is";
+const CHAT: &str = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n";
+
+fn harness() -> &'static Harness {
+    harness_for(MODEL, &[(COUNT, 24), (CAPITAL, 8), (CHAT, 16)])
+}
+
+async fn server() -> &'static TestServer {
+    static S: OnceCell<TestServer> = OnceCell::const_new();
+    S.get_or_init(|| harness().start(ServerConfig::default())).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_deltas_concatenate_to_the_greedy_text() {
+    let h = harness();
+    let mut c = server().await.client().await;
+    let ready = c.open().await;
+    assert_eq!(ready.protocol_version, 1);
+    assert!(!ready.resumed);
+    assert_eq!(ready.model.name, MODEL);
+    assert!(!ready.model.fim, "SmolLM2 has no FIM tokens");
+    assert!(ready.session_id.len() >= 32 && ready.resume_token.len() >= 32);
+
+    let sent = Instant::now();
+    c.generate("count-1", json!({"prompt": COUNT, "max_tokens": 24})).await;
+    let first = c.deltas("count-1", 1).await;
+    let first_at = sent.elapsed();
+    let mut out = c.collect("count-1").await;
+    let done_at = sent.elapsed();
+    out.deltas.insert(0, first.into_iter().next().unwrap());
+    out.assert_contiguous();
+
+    let (ids, text) = h.greedy(COUNT, 24);
+    assert_eq!(out.token_ids(), ids, "streamed tokens differ from greedy_tokens");
+    assert_eq!(out.text(), text);
+    // Real streaming: one frame per generated token, the first well before the end.
+    assert_eq!(out.deltas.len(), 24);
+    assert!(first_at < done_at, "first delta {first_at:?}, done {done_at:?}");
+    let done = out.done();
+    assert_eq!(done.finish_reason, FinishReason::Length);
+    assert_eq!(done.usage.completion_tokens, 24);
+    assert_eq!(done.usage.prompt_tokens as usize, h.tokenizer.encode(COUNT, true).unwrap().len());
+    assert!(done.timing.queue_ms <= done.timing.ttft_ms && done.timing.ttft_ms <= done.timing.total_ms, "{:?}", done.timing);
+    assert!(done.timing.total_ms as u128 <= done_at.as_millis() + 5);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_request_uses_the_chat_template_and_stops_at_end_of_turn() {
+    let h = harness();
+    // The template renders to the reference prompt (SmolLM2 adds its default system message).
+    let rendered = h.tokenizer.apply_chat_template(&[ChatMessage::user("What is 2+2?")], true).unwrap();
+    assert_eq!(rendered, CHAT);
+    let mut c = server().await.client().await;
+    c.open().await;
+    c.generate("chat:1", json!({"messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 16})).await;
+    let out = c.collect("chat:1").await;
+    out.assert_contiguous();
+    let (ids, text) = h.greedy(CHAT, 16);
+    assert!(ids.len() < 16, "the reference ends with an end-of-turn token");
+    assert_eq!(out.text(), text);
+    assert_eq!(out.token_ids(), ids);
+    assert_eq!(out.done().finish_reason, FinishReason::Stop);
+    assert_eq!(out.done().usage.completion_tokens as usize, ids.len());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_sequence_cuts_the_text_and_logprobs_follow_tokens() {
+    let h = harness();
+    let mut c = server().await.client().await;
+    c.open().await;
+    c.generate("stop.1", json!({"prompt": COUNT, "max_tokens": 24, "stop": [" 8,"], "logprobs": true, "top_logprobs": 2}))
+        .await;
+    let out = c.collect("stop.1").await;
+    out.assert_contiguous();
+    let (_, full) = h.greedy(COUNT, 24);
+    let cut = full.find(" 8,").expect("the greedy text contains the stop");
+    assert_eq!(out.text(), &full[..cut]);
+    assert_eq!(out.done().finish_reason, FinishReason::Stop);
+    for d in &out.deltas {
+        let lps = d.logprobs.as_ref().expect("logprobs requested");
+        assert_eq!(lps.len(), d.token_ids.len());
+        for (lp, &id) in lps.iter().zip(&d.token_ids) {
+            assert_eq!(lp.token_id, id);
+            assert!(lp.logprob <= 0.0 && lp.logprob.is_finite());
+            let top = lp.top.as_ref().expect("top_logprobs requested");
+            assert_eq!(top.len(), 2);
+            assert_eq!(top[0].token_id, id, "greedy picks the most likely token");
+            assert!(top[0].logprob >= top[1].logprob);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_requests_in_one_session_interleave() {
+    let h = harness();
+    let mut c = server().await.client().await;
+    c.open().await;
+    c.generate("a", json!({"prompt": COUNT, "max_tokens": 24})).await;
+    c.generate("b", json!({"prompt": CAPITAL, "max_tokens": 8})).await;
+    let b = c.collect("b").await;
+    let a = c.collect("a").await;
+    a.assert_contiguous();
+    b.assert_contiguous();
+    assert_eq!(a.text(), h.greedy(COUNT, 24).1);
+    assert_eq!(b.text(), h.greedy(CAPITAL, 8).1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_sessions_are_isolated() {
+    let h = harness();
+    let srv = server().await;
+    let mut a = srv.client().await;
+    let mut b = srv.client().await;
+    let ra = a.open().await;
+    let rb = b.open().await;
+    assert_ne!(ra.session_id, rb.session_id);
+    assert_ne!(ra.resume_token, rb.resume_token);
+
+    a.generate("shared-id", json!({"prompt": COUNT, "max_tokens": 24})).await;
+    let first = a.deltas("shared-id", 1).await.remove(0);
+    // B cannot see or cancel A's request...
+    b.send(&json!({"type": "cancel", "request_id": "shared-id"})).await;
+    let e = b.expect_error().await;
+    assert_eq!(e.code, ErrorCode::UnknownRequest);
+    assert_eq!(e.request_id.as_deref(), Some("shared-id"));
+    // ...has its own namespace of ids...
+    b.generate("shared-id", json!({"prompt": CAPITAL, "max_tokens": 8})).await;
+    let ob = b.collect("shared-id").await;
+    assert_eq!(ob.text(), h.greedy(CAPITAL, 8).1);
+    // ...and cannot take A's session with its own token.
+    let mut thief = srv.client().await;
+    thief.send(&json!({"type": "session.open", "session_id": ra.session_id, "resume_token": rb.resume_token})).await;
+    assert_eq!(thief.expect_error().await.code, ErrorCode::InvalidResumeToken);
+
+    let oa = a.collect("shared-id").await;
+    assert_eq!(oa.deltas.len(), 23, "the first delta was read above");
+    assert_eq!(oa.done().finish_reason, FinishReason::Length);
+    assert_eq!(first.text + &oa.text(), h.greedy(COUNT, 24).1, "A's stream is untouched");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ping_works_before_and_after_session_open() {
+    let mut c = server().await.client().await;
+    for (ping, id) in [(json!({"type": "ping", "id": 17}), Some(json!(17))), (json!({"type": "ping", "id": "hb-1"}), Some(json!("hb-1"))), (json!({"type": "ping"}), None)] {
+        c.send(&ping).await;
+        match c.recv().await {
+            ServerMessage::Pong(p) => assert_eq!(p.id.map(|i| serde_json::to_value(i).unwrap()), id),
+            other => panic!("expected pong, got {other:?}"),
+        }
+    }
+    c.open().await;
+    c.send(&json!({"type": "ping", "id": 2.5})).await;
+    assert!(matches!(c.recv().await, ServerMessage::Pong(_)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthz_metrics_and_other_routes() {
+    let srv = server().await;
+    let (status, body) = srv.http_get("/healthz").await;
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["status"], "ok");
+    assert_eq!(v["model"], MODEL);
+    assert!(v["engine"]["active_memory"].as_u64().unwrap() > 0);
+    assert!(v["engine"]["kv_bytes"].is_u64());
+
+    // Something to count.
+    let mut c = srv.client().await;
+    c.open().await;
+    c.send_text("nope").await;
+    assert_eq!(c.expect_error().await.code, ErrorCode::BadJson);
+    let (status, body) = srv.http_get("/metrics").await;
+    assert_eq!(status, 200);
+    for name in [
+        "tether_sessions ",
+        "tether_connections ",
+        "tether_requests_in_flight ",
+        "tether_engine_kv_bytes ",
+        "tether_engine_active_memory_bytes ",
+        "tether_generated_tokens_total ",
+        "tether_errors_total{code=\"bad_json\"} ",
+    ] {
+        assert!(body.contains(name), "/metrics lacks {name:?}:\n{body}");
+    }
+    assert!(body.trim_end().ends_with("# EOF"));
+
+    assert_eq!(srv.http_get("/nope").await.0, 404);
+    assert_eq!(srv.http_get("/v1/ws").await.0, 426, "a plain GET is not an upgrade");
+}
