@@ -33,7 +33,11 @@ pub struct DecodeBench {
 
 /// Exactly `n` tokens of benchmark text.
 pub fn prompt_tokens(model: &LoadedModel, n: usize) -> anyhow::Result<Vec<u32>> {
-    let one = model.tokenizer.encode(PROMPT_TEXT, false)?;
+    prompt_tokens_with(&model.tokenizer, n)
+}
+
+pub fn prompt_tokens_with(tokenizer: &crate::tokenizer::TextTokenizer, n: usize) -> anyhow::Result<Vec<u32>> {
+    let one = tokenizer.encode(PROMPT_TEXT, false)?;
     anyhow::ensure!(!one.is_empty(), "benchmark text encodes to no tokens");
     Ok(one.iter().copied().cycle().take(n).collect())
 }
@@ -57,5 +61,71 @@ pub fn run_decode_bench(model: &LoadedModel, prompt_len: usize, gen: usize, weig
         decode_tok_s: decode,
         weight_bytes,
         decode_gb_s: weight_bytes as f64 * decode / 1e9,
+    })
+}
+
+#[derive(Debug, Serialize)]
+pub struct StreamsBench {
+    pub engine: &'static str,
+    pub model: String,
+    pub device: String,
+    pub streams: usize,
+    pub prompt_tokens: usize,
+    pub gen_tokens: usize,
+    /// All generated tokens over the wall time from submission to the last token.
+    pub aggregate_tok_s: f64,
+    pub mean_ttft_ms: f64,
+}
+
+/// Aggregate decode throughput of `streams` concurrent requests through the
+/// engine thread (continuous batching), in-process.
+pub fn run_streams_bench(engine: &crate::engine::EngineHandle, name: &str, prompt: Vec<u32>, streams: usize, gen: usize) -> anyhow::Result<StreamsBench> {
+    use crate::engine::{EngineEvent, SubmitRequest};
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async {
+        let start = std::time::Instant::now();
+        let mut tasks = Vec::new();
+        for s in 0..streams {
+            // Distinct prompts (one token differs) so no two rows are identical.
+            let mut p = prompt.clone();
+            if let Some(first) = p.first_mut() {
+                *first = first.wrapping_add(s as u32 % 7);
+            }
+            let req = SubmitRequest { prompt: p, max_tokens: gen, sampling: SamplingParams::default(), stop_ids: vec![], logprobs: None, prefill_chunk: None, deadline: None };
+            let (_, mut rx) = engine.submit(req)?;
+            tasks.push(tokio::spawn(async move {
+                let mut ttft = None;
+                let mut n = 0usize;
+                while let Some(ev) = rx.recv().await {
+                    match ev {
+                        EngineEvent::Tokens { ids, .. } => {
+                            ttft.get_or_insert_with(|| start.elapsed());
+                            n += ids.len();
+                        }
+                        EngineEvent::Finished(_) | EngineEvent::Failed { .. } => break,
+                        EngineEvent::Started { .. } => {}
+                    }
+                }
+                (n, ttft.unwrap_or_default())
+            }));
+        }
+        let mut total = 0;
+        let mut ttft_sum = 0.0;
+        for t in tasks {
+            let (n, ttft) = t.await?;
+            total += n;
+            ttft_sum += ttft.as_secs_f64();
+        }
+        let wall = start.elapsed().as_secs_f64();
+        Ok(StreamsBench {
+            engine: "tether",
+            model: name.to_string(),
+            device: format!("{:?}", mlx::default_device()).to_lowercase(),
+            streams,
+            prompt_tokens: prompt.len(),
+            gen_tokens: gen,
+            aggregate_tok_s: total as f64 / wall,
+            mean_ttft_ms: ttft_sum / streams as f64 * 1e3,
+        })
     })
 }

@@ -107,6 +107,10 @@ struct BenchArgs {
     prompt_tokens: usize,
     #[arg(long, default_value_t = 128)]
     gen_tokens: usize,
+    /// Concurrent streams through the engine (continuous batching); 0 runs
+    /// the single-stream prefill/decode measurement instead.
+    #[arg(long, default_value_t = 0)]
+    streams: usize,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -190,6 +194,23 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Generate(args) => run_generate(args),
         Command::Serve(args) => run_serve(args),
+        Command::Bench(args) if args.streams > 0 => {
+            let device = pick_device(&args.model)?;
+            let opts = load_options(&args.model)?;
+            let name = args.model.model.clone();
+            let engine = tether::engine::EngineHandle::start(tether::engine::EngineConfig::default(), move || {
+                mlx::set_default_device(device)?;
+                Ok(LoadedModel::load(&name, opts)?)
+            })?;
+            let path = registry::resolve(&args.model.model)?;
+            let tokenizer = if path.is_dir() { tether::tokenizer::TextTokenizer::from_hf_dir(&path)? } else { tether::tokenizer::TextTokenizer::from_gguf_path(&path)? };
+            let prompt = tether::bench::prompt_tokens_with(&tokenizer, args.prompt_tokens)?;
+            for streams in [1, args.streams] {
+                let r = tether::bench::run_streams_bench(&engine, &args.model.model, prompt.clone(), streams, args.gen_tokens)?;
+                println!("{}", serde_json::to_string(&r)?);
+            }
+            Ok(())
+        }
         Command::Bench(args) => {
             let model = load_model(&args.model)?;
             let weights = match &args.model.weights {

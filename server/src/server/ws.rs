@@ -54,12 +54,23 @@ pub async fn run(state: Arc<ServerState>, ws: Ws) {
         session: None,
         bucket: TokenBucket::new(state.config.rate_limit_per_sec, state.config.rate_limit_burst),
     };
-    reader.run(stream).await;
+    let mut stream = stream;
+    let raw_drain = reader.run(&mut stream).await;
     if let Some(s) = reader.session.take() {
         s.detach(conn.id);
     }
     drop(reader);
-    let _ = writer.await;
+    let sink = writer.await;
+    if raw_drain {
+        // The rest of an oversized frame is still unread: swallow it (for a
+        // moment) so closing the socket does not reset the connection and
+        // destroy the error and close frames on their way to the client.
+        if let Ok(ws) = sink.map(|sink| stream.reunite(sink)) {
+            if let Ok(ws) = ws {
+                drain_raw(ws.into_inner()).await;
+            }
+        }
+    }
     state.metrics.connections.dec();
     state.connection_closed();
 }
@@ -74,7 +85,9 @@ struct Reader {
 }
 
 impl Reader {
-    async fn run(&mut self, mut stream: Stream) {
+    /// Reads until the connection ends. Returns true when the socket still
+    /// holds unread bytes of an oversized frame.
+    async fn run(&mut self, stream: &mut Stream) -> bool {
         let max = self.state.config.max_frame_bytes;
         let idle = self.state.config.idle_timeout;
         loop {
@@ -94,12 +107,12 @@ impl Reader {
                     self.fatal(ErrorCode::IdleTimeout, format!("no frame for {} ms; the session can be resumed", idle.as_millis()));
                     break;
                 }
-                Ok(None) => return,
+                Ok(None) => return false,
                 Ok(Some(Err(WsError::Capacity(e)))) => {
                     self.fatal(ErrorCode::FrameTooLarge, format!("{e}; the limit is {max} bytes"));
-                    break;
+                    return true;
                 }
-                Ok(Some(Err(_))) => return,
+                Ok(Some(Err(_))) => return false,
                 Ok(Some(Ok(m))) => m,
             };
             let received = Instant::now();
@@ -127,7 +140,7 @@ impl Reader {
                     let e = ProtocolError::new(ErrorCode::BinaryFrame, "binary frames are not accepted: send JSON text frames");
                     self.error(e).await;
                 }
-                Message::Close(_) => return,
+                Message::Close(_) => return false,
                 Message::Ping(_) | Message::Pong(_) | Message::Frame(_) => {
                     if !self.bucket.take() {
                         self.rate_limited().await;
@@ -145,6 +158,7 @@ impl Reader {
             }
         })
         .await;
+        false
     }
 
     fn fatal(&self, code: ErrorCode, message: impl Into<String>) {
@@ -293,7 +307,23 @@ async fn send(sink: &mut Sink, closing: &mut watch::Receiver<Option<CloseReason>
     }
 }
 
-async fn writer(state: Arc<ServerState>, conn: Arc<ConnCtl>, mut sink: Sink, mut rx: mpsc::Receiver<Out>) {
+/// Reads and discards raw bytes until EOF, 16 MiB or the close grace period.
+async fn drain_raw(mut io: TokioIo<Upgraded>) {
+    use tokio::io::AsyncReadExt;
+    let _ = tokio::time::timeout(CLOSE_GRACE, async {
+        let mut buf = vec![0u8; 64 << 10];
+        let mut total = 0usize;
+        while total < 16 << 20 {
+            match io.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => total += n,
+            }
+        }
+    })
+    .await;
+}
+
+async fn writer(state: Arc<ServerState>, conn: Arc<ConnCtl>, mut sink: Sink, mut rx: mpsc::Receiver<Out>) -> Sink {
     let mut closing = conn.closing();
     let mut stop = state.stop_signal();
     let mut session: Option<Arc<Session>> = None;
@@ -384,6 +414,7 @@ async fn writer(state: Arc<ServerState>, conn: Arc<ConnCtl>, mut sink: Sink, mut
             let _ = tokio::time::timeout(CLOSE_GRACE, sink.close()).await;
         }
     }
+    sink
 }
 
 /// Per-connection flood limit.
