@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up Tether and runs it on the default model (SmolLM2-135M-Instruct).
-# With no arguments it answers a chat prompt; any arguments go to `tether`
-# (e.g. `scripts/run.sh generate --model qwen2.5-coder-0.5b --prompt ...`).
+# With no arguments it serves protocol v1 on ws://127.0.0.1:8080/v1/ws; any
+# arguments go to `tether` instead (e.g. `scripts/run.sh generate --chat --prompt ...`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -9,6 +9,6 @@ scripts/setup.sh
 cargo build --release --locked -p tether
 target/release/tether fetch-model smollm2-135m >/dev/null
 if [ "$#" -eq 0 ]; then
-  set -- generate --chat --prompt "Write a haiku about the sea." --max-tokens 64 --stats
+  set -- serve --port "${PORT:-8080}"
 fi
 exec target/release/tether "$@"

@@ -48,12 +48,12 @@ def prompt_tokens(tokenizer, n):
     return [one[i % len(one)] for i in range(n)]
 
 
-def run(model, prompt, gen):
+def run(model, prompt, gen, stream):
     """Returns (seconds to first token, seconds from first to last, tokens)."""
     start = time.perf_counter()
     first = last = None
     out = []
-    for token, _ in generate_step(mx.array(prompt), model, max_tokens=gen, prefill_step_size=PREFILL_CHUNK):
+    for token, _ in generate_step(mx.array(prompt), model, stream, max_tokens=gen, prefill_step_size=PREFILL_CHUNK):
         # generate_step hands back host ints (y.item()), so the token is on the host here.
         now = time.perf_counter()
         if first is None:
@@ -74,12 +74,16 @@ def main():
     if args.prompt_tokens < 1 or args.gen_tokens < 2:
         raise SystemExit("need --prompt-tokens >= 1 and --gen-tokens >= 2")
 
-    mx.set_default_device(mx.cpu if args.device == "cpu" else mx.gpu)
+    device = mx.cpu if args.device == "cpu" else mx.gpu
+    mx.set_default_device(device)
+    # mlx_lm's own generation stream is made on the default device at import
+    # time; use one on the chosen device instead.
+    stream = mx.new_stream(device)
     model, tokenizer = load(args.model_dir)
     prompt = prompt_tokens(tokenizer, args.prompt_tokens)
 
-    run(model, prompt, WARMUP_TOKENS)
-    ttft, decode_s, tokens = run(model, prompt, args.gen_tokens)
+    run(model, prompt, WARMUP_TOKENS, stream)
+    ttft, decode_s, tokens = run(model, prompt, args.gen_tokens, stream)
     assert len(tokens) == args.gen_tokens, (len(tokens), args.gen_tokens)
     if args.show_tokens:
         import sys

@@ -42,7 +42,7 @@ pub fn prompt_tokens_with(tokenizer: &crate::tokenizer::TextTokenizer, n: usize)
     Ok(one.iter().copied().cycle().take(n).collect())
 }
 
-pub fn run_decode_bench(model: &LoadedModel, prompt_len: usize, gen: usize, weights: &str) -> anyhow::Result<DecodeBench> {
+pub fn run_decode_bench(model: &LoadedModel, prompt_len: usize, gen: usize) -> anyhow::Result<DecodeBench> {
     let prompt = prompt_tokens(model, prompt_len)?;
     // No stop ids: every run produces exactly `gen` tokens.
     let opts = GenerateOptions { max_tokens: gen, sampling: SamplingParams::default(), stop_ids: vec![], prefill_chunk: 512 };
@@ -54,7 +54,7 @@ pub fn run_decode_bench(model: &LoadedModel, prompt_len: usize, gen: usize, weig
         engine: "tether",
         model: model.name.clone(),
         device: format!("{:?}", mlx::default_device()).to_lowercase(),
-        weights: weights.to_string(),
+        weights: model.transformer.weight_form().to_string(),
         prompt_tokens: stats.prompt_tokens,
         gen_tokens: stats.completion_tokens,
         prefill_tok_s: stats.prefill_tokens_per_second(),

@@ -128,9 +128,9 @@ struct ModelArgs {
     model: String,
     #[arg(long, value_enum, default_value = "auto")]
     device: DeviceArg,
-    /// Weight storage: `dense` (compute dtype) or `quantized` (exact MLX
-    /// affine form where the GGUF block type allows). Default: dense on CPU,
-    /// quantized on GPU.
+    /// Weight storage: `dense` (compute dtype) or `quantized` (quantized GGUF
+    /// blocks kept in an exact affine form where the device has a kernel).
+    /// Default: quantized.
     #[arg(long)]
     weights: Option<String>,
 }
@@ -213,11 +213,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Bench(args) => {
             let model = load_model(&args.model)?;
-            let weights = match &args.model.weights {
-                Some(w) => w.clone(),
-                None => format!("{:?}", LoadOptions::for_device(mlx::default_device()).weights).to_lowercase(),
-            };
-            let result = tether::bench::run_decode_bench(&model, args.prompt_tokens, args.gen_tokens, &weights)?;
+            let result = tether::bench::run_decode_bench(&model, args.prompt_tokens, args.gen_tokens)?;
             println!("{}", serde_json::to_string(&result)?);
             Ok(())
         }
@@ -289,6 +285,14 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         shutdown_signal().await;
         eprintln!("[serve] shutting down: draining in-flight requests");
         server.shutdown().await;
+        // Let the engine thread finish and drop the model before the process
+        // exits (MLX's static destructors must not race a live MLX thread).
+        engine.shutdown();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while engine.stats().await.is_some() && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
         anyhow::Ok(())
     });
     engine.shutdown();

@@ -6,8 +6,8 @@
 //!   fixture (the HF layout uses split-half RoPE on un-permuted Q/K, the GGUF
 //!   one interleaved RoPE on permuted Q/K: both must give the same numbers);
 //! - the HF tokenizer.json encodes the tokenizer fixtures like the GGUF one;
-//! - the MLX-community-style 4-bit SmolLM2 (group size 64) loads and still
-//!   answers " Paris";
+//! - the MLX-community-style 4-bit SmolLM2 (group size 64) loads and computes
+//!   what mlx-lm computes on it (" Paris" a close second: 4-bit is lossy);
 //! - Qwen2.5-Coder f32: the fim and counting cases match.
 //!
 //! The folders live in `$TETHER_PEER_MODELS` (default

@@ -89,7 +89,8 @@ async fn bad_inputs_get_typed_errors_and_the_session_keeps_serving() {
         ("max_tokens negative", gen(json!({"max_tokens": -1})), InvalidField, rid),
         ("unknown field", gen(json!({"bogus": 1})), InvalidField, rid),
         ("null field", gen(json!({"temperature": null})), InvalidField, rid),
-        ("duplicate key", t(r#"{"type": "generate", "request_id": "bad-1", "prompt": "x", "prompt": "y"}"#), InvalidField, rid),
+        // Duplicate keys are caught while parsing the JSON, before the request_id is known.
+        ("duplicate key", t(r#"{"type": "generate", "request_id": "bad-1", "prompt": "x", "prompt": "y"}"#), InvalidField, None),
         ("request_id a number", t(r#"{"type": "generate", "request_id": 7, "prompt": "x"}"#), InvalidField, None),
         ("unknown role", t(r#"{"type": "generate", "request_id": "bad-1", "messages": [{"role": "robot", "content": "x"}]}"#), InvalidField, rid),
         ("fim without suffix", t(r#"{"type": "generate", "request_id": "bad-1", "fim": {"prefix": "a"}}"#), InvalidField, rid),
@@ -202,10 +203,6 @@ async fn in_flight_and_token_limits() {
     let e = c.recv_matching(|m| matches!(m, ServerMessage::Error(_))).await;
     let ServerMessage::Error(e) = e else { unreachable!() };
     assert_eq!((e.code, e.request_id.as_deref()), (ErrorCode::InvalidParameter, Some("big")));
-    c.generate("long", json!({"prompt": prompt_of(h, 17), "max_tokens": 1})).await;
-    let e = c.recv_matching(|m| matches!(m, ServerMessage::Error(_))).await;
-    let ServerMessage::Error(e) = e else { unreachable!() };
-    assert_eq!((e.code, e.request_id.as_deref()), (ErrorCode::PromptTooLong, Some("long")));
     for r in ["r1", "r2"] {
         c.send(&json!({"type": "cancel", "request_id": r})).await;
     }
@@ -213,6 +210,10 @@ async fn in_flight_and_token_limits() {
         assert_eq!(c.collect(r).await.done().finish_reason, FinishReason::Cancelled);
     }
     // Room again.
+    c.generate("long", json!({"prompt": prompt_of(h, 17), "max_tokens": 1})).await;
+    let e = c.recv_matching(|m| matches!(m, ServerMessage::Error(_))).await;
+    let ServerMessage::Error(e) = e else { unreachable!() };
+    assert_eq!((e.code, e.request_id.as_deref()), (ErrorCode::PromptTooLong, Some("long")));
     c.generate("r4", json!({"prompt": prompt_of(h, 16), "max_tokens": 1})).await;
     assert_eq!(c.collect("r4").await.done().usage.completion_tokens, 1);
 }

@@ -106,6 +106,19 @@ async fn stop_sequence_cuts_the_text_and_logprobs_follow_tokens() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_time_ms_ends_with_time_limit() {
+    let mut c = server().await.client().await;
+    c.open().await;
+    c.generate("t", json!({"prompt": COUNT, "max_tokens": 1000, "max_time_ms": 300})).await;
+    let out = c.collect("t").await;
+    out.assert_contiguous();
+    let done = out.done();
+    assert_eq!(done.finish_reason, FinishReason::TimeLimit);
+    assert!(done.usage.completion_tokens < 1000);
+    assert!(done.timing.total_ms >= 300 && done.timing.total_ms < 5000, "{:?}", done.timing);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn several_requests_in_one_session_interleave() {
     let h = harness();
     let mut c = server().await.client().await;

@@ -46,6 +46,16 @@ impl Transformer {
         self.embedding.nbytes() + layers + self.final_norm.nbytes() + head
     }
 
+    /// `quantized` when any projection is held quantized, else `dense`.
+    pub fn weight_form(&self) -> &'static str {
+        let quantized = |l: &Linear| matches!(l.weight, super::linear::Weight::Quantized(_));
+        if quantized(&self.lm_head) || self.layers.iter().any(|l| [&l.qkv, &l.attn_out, &l.gate_up, &l.down].into_iter().any(quantized)) {
+            "quantized"
+        } else {
+            "dense"
+        }
+    }
+
     /// Bytes of weights one decode step reads: every layer, the final norm and
     /// the LM head (the embedding table itself is only gathered a row at a time).
     pub fn decode_read_bytes(&self) -> usize {

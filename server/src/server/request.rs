@@ -351,7 +351,25 @@ impl Forwarder {
                     };
                     break Ok((reason, info.prompt_tokens, info.cached_tokens));
                 }
-                EngineEvent::Failed { message } => break Err((ErrorCode::Internal, format!("generation failed: {message}"))),
+                EngineEvent::Failed { message } => {
+                    // The engine refuses at admission with a Failed event
+                    // (its queue lives on its own thread); before `Started`
+                    // an "overloaded" / "shutting down" refusal is not a crash.
+                    let code = if queue_ms.is_some() {
+                        ErrorCode::Internal
+                    } else if message.starts_with("overloaded") {
+                        ErrorCode::Overloaded
+                    } else if message.contains("shutting down") {
+                        ErrorCode::Cancelled
+                    } else {
+                        ErrorCode::Internal
+                    };
+                    let message = match code {
+                        ErrorCode::Overloaded => format!("the generation queue is full ({message}); retry later"),
+                        _ => format!("generation failed: {message}"),
+                    };
+                    break Err((code, message));
+                }
             }
         };
         let total = self.received.elapsed();

@@ -65,10 +65,8 @@ pub async fn run(state: Arc<ServerState>, ws: Ws) {
         // The rest of an oversized frame is still unread: swallow it (for a
         // moment) so closing the socket does not reset the connection and
         // destroy the error and close frames on their way to the client.
-        if let Ok(ws) = sink.map(|sink| stream.reunite(sink)) {
-            if let Ok(ws) = ws {
-                drain_raw(ws.into_inner()).await;
-            }
+        if let Ok(Ok(ws)) = sink.map(|sink| stream.reunite(sink)) {
+            drain_raw(ws.into_inner()).await;
         }
     }
     state.metrics.connections.dec();
