@@ -37,6 +37,10 @@ fn main() {
             time_it(&format!("{bits}-bit quantized_matmul"), n * k * bits as usize / 8, 20, || mlx::quantized_matmul(&x, &q).unwrap());
             let q32 = mlx::QuantizedWeights { scales: q.scales.astype(Dtype::F32).unwrap(), biases: q.biases.astype(Dtype::F32).unwrap(), ..q.clone() };
             time_it(&format!("{bits}-bit tether cpu kernel"), n * k * bits as usize / 8, 50, || mlx::cpu_quantized_matmul(&x, &q32).unwrap());
+            for m in [4usize, 16] {
+                let xm = Array::from_f32(&vec![0.1; m * k], &[m, k]).unwrap();
+                time_it(&format!("{bits}-bit tether kernel, {m} rows"), n * k * bits as usize / 8, 20, || mlx::cpu_quantized_matmul(&xm, &q32).unwrap());
+            }
         }
     }
 }

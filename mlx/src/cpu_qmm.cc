@@ -151,49 +151,75 @@ void rows_scalar(const Problem& p, int n0, int n1) {
 }
 
 // AVX-512 version for group size 32 (GGUF's block size, the only one the
-// loader produces for 4/8-bit blocks).
+// loader produces for 4/8-bit blocks). Activation rows go in blocks of 4 with
+// four accumulators each (two groups per iteration, two halves per group):
+// independent FMA chains hide the FMA latency that bounds a single
+// accumulator, and 16 accumulators leave registers for the codes.
+template <int BITS>
+__attribute__((target("avx512f,avx512bw")))
+inline void expand_group(const uint8_t* wr, int g, __m512 s, __m512& qa, __m512& qb) {
+  if constexpr (BITS == 8) {
+    const uint8_t* src = wr + g * 32;
+    qa = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)))), s);
+    qb = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16)))), s);
+  } else {
+    // 16 bytes hold 32 codes: byte i is element 2i (low nibble) and 2i+1 (high).
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + g * 16)));
+    qa = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF))), s);
+    qb = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s);
+  }
+}
+
+template <int BITS>
 __attribute__((target("avx512f,avx512bw")))
 void rows_avx512_g32(const Problem& p, int n0, int n1) {
-  const int row_bytes = p.K * p.bits / 8;
-  const __m512i nibble = _mm512_set1_epi32(0xF);
+  constexpr int MB = 4;
+  const int row_bytes = p.K * BITS / 8;
+  // Where group g's two halves of x start for row m: 8-bit codes are in
+  // element order; 4-bit ones pair with the de-interleaved even/odd copies.
+  const float* xa0 = BITS == 8 ? p.x : p.xeven;
+  const float* xb0 = BITS == 8 ? p.x + 16 : p.xodd;
+  const size_t x_stride = BITS == 8 ? p.K : p.K / 2;
+  const int g_step = BITS == 8 ? 32 : 16;
   for (int n = n0; n < n1; ++n) {
     const uint8_t* wr = p.w + static_cast<size_t>(n) * row_bytes;
     const float* sr = p.scales + static_cast<size_t>(n) * p.G;
     const float* br = p.biases + static_cast<size_t>(n) * p.G;
-    __m512 acc[kCpuQmmMaxRows];
-    float bias_acc[kCpuQmmMaxRows];
-    for (int m = 0; m < p.M; ++m) {
-      acc[m] = _mm512_setzero_ps();
-      bias_acc[m] = 0.f;
-    }
-    for (int g = 0; g < p.G; ++g) {
-      const __m512 s = _mm512_set1_ps(sr[g]);
-      __m512 qa, qb;
-      const float *xa_base, *xb_base;
-      size_t xa_stride, xb_stride;
-      if (p.bits == 8) {
-        const uint8_t* src = wr + g * 32;
-        qa = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)))), s);
-        qb = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16)))), s);
-        xa_base = p.x + g * 32;
-        xb_base = p.x + g * 32 + 16;
-        xa_stride = xb_stride = p.K;
-      } else {
-        // 16 bytes hold 32 codes: byte i is element 2i (low nibble) and 2i+1 (high).
-        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + g * 16)));
-        qa = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, nibble)), s);
-        qb = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s);
-        xa_base = p.xeven + g * 16;
-        xb_base = p.xodd + g * 16;
-        xa_stride = xb_stride = p.K / 2;
+    for (int m0 = 0; m0 < p.M; m0 += MB) {
+      const int mc = std::min(MB, p.M - m0);
+      __m512 acc[MB][4];
+      for (int m = 0; m < MB; ++m)
+        for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_setzero_ps();
+      int g = 0;
+      for (; g + 1 < p.G; g += 2) {
+        __m512 qa0, qb0, qa1, qb1;
+        expand_group<BITS>(wr, g, _mm512_set1_ps(sr[g]), qa0, qb0);
+        expand_group<BITS>(wr, g + 1, _mm512_set1_ps(sr[g + 1]), qa1, qb1);
+        for (int m = 0; m < mc; ++m) {
+          const size_t xo = (m0 + m) * x_stride + static_cast<size_t>(g) * g_step;
+          acc[m][0] = _mm512_fmadd_ps(qa0, _mm512_loadu_ps(xa0 + xo), acc[m][0]);
+          acc[m][1] = _mm512_fmadd_ps(qb0, _mm512_loadu_ps(xb0 + xo), acc[m][1]);
+          acc[m][2] = _mm512_fmadd_ps(qa1, _mm512_loadu_ps(xa0 + xo + g_step), acc[m][2]);
+          acc[m][3] = _mm512_fmadd_ps(qb1, _mm512_loadu_ps(xb0 + xo + g_step), acc[m][3]);
+        }
       }
-      for (int m = 0; m < p.M; ++m) {
-        acc[m] = _mm512_fmadd_ps(qa, _mm512_loadu_ps(xa_base + m * xa_stride), acc[m]);
-        acc[m] = _mm512_fmadd_ps(qb, _mm512_loadu_ps(xb_base + m * xb_stride), acc[m]);
-        bias_acc[m] += br[g] * p.xsum[m * p.G + g];
+      for (; g < p.G; ++g) {
+        __m512 qa, qb;
+        expand_group<BITS>(wr, g, _mm512_set1_ps(sr[g]), qa, qb);
+        for (int m = 0; m < mc; ++m) {
+          const size_t xo = (m0 + m) * x_stride + static_cast<size_t>(g) * g_step;
+          acc[m][0] = _mm512_fmadd_ps(qa, _mm512_loadu_ps(xa0 + xo), acc[m][0]);
+          acc[m][1] = _mm512_fmadd_ps(qb, _mm512_loadu_ps(xb0 + xo), acc[m][1]);
+        }
+      }
+      for (int m = 0; m < mc; ++m) {
+        float bias = 0.f;
+        const float* xs = p.xsum + static_cast<size_t>(m0 + m) * p.G;
+        for (int gg = 0; gg < p.G; ++gg) bias += br[gg] * xs[gg];
+        __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
+        p.out[static_cast<size_t>(m0 + m) * p.N + n] = _mm512_reduce_add_ps(sum) + bias;
       }
     }
-    for (int m = 0; m < p.M; ++m) p.out[static_cast<size_t>(m) * p.N + n] = _mm512_reduce_add_ps(acc[m]) + bias_acc[m];
   }
 }
 
@@ -254,7 +280,10 @@ void run_problem(Problem p) {
   }
   RowPool::get().run(p.N, 64, [&](int a, int b) {
     switch (path) {
-      case kG32: rows_avx512_g32(p, a, b); break;
+      case kG32:
+        if (p.bits == 8) rows_avx512_g32<8>(p, a, b);
+        else rows_avx512_g32<4>(p, a, b);
+        break;
       case kG16: rows_avx512_8bit_g16(p, a, b); break;
       default: rows_scalar(p, a, b);
     }

@@ -1,5 +1,15 @@
 //! Checks of the binding against values computed by hand, on the CPU device.
+use std::sync::Mutex;
+
 use mlx::{fast, random, Array, Dtype};
+
+/// MLX's memory counters are process-wide; tests take this lock so the
+/// memory test sees only its own allocations.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 fn close(a: &[f32], b: &[f32], tol: f32) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() <= tol * (1.0 + y.abs()))
@@ -7,6 +17,7 @@ fn close(a: &[f32], b: &[f32], tol: f32) -> bool {
 
 #[test]
 fn matmul_and_readback() {
+    let _serial = serial();
     let a = Array::from_f32(&[1., 2., 3., 4., 5., 6.], &[2, 3]).unwrap();
     let b = Array::from_f32(&[1., 0., 0., 1., 1., 1.], &[3, 2]).unwrap();
     let c = a.matmul(&b).unwrap();
@@ -16,6 +27,7 @@ fn matmul_and_readback() {
 
 #[test]
 fn errors_are_values_not_panics() {
+    let _serial = serial();
     let a = Array::from_f32(&[1., 2., 3.], &[3]).unwrap();
     let b = Array::from_f32(&[1., 2.], &[2]).unwrap();
     let err = a.matmul(&b).unwrap_err();
@@ -27,12 +39,14 @@ fn errors_are_values_not_panics() {
 
 #[test]
 fn transposed_readback_is_row_major() {
+    let _serial = serial();
     let a = Array::from_f32(&[1., 2., 3., 4., 5., 6.], &[2, 3]).unwrap();
     assert_eq!(a.transpose(&[1, 0]).unwrap().to_vec_f32().unwrap(), vec![1., 4., 2., 5., 3., 6.]);
 }
 
 #[test]
 fn slice_update_writes_a_window() {
+    let _serial = serial();
     let cache = Array::zeros(&[1, 4, 2], Dtype::F32).unwrap();
     let upd = Array::from_f32(&[1., 2., 3., 4.], &[1, 2, 2]).unwrap();
     let out = cache.slice_update(&upd, &[0, 1, 0], &[1, 3, 2]).unwrap();
@@ -46,6 +60,7 @@ fn slice_update_writes_a_window() {
 
 #[test]
 fn sdpa_matches_softmax_attention() {
+    let _serial = serial();
     let q = Array::from_f32(&[0.1, 0.2, 0.3, 0.4, -0.5, 0.6, 0.7, 0.8], &[1, 1, 2, 4]).unwrap();
     let k = Array::from_f32(&[0.3, -0.1, 0.2, 0.5, 0.1, 0.1, -0.4, 0.2], &[1, 1, 2, 4]).unwrap();
     let v = Array::from_f32(&[1., 2., 3., 4., 5., 6., 7., 8.], &[1, 1, 2, 4]).unwrap();
@@ -64,6 +79,7 @@ fn sdpa_matches_softmax_attention() {
 
 #[test]
 fn rms_norm_and_rope() {
+    let _serial = serial();
     let x = Array::from_f32(&[3., 4.], &[1, 2]).unwrap();
     let w = Array::from_f32(&[1., 2.], &[2]).unwrap();
     let y = fast::rms_norm(&x, &w, 0.0).unwrap().to_vec_f32().unwrap();
@@ -77,6 +93,7 @@ fn rms_norm_and_rope() {
 
 #[test]
 fn quantize_roundtrip_and_matmul() {
+    let _serial = serial();
     let data: Vec<f32> = (0..64 * 8).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
     let w = Array::from_f32(&data, &[8, 64]).unwrap();
     let q = mlx::quantize(&w, 32, 4).unwrap();
@@ -91,6 +108,7 @@ fn quantize_roundtrip_and_matmul() {
 
 #[test]
 fn seeded_sampling_is_reproducible() {
+    let _serial = serial();
     let logits = Array::from_f32(&[0.0, 1.0, 2.0, 3.0], &[1, 4]).unwrap();
     let a = random::categorical(&logits, -1, &random::key(7).unwrap()).unwrap().to_vec_i32().unwrap();
     let b = random::categorical(&logits, -1, &random::key(7).unwrap()).unwrap().to_vec_i32().unwrap();
@@ -100,6 +118,7 @@ fn seeded_sampling_is_reproducible() {
 
 #[test]
 fn memory_stats_track_live_arrays() {
+    let _serial = serial();
     mlx::memory::clear_cache().unwrap();
     let before = mlx::memory::active();
     let a = Array::zeros(&[1024, 1024], Dtype::F32).unwrap();
@@ -111,6 +130,7 @@ fn memory_stats_track_live_arrays() {
 
 #[test]
 fn cpu_quantized_matmul_matches_dequantized_product() {
+    let _serial = serial();
     let (n, k) = (200, 576);
     let data: Vec<f32> = (0..n * k).map(|i| ((i * 2654435761usize) % 1000) as f32 / 500.0 - 1.0).collect();
     let w = Array::from_f32(&data, &[n, k]).unwrap();
@@ -134,6 +154,7 @@ fn cpu_quantized_matmul_matches_dequantized_product() {
 /// so this builds the packed form by hand and checks against plain math.
 #[test]
 fn cpu_quantized_matmul_handles_8bit_groups_of_16() {
+    let _serial = serial();
     let (n, k, g) = (70usize, 64usize, 16usize);
     let codes: Vec<u8> = (0..n * k).map(|i| (i * 37 % 64) as u8).collect();
     let scales: Vec<f32> = (0..n * k / g).map(|i| 0.01 * (1 + i % 7) as f32).collect();
