@@ -91,7 +91,7 @@ pub fn run_streams_bench(engine: &crate::engine::EngineHandle, name: &str, promp
             if let Some(first) = p.first_mut() {
                 *first = first.wrapping_add(s as u32 % 7);
             }
-            let req = SubmitRequest { prompt: p, max_tokens: gen, sampling: SamplingParams::default(), stop_ids: vec![], logprobs: None, prefill_chunk: None, deadline: None };
+            let req = SubmitRequest { prompt: p, max_tokens: gen, sampling: SamplingParams::default(), stop_ids: vec![], logprobs: None, prefill_chunk: None, deadline: None, cache_scope: None };
             let (_, mut rx) = engine.submit(req)?;
             tasks.push(tokio::spawn(async move {
                 let mut ttft = None;

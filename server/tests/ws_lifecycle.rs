@@ -110,7 +110,8 @@ async fn a_dropped_socket_keeps_its_requests_until_the_ttl_then_frees_them() {
     assert!(dropped.elapsed() >= ttl, "freed after {:?}, before the TTL", dropped.elapsed());
     assert_freed(&base, &after);
     let mut c = srv.client().await;
-    c.send(&json!({"type": "session.open", "session_id": ready.session_id, "resume_token": ready.resume_token, "last_seq": {"long": 3}})).await;
+    c.send(&json!({"type": "session.open", "session_id": ready.session_id, "resume_token": ready.resume_token, "last_seq": {"long": 3}}))
+        .await;
     assert_eq!(c.expect_error().await.code, ErrorCode::SessionExpired);
 }
 

@@ -6,6 +6,7 @@
 //! never waits on a consumer: a request whose channel is full is paused (not
 //! scheduled) until it drains. Tokenization and detokenization stay at the
 //! edge, so this thread does nothing but numerics and scheduling.
+mod prefix;
 mod row;
 mod worker;
 
@@ -16,6 +17,7 @@ use std::time::Instant;
 
 use crate::sample::SamplingParams;
 
+pub use prefix::{PrefixStats, Scope};
 pub use worker::EngineConfig;
 
 /// An engine-assigned request id (unique per engine).
@@ -48,6 +50,9 @@ pub struct SubmitRequest {
     pub prefill_chunk: Option<usize>,
     /// Finish with `TimeLimit` once this instant passes.
     pub deadline: Option<Instant>,
+    /// Whose prefix-cache entries this request may reuse and leaves behind
+    /// (a session's id); `None` neither reads nor writes the cache.
+    pub cache_scope: Option<Scope>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -92,6 +97,7 @@ pub struct EngineStats {
     pub active_memory: usize,
     pub peak_memory: usize,
     pub cache_memory: usize,
+    pub prefix: PrefixStats,
 }
 
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
@@ -119,6 +125,8 @@ pub(crate) enum Command {
     Submit { id: RequestId, request: SubmitRequest, events: tokio::sync::mpsc::Sender<EngineEvent>, queued_at: Instant },
     Cancel { id: RequestId },
     Stats { reply: tokio::sync::oneshot::Sender<EngineStats> },
+    /// Drop a scope's prefix-cache entries (its session ended).
+    DropScope { scope: Scope },
     /// Stop admitting; finish running requests; then exit.
     Shutdown,
 }
@@ -181,6 +189,11 @@ impl EngineHandle {
     /// channel then gets `Finished` with `Cancelled` (unless already done).
     pub fn cancel(&self, id: RequestId) {
         let _ = self.tx.send(Command::Cancel { id });
+    }
+
+    /// Frees the prefix-cache entries of `scope` (call when a session ends).
+    pub fn drop_scope(&self, scope: Scope) {
+        let _ = self.tx.send(Command::DropScope { scope });
     }
 
     pub async fn stats(&self) -> Option<EngineStats> {

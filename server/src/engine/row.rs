@@ -15,6 +15,10 @@ pub(super) struct Row {
     pub generated: usize,
     /// The last sampled token, not yet fed back through the model.
     pub pending_token: Option<u32>,
+    /// Prompt then generated tokens: what the KV cache holds, and more.
+    pub tokens: Vec<u32>,
+    /// Prompt tokens that came from the prefix cache.
+    pub cached_tokens: usize,
 }
 
 /// What a row does in one step.
@@ -26,7 +30,8 @@ pub(super) enum Work {
 impl Row {
     pub fn new(id: RequestId, request: SubmitRequest, events: tokio::sync::mpsc::Sender<EngineEvent>, cache: KvCache) -> mlx::Result<Row> {
         let sampler = Sampler::new(request.sampling.clone())?;
-        Ok(Row { id, request, events, cache, sampler, prefilled: 0, generated: 0, pending_token: None })
+        let tokens = request.prompt.clone();
+        Ok(Row { id, request, events, cache, sampler, prefilled: 0, generated: 0, pending_token: None, tokens, cached_tokens: 0 })
     }
 
     pub fn prompt_remaining(&self) -> usize {
@@ -57,6 +62,20 @@ impl Row {
         }
     }
 
+    /// Starts this row from a prefix-cache hit of `len` prompt tokens.
+    pub fn resume_from(&mut self, cache: KvCache, len: usize) {
+        self.cache = cache;
+        self.prefilled = len;
+        self.cached_tokens = len;
+    }
+
+    /// The tokens whose keys and values the cache holds, with the cache.
+    pub fn into_cached_state(self) -> (Vec<u32>, KvCache) {
+        let mut tokens = self.tokens;
+        tokens.truncate(self.cache.len());
+        (tokens, self.cache)
+    }
+
     /// Whether the step's forward ends with a token to sample: every decode
     /// step, and the prefill chunk that completes the prompt.
     pub fn samples_after(&self, work: &Work) -> bool {
@@ -67,7 +86,7 @@ impl Row {
         EngineEvent::Finished(FinishInfo {
             reason,
             prompt_tokens: self.request.prompt.len(),
-            cached_tokens: 0,
+            cached_tokens: self.cached_tokens,
             completion_tokens: self.generated,
         })
     }

@@ -9,6 +9,7 @@ use std::collections::VecDeque;
 use std::sync::mpsc::{Receiver, Sender, TryRecvError};
 use std::time::Instant;
 
+use super::prefix::PrefixCache;
 use super::row::{logprobs_of, Row, Work};
 use super::{Command, EngineEvent, EngineModelInfo, EngineStats, Finish, RequestId, SubmitRequest};
 use crate::loaded::LoadedModel;
@@ -30,8 +31,13 @@ pub struct EngineConfig {
     pub event_buffer: usize,
     /// KV cache bytes all running rows may reserve together.
     pub kv_budget_bytes: usize,
-    /// Return MLX's cached buffers to the system every this many steps.
+    /// Run the prefix cache's maintenance and return MLX's cached buffers
+    /// to the system every this many steps.
     pub reclaim_every_steps: u64,
+    /// KV bytes the prefix cache may hold.
+    pub prefix_cache_bytes: usize,
+    /// Tokens per prefix-cache block (the granularity of matches).
+    pub prefix_block_tokens: usize,
 }
 
 impl Default for EngineConfig {
@@ -46,6 +52,8 @@ impl Default for EngineConfig {
             event_buffer: 64,
             kv_budget_bytes: 4 << 30,
             reclaim_every_steps: 256,
+            prefix_cache_bytes: 1 << 30,
+            prefix_block_tokens: 16,
         }
     }
 }
@@ -69,6 +77,7 @@ struct Engine {
     shutting_down: bool,
     /// Where the next step's round-robin starts, so no row is always last.
     rotate: usize,
+    prefix: PrefixCache,
 }
 
 pub(super) fn run<F>(config: EngineConfig, load: F, rx: Receiver<Command>, info_tx: Sender<anyhow::Result<EngineModelInfo>>)
@@ -93,7 +102,15 @@ where
         weight_bytes: model.transformer.nbytes(),
     };
     let _ = info_tx.send(Ok(info));
+    let namespace = {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (model.path.display().to_string(), format!("{:?}", model.transformer.dtype), model.transformer.weight_form()).hash(&mut h);
+        h.finish()
+    };
+    let prefix = PrefixCache::new(config.prefix_cache_bytes, config.prefix_block_tokens, namespace);
     let mut engine = Engine {
+        prefix,
         config,
         model: model.transformer,
         kv_bytes_per_token,
@@ -137,6 +154,7 @@ impl Engine {
                 self.fail_all(&format!("engine step failed: {e}"));
             }
             if self.stats.steps % self.config.reclaim_every_steps == 0 {
+                self.prefix.maintain();
                 let _ = mlx::memory::clear_cache();
             }
             if self.running.iter().all(|r| !r.can_publish()) && !self.running.is_empty() {
@@ -165,6 +183,7 @@ impl Engine {
             Command::Stats { reply } => {
                 let _ = reply.send(self.snapshot());
             }
+            Command::DropScope { scope } => self.prefix.drop_scope(&scope),
             Command::Shutdown => self.shutting_down = true,
         }
     }
@@ -208,7 +227,12 @@ impl Engine {
             let w = self.waiting.pop_front().expect("front exists");
             let queue_ms = w.queued_at.elapsed().as_secs_f64() * 1e3;
             match Row::new(w.id, w.request, w.events.clone(), self.model.new_cache()) {
-                Ok(row) => {
+                Ok(mut row) => {
+                    if let Some(scope) = &row.request.cache_scope {
+                        if let Some((cache, len)) = self.prefix.lookup(scope, &row.request.prompt) {
+                            row.resume_from(cache, len);
+                        }
+                    }
                     let _ = row.events.try_send(EngineEvent::Started { queue_ms });
                     self.running.push(row);
                 }
@@ -309,6 +333,7 @@ impl Engine {
                 _ => Vec::new(),
             };
             row.generated += 1;
+            row.tokens.push(id);
             self.stats.generated_tokens += 1;
             // can_publish() held when the row was scheduled, so this fits.
             if row.events.try_send(EngineEvent::Tokens { ids: vec![id], logprobs }).is_err() {
@@ -352,7 +377,13 @@ impl Engine {
     fn finish(&mut self, row: Row, reason: Finish) {
         let event = row.final_event(reason);
         let events = row.events.clone();
-        drop(row); // frees the KV cache before the consumer hears about it
+        if let Some(scope) = row.request.cache_scope.clone() {
+            // The turn's state goes back for the session's next turn.
+            let (tokens, cache) = row.into_cached_state();
+            self.prefix.insert(scope, tokens, cache);
+        } else {
+            drop(row); // frees the KV cache before the consumer hears about it
+        }
         self.deliver_final(events, event);
     }
 
@@ -386,6 +417,7 @@ impl Engine {
             active_memory: mlx::memory::active(),
             peak_memory: mlx::memory::peak(),
             cache_memory: mlx::memory::cache(),
+            prefix: self.prefix.stats(),
             ..self.stats.clone()
         }
     }

@@ -11,6 +11,10 @@ use mlx::{Array, Dtype};
 /// Capacity grows in multiples of this many tokens.
 pub const CAPACITY_STEP: usize = 256;
 
+/// Cloning shares every buffer (MLX arrays are reference-counted values): a
+/// clone is a copy-on-write snapshot, and the first write to either side
+/// copies that layer's buffer because it is no longer uniquely held.
+#[derive(Clone)]
 pub struct KvCache {
     layers: Vec<Option<(Array, Array)>>,
     len: usize,

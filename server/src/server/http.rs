@@ -10,8 +10,8 @@ use hyper::body::{Bytes, Incoming};
 use hyper::header::{self, HeaderMap, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
-use subtle::ConstantTimeEq;
 use protocol::{ErrorCode, ServerMessage};
+use subtle::ConstantTimeEq;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
 use tokio_tungstenite::WebSocketStream;
@@ -53,7 +53,7 @@ fn refuse(status: StatusCode, code: ErrorCode, message: &str) -> Response<Body> 
     json(status, ServerMessage::error(code, message, None).to_json())
 }
 
-fn header_str<'a>(h: &'a HeaderMap, name: header::HeaderName) -> impl Iterator<Item = &'a str> {
+fn header_str(h: &HeaderMap, name: header::HeaderName) -> impl Iterator<Item = &str> {
     h.get_all(name).into_iter().filter_map(|v| v.to_str().ok())
 }
 
@@ -63,7 +63,11 @@ fn has_token(h: &HeaderMap, name: header::HeaderName, token: &str) -> bool {
 
 /// Subprotocols the client offered, in order.
 fn offered_protocols(h: &HeaderMap) -> Vec<String> {
-    header_str(h, header::SEC_WEBSOCKET_PROTOCOL).flat_map(|v| v.split(',')).map(|p| p.trim().to_string()).filter(|p| !p.is_empty()).collect()
+    header_str(h, header::SEC_WEBSOCKET_PROTOCOL)
+        .flat_map(|v| v.split(','))
+        .map(|p| p.trim().to_string())
+        .filter(|p| !p.is_empty())
+        .collect()
 }
 
 fn percent_decode(s: &str) -> Option<String> {
@@ -127,7 +131,7 @@ fn upgrade(state: Arc<ServerState>, mut req: Request<Incoming>) -> Response<Body
         r.headers_mut().insert(header::UPGRADE, HeaderValue::from_static("websocket"));
         return r;
     };
-    if h.get(header::SEC_WEBSOCKET_VERSION).map_or(true, |v| v != "13") {
+    if !matches!(h.get(header::SEC_WEBSOCKET_VERSION), Some(v) if v == "13") {
         let mut r = json(StatusCode::UPGRADE_REQUIRED, serde_json::json!({"error": "WebSocket version 13 is required"}).to_string());
         r.headers_mut().insert(header::SEC_WEBSOCKET_VERSION, HeaderValue::from_static("13"));
         return r;
@@ -135,7 +139,8 @@ fn upgrade(state: Arc<ServerState>, mut req: Request<Incoming>) -> Response<Body
     let cfg = &state.config;
     if !cfg.allowed_origins.is_empty() {
         if let Some(origin) = h.get(header::ORIGIN) {
-            let allowed = origin.to_str().is_ok_and(|o| cfg.allowed_origins.iter().any(|a| a.eq_ignore_ascii_case(o.trim_end_matches('/'))));
+            let allowed =
+                origin.to_str().is_ok_and(|o| cfg.allowed_origins.iter().any(|a| a.eq_ignore_ascii_case(o.trim_end_matches('/'))));
             if !allowed {
                 state.metrics.error(ErrorCode::OriginNotAllowed);
                 let shown = String::from_utf8_lossy(origin.as_bytes()).chars().take(100).collect::<String>();
@@ -248,9 +253,6 @@ async fn metrics(state: &ServerState) -> Response<Body> {
     state.metrics.sessions.set(state.sessions.len() as i64);
     let body = state.metrics.render(stats.as_ref());
     let mut r = Response::new(Full::new(Bytes::from(body)));
-    r.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
-    );
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"));
     r
 }

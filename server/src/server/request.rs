@@ -4,8 +4,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use protocol::{
-    Delta, Done, ErrorCode, FimInput, FinishReason, GenerateInput, GenerateRequest, ProtocolError, ServerMessage,
-    Timing, TokenLogprob as WireLogprob, TopLogprob, Usage,
+    Delta, Done, ErrorCode, FimInput, FinishReason, GenerateInput, GenerateRequest, ProtocolError, ServerMessage, Timing,
+    TokenLogprob as WireLogprob, TopLogprob, Usage,
 };
 use tokio::sync::mpsc;
 
@@ -101,7 +101,7 @@ fn fim_ids(tok: &TextTokenizer, fim: &FimTokens, f: &FimInput, ids: &mut Vec<u32
         }
         match fim.file_sep {
             Some(sep) => ids.push(sep),
-            None => text.insert_str(0, "\n"),
+            None => text.insert(0, '\n'),
         }
         ids.extend(enc(&text)?);
     }
@@ -135,6 +135,7 @@ pub fn submit_request(state: &ServerState, req: &GenerateRequest, prompt: Vec<u3
         stop_ids: state.tokenizer.eos_ids().to_vec(),
         logprobs: req.logprobs.then(|| req.top_logprobs.unwrap_or(0)),
         prefill_chunk: req.chunk_size.map(|c| (c as usize).min(state.config.max_prefill_chunk)),
+        cache_scope: None,
         deadline: req.max_time_ms.map(|ms| received + Duration::from_millis(ms as u64)),
     }
 }
@@ -151,10 +152,7 @@ pub async fn start(
     let rid = req.request_id.clone();
     let with_id = |e: ProtocolError| e.with_request_id(rid.clone());
     if state.is_draining() {
-        return Err(with_id(ProtocolError::new(
-            ErrorCode::Cancelled,
-            "the server is shutting down and accepts no new requests",
-        )));
+        return Err(with_id(ProtocolError::new(ErrorCode::Cancelled, "the server is shutting down and accepts no new requests")));
     }
     req.check_limits(&state.limits)?;
     if matches!(req.input, GenerateInput::Fim(_)) && state.fim.is_none() {
@@ -165,12 +163,15 @@ pub async fn start(
         let state = state.clone();
         let req = req.clone();
         tokio::task::spawn_blocking(move || {
-            let prompt = tokenize(&state.tokenizer, state.fim.as_ref(), &req.input).map_err(|e| e.with_request_id(req.request_id.clone()))?;
+            let prompt =
+                tokenize(&state.tokenizer, state.fim.as_ref(), &req.input).map_err(|e| e.with_request_id(req.request_id.clone()))?;
             req.check_prompt_tokens(prompt.len(), &state.limits)?;
             Ok::<_, ProtocolError>(submit_request(&state, &req, prompt, received))
         })
         .await
-        .unwrap_or_else(|e| Err(ProtocolError::new(ErrorCode::Internal, format!("tokenizer task failed: {e}")).with_request_id(rid.clone())))
+        .unwrap_or_else(|e| {
+            Err(ProtocolError::new(ErrorCode::Internal, format!("tokenizer task failed: {e}")).with_request_id(rid.clone()))
+        })
     };
     let submit = match prepared {
         Ok(s) => s,
@@ -253,9 +254,7 @@ impl Forwarder {
                 .map(|l| WireLogprob {
                     token_id: l.token_id,
                     logprob: finite(l.logprob),
-                    top: (top > 0).then(|| {
-                        l.top.iter().map(|&(token_id, lp)| TopLogprob { token_id, logprob: finite(lp) }).collect()
-                    }),
+                    top: (top > 0).then(|| l.top.iter().map(|&(token_id, lp)| TopLogprob { token_id, logprob: finite(lp) }).collect()),
                 })
                 .collect(),
         )
@@ -303,7 +302,8 @@ impl Forwarder {
                         }
                     };
                     seq += 1;
-                    let delta = Delta { request_id: self.request_id.clone(), seq, text, token_ids: ids, logprobs: self.wire_logprobs(&logprobs) };
+                    let delta =
+                        Delta { request_id: self.request_id.clone(), seq, text, token_ids: ids, logprobs: self.wire_logprobs(&logprobs) };
                     if !self.push(Some(seq), ServerMessage::Delta(delta), false).await {
                         alive = false;
                         self.state.engine.cancel(self.engine_id);

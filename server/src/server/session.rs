@@ -23,8 +23,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use dashmap::DashMap;
-use subtle::ConstantTimeEq;
 use protocol::{ErrorCode, ProtocolError, ServerMessage};
+use subtle::ConstantTimeEq;
 use tokio::sync::{watch, Notify};
 
 use crate::engine::{EngineHandle, RequestId};
@@ -42,11 +42,7 @@ impl CloseReason {
     /// A fatal protocol error: the `error` frame, then its close code.
     pub fn fatal(code: ErrorCode, message: impl Into<String>) -> CloseReason {
         let message = message.into();
-        CloseReason {
-            code: code.close_code().unwrap_or(1011),
-            reason: truncate_reason(&message),
-            error: Some((code, message)),
-        }
+        CloseReason { code: code.close_code().unwrap_or(1011), reason: truncate_reason(&message), error: Some((code, message)) }
     }
 
     /// A normal closure without an error frame.
@@ -59,11 +55,7 @@ impl CloseReason {
     }
 
     fn too_slow(after: Duration) -> CloseReason {
-        CloseReason {
-            code: 1008,
-            reason: format!("client stopped reading for {} ms", after.as_millis()),
-            error: None,
-        }
+        CloseReason { code: 1008, reason: format!("client stopped reading for {} ms", after.as_millis()), error: None }
     }
 }
 
@@ -256,6 +248,8 @@ pub struct Resumed {
     /// errors, then the replayed frames in their original order.
     pub initial: Vec<Arc<str>>,
     pub replayed: usize,
+    /// How many of the listed requests got `replay_unavailable`.
+    pub unavailable: usize,
 }
 
 pub struct Session {
@@ -286,12 +280,7 @@ impl Session {
     /// Checks the token and takes the session over for `conn`: the old
     /// connection (if any) is closed, missed frames of the requests in
     /// `last_seq` are collected for replay, and a new token is issued.
-    pub fn resume(
-        &self,
-        conn: Arc<ConnCtl>,
-        token: &str,
-        last_seq: &BTreeMap<String, u64>,
-    ) -> Result<Resumed, ProtocolError> {
+    pub fn resume(&self, conn: Arc<ConnCtl>, token: &str, last_seq: &BTreeMap<String, u64>) -> Result<Resumed, ProtocolError> {
         let mut to_cancel = Vec::new();
         let mut g = self.lock();
         if g.closed {
@@ -337,10 +326,11 @@ impl Session {
                 initial.push(Arc::from(msg.to_json()));
             }
         }
+        let unavailable = initial.len();
         let mut replayed = 0;
         for e in &g.ring {
             if let Some(&(key, last)) = replay.get(&*e.request_id) {
-                if e.key == key && e.seq.map_or(true, |s| s > last) {
+                if e.key == key && !matches!(e.seq, Some(s) if s <= last) {
                     initial.push(e.json.clone());
                     replayed += 1;
                 }
@@ -355,7 +345,7 @@ impl Session {
         drop(g);
         self.cancel_in_engine(to_cancel);
         self.space.notify_waiters();
-        Ok(Resumed { token, initial, replayed })
+        Ok(Resumed { token, initial, replayed, unavailable })
     }
 
     /// The connection is gone: the session waits for a resume (TTL).
@@ -373,7 +363,7 @@ impl Session {
     pub fn register(&self, conn_id: u64, request_id: &str) -> Result<u64, ProtocolError> {
         let mut g = self.lock();
         let err = |code, msg: String| Err(ProtocolError::new(code, msg).with_request_id(request_id));
-        if g.closed || !g.attached.as_ref().is_some_and(|a| a.conn.id == conn_id) {
+        if g.closed || !matches!(&g.attached, Some(a) if a.conn.id == conn_id) {
             return err(ErrorCode::NoSession, "this connection no longer holds the session".into());
         }
         if let Some(r) = g.requests.get(request_id) {

@@ -10,10 +10,7 @@ use std::time::{Duration, Instant};
 use futures_util::{SinkExt, StreamExt};
 use hyper::upgrade::Upgraded;
 use hyper_util::rt::TokioIo;
-use protocol::{
-    parse_client, ClientMessage, ErrorCode, Pong, ProtocolError, ServerMessage, SessionOpen, SessionReady,
-    PROTOCOL_VERSION,
-};
+use protocol::{parse_client, ClientMessage, ErrorCode, Pong, ProtocolError, ServerMessage, SessionOpen, SessionReady, PROTOCOL_VERSION};
 use tokio::sync::{mpsc, watch};
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
@@ -248,6 +245,9 @@ impl Reader {
                 match session.resume(self.conn.clone(), token, open.last_seq.as_ref().unwrap_or(&empty)) {
                     Ok(r) => {
                         self.state.metrics.replayed_frames.inc_by(r.replayed as u64);
+                        for _ in 0..r.unavailable {
+                            self.state.metrics.error(ErrorCode::ReplayUnavailable);
+                        }
                         (session, r.token, r.initial, true)
                     }
                     Err(e) => return self.error(e).await,

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# Load benchmark: the real `tether serve` over WebSockets beside mlx-lm's server
+# (mlx_lm.server, same MLX version, same weights in the same precision: Tether
+# with --weights dense = float32 on CPU, mlx-lm on the float32 HF conversion of
+# the same GGUF made by bench/peer/setup.sh), driven by bench/load.py, in one run,
+# then a side-by-side table with ratios tether / mlx-lm.
+#
+#   decode   aggregate decode tok/s and TTFT at 1, 8 and 32 concurrent streams
+#            (prompt ~32 tokens, 64 tokens each, every stream runs to max_tokens)
+#   admit    ITL p50/p99 of 8 decoding streams while a 2,000-token prompt is
+#            prefilled, and that prompt's TTFT; Tether with chunked prefill (the
+#            server's default chunk) and "unchunked" (chunk_size 4096 on the long
+#            request, capped by the server); mlx-lm with its default
+#            --prefill-step-size 2048 (unchunked for this prompt) and, on a second
+#            server, --prefill-step-size $MLX_CHUNK (chunked, like Tether's default).
+# See bench/load.py's header for the exact definitions.
+#
+# One server at a time (never two: the CPU is shared), each on 127.0.0.1 and a
+# free port, killed when its part is over and on any exit. Every request loop is
+# bounded in count and time. Defaults take about 5-6 minutes on a 2-core x86 CPU.
+#
+# usage: bench/load.sh
+# env:   MODELS="smollm2-135m"      known model names (space-separated)
+#        TETHER_WEIGHTS=dense       dense (float32 on CPU, mlx-lm's precision) or quantized
+#        TETHER_DEVICE=cpu          --device for tether serve
+#        MLX_CHUNK=256              mlx-lm's chunked prefill step ("" skips that server)
+#        LOAD_ARGS="..."            extra bench/load.py arguments, for both engines
+#                                   (e.g. "--streams 1,8 --max-tokens 128 --long-prompt-tokens 1000")
+#        OUT=DIR                    where results.jsonl and the server logs go (default: a temp dir)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPO="$PWD"
+MODELS=${MODELS:-smollm2-135m}
+TETHER_WEIGHTS=${TETHER_WEIGHTS:-dense}
+TETHER_DEVICE=${TETHER_DEVICE:-cpu}
+MLX_CHUNK=${MLX_CHUNK-256}
+PEER="${TETHER_CACHE:-$HOME/.cache/tether}/peer"
+PY="$PEER/venv/bin/python"
+OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
+RESULTS="$OUT/results.jsonl"
+read -r -a EXTRA <<<"${LOAD_ARGS:-}"
+
+log() { printf '[load.sh] %s\n' "$*" >&2; }
+
+SERVER_PID=""
+stop_server() {
+  [ -n "$SERVER_PID" ] || return 0
+  if kill -0 "$SERVER_PID" 2>/dev/null; then
+    kill "$SERVER_PID" 2>/dev/null || true
+    for _ in $(seq 50); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.2; done
+    kill -9 "$SERVER_PID" 2>/dev/null || true
+  fi
+  wait "$SERVER_PID" 2>/dev/null || true
+  SERVER_PID=""
+}
+trap stop_server EXIT
+trap 'exit 130' INT TERM
+
+# wait_http URL LOGFILE SECONDS: until URL answers 200 (the server still alive)
+wait_http() {
+  local url="$1" logf="$2" deadline=$((SECONDS + $3))
+  while [ $SECONDS -lt $deadline ]; do
+    kill -0 "$SERVER_PID" 2>/dev/null || { log "server exited; its log:"; tail -20 "$logf" >&2; return 1; }
+    curl -sf -m 2 -o /dev/null "$url" && return 0
+    sleep 0.5
+  done
+  log "no answer from $url after $3 s; log:"; tail -20 "$logf" >&2
+  return 1
+}
+
+free_port() {
+  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+cargo build --release --locked -p tether
+bench/peer/setup.sh $MODELS >&2
+
+echo "# load benchmark $(date -u +%FT%TZ): $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores; load average at start: $(cut -d' ' -f1-3 /proc/loadavg)" | tee "$OUT/header.txt"
+
+for m in $MODELS; do
+  dir="$PEER/models/$m-f32"
+  common=(--model-dir "$dir" --label "$m" --out "$RESULTS" "${EXTRA[@]}")
+
+  # Tether
+  tlog="$OUT/tether-$m.log"
+  target/release/tether serve --model "$m" --device "$TETHER_DEVICE" --weights "$TETHER_WEIGHTS" --host 127.0.0.1 --port 0 >"$tlog" 2>&1 &
+  SERVER_PID=$!
+  port=""
+  for _ in $(seq 240); do
+    port=$(sed -n 's#.*listening on http://127\.0\.0\.1:\([0-9]*\).*#\1#p' "$tlog" | head -1)
+    [ -n "$port" ] && break
+    kill -0 "$SERVER_PID" 2>/dev/null || break
+    sleep 0.5
+  done
+  [ -n "$port" ] || { log "tether serve did not start; log:"; tail -20 "$tlog" >&2; exit 1; }
+  wait_http "http://127.0.0.1:$port/healthz" "$tlog" 60
+  log "tether ($m, $TETHER_WEIGHTS weights) on :$port"
+  timeout 900 "$PY" bench/load.py --engine tether --url "http://127.0.0.1:$port" "${common[@]}" || log "tether run failed (rc $?)"
+  stop_server
+
+  # mlx-lm, default prefill step (2048): decode + unchunked admission
+  steps=(2048)
+  [ -n "$MLX_CHUNK" ] && steps+=("$MLX_CHUNK")
+  for step in "${steps[@]}"; do
+    mlog="$OUT/mlx-lm-$m-step$step.log"
+    port=$(free_port)
+    "$PEER/venv/bin/mlx_lm.server" --model "$dir" --host 127.0.0.1 --port "$port" --prefill-step-size "$step" >"$mlog" 2>&1 &
+    SERVER_PID=$!
+    wait_http "http://127.0.0.1:$port/health" "$mlog" 180
+    log "mlx-lm ($m, float32, prefill step $step) on :$port"
+    if [ "$step" = 2048 ]; then work=decode,admit; else work=admit; fi
+    timeout 900 "$PY" bench/load.py --engine mlx-lm --url "http://127.0.0.1:$port" --workloads "$work" \
+      --mlx-prefill-step "$step" "${common[@]}" || log "mlx-lm run failed (rc $?)"
+    stop_server
+  done
+done
+
+echo "# load average at end: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/header.txt"
+cat "$OUT/header.txt"
+echo "# tether: --weights $TETHER_WEIGHTS --device $TETHER_DEVICE; mlx-lm $("$PY" -c 'import importlib.metadata as m; print(m.version("mlx-lm"), "on mlx", m.version("mlx"))') float32"
+"$PY" bench/load.py --report "$RESULTS"
+echo "raw results: $RESULTS"

@@ -1,0 +1,105 @@
+//! The prefix cache through the real engine: a session's second turn reuses
+//! its first turn's KV state, outputs stay identical, scopes are isolated,
+//! the byte budget holds, and dropping a scope frees its entries.
+mod common;
+
+use common::*;
+use tether::engine::{EngineConfig, EngineEvent, EngineHandle, FinishInfo, Scope, SubmitRequest};
+use tether::loaded::LoadedModel;
+use tether::model::LoadOptions;
+use tether::sample::SamplingParams;
+
+fn start(config: EngineConfig) -> EngineHandle {
+    let path = model_path("smollm2-135m");
+    EngineHandle::start(config, move || {
+        mlx::set_default_device(mlx::Device::Cpu)?;
+        Ok(LoadedModel::load_path("smollm2-135m", &path, LoadOptions::for_device(mlx::Device::Cpu))?)
+    })
+    .unwrap()
+}
+
+async fn run(engine: &EngineHandle, prompt: &[u32], max_tokens: usize, scope: Option<&str>) -> (Vec<u32>, FinishInfo) {
+    let req = SubmitRequest {
+        prompt: prompt.to_vec(),
+        max_tokens,
+        sampling: SamplingParams::default(),
+        stop_ids: vec![],
+        logprobs: None,
+        prefill_chunk: None,
+        deadline: None,
+        cache_scope: scope.map(|s| Scope::Session(s.to_string())),
+    };
+    let (_, mut rx) = engine.submit(req).unwrap();
+    let mut ids = Vec::new();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            EngineEvent::Tokens { ids: t, .. } => ids.extend(t),
+            EngineEvent::Finished(f) => return (ids, f),
+            EngineEvent::Failed { message } => panic!("{message}"),
+            EngineEvent::Started { .. } => {}
+        }
+    }
+    panic!("no final event")
+}
+
+/// A 60-token first turn (the story prompt repeated).
+fn first_turn() -> Vec<u32> {
+    let fx = read_json("greedy/smollm2.json");
+    let p = ids(&fx["cases"][4]["prompt_ids"]);
+    p.iter().copied().cycle().take(60).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn second_turn_hits_and_matches_uncached_output() {
+    let engine = start(EngineConfig::default());
+    let turn1 = first_turn();
+    let (out1, f1) = run(&engine, &turn1, 10, Some("a")).await;
+    assert_eq!(f1.cached_tokens, 0);
+
+    // Turn 2: the whole history plus a new user message.
+    let mut turn2 = turn1.clone();
+    turn2.extend(&out1);
+    turn2.extend([198, 504, 2988]);
+    let (cached, f2) = run(&engine, &turn2, 12, Some("a")).await;
+    // The cache holds prompt + all but the last generated token, in 16-token blocks.
+    let held = turn1.len() + out1.len() - 1;
+    assert_eq!(f2.cached_tokens, held / 16 * 16, "cached {} of {}", f2.cached_tokens, turn2.len());
+    let (uncached, f3) = run(&engine, &turn2, 12, None).await;
+    assert_eq!(f3.cached_tokens, 0);
+    assert_eq!(cached, uncached, "a cache hit must not change greedy output");
+
+    // Isolation: the same prompt in another session finds nothing.
+    let (_, other) = run(&engine, &turn2, 2, Some("b")).await;
+    assert_eq!(other.cached_tokens, 0);
+
+    // A partial hit: only the first 40 tokens are shared.
+    let mut partial = turn1[..40].to_vec();
+    partial.extend([28, 29, 30, 31, 32, 33, 34, 35, 36, 37]);
+    let (_, fp) = run(&engine, &partial, 2, Some("a")).await;
+    assert_eq!(fp.cached_tokens, 32);
+
+    let stats = engine.stats().await.unwrap();
+    assert!(stats.prefix.hits >= 2 && stats.prefix.entries >= 1, "{:?}", stats.prefix);
+
+    engine.drop_scope(Scope::Session("a".into()));
+    engine.drop_scope(Scope::Session("b".into()));
+    let stats = engine.stats().await.unwrap();
+    assert_eq!((stats.prefix.entries, stats.prefix.bytes), (0, 0), "{:?}", stats.prefix);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn byte_budget_holds_by_evicting() {
+    // One entry of this model (30 layers x 3 KV heads x 64 x 256 positions x
+    // 2 x 4 bytes) is about 11.8 MB: a 20 MB budget holds one, not three.
+    let budget = 20 << 20;
+    let engine = start(EngineConfig { prefix_cache_bytes: budget, ..Default::default() });
+    let turn = first_turn();
+    for s in ["x", "y", "z"] {
+        run(&engine, &turn, 2, Some(s)).await;
+        let stats = engine.stats().await.unwrap();
+        assert!(stats.prefix.bytes <= budget, "{:?}", stats.prefix);
+    }
+    let stats = engine.stats().await.unwrap();
+    assert!(stats.prefix.evictions >= 2, "{:?}", stats.prefix);
+    assert_eq!(stats.prefix.entries, 1);
+}
