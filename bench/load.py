@@ -450,6 +450,8 @@ class Bench:
             itl_window_p50_ms=ms(pct(window, 50)),
             itl_window_p99_ms=ms(pct(window, 99)),
             itl_window_max_ms=ms(max(window) if window else None),
+            itl_steady_mean_ms=ms(statistics.mean(steady) if steady else None),
+            itl_window_mean_ms=ms(statistics.mean(window) if window else None),
             window_gaps=len(window),
             steady_gaps=len(steady),
             window_decode_tok_s=window_tokens / (t_first - t_sub),
@@ -536,13 +538,13 @@ def report(path):
         ns = sorted({r["streams"] for r in rs if r["workload"] == "decode"})
         for n in ns:
             t, p = last("tether", workload="decode", streams=n), last("mlx-lm", workload="decode", streams=n)
-            line(f"decode tok/s, aggregate, {n} streams", ("agg_tok_s", "tok/s"), "higher", t, p)
+            line(f"decode tok/s, aggregate, {n} stream{'s' * (n > 1)}", ("agg_tok_s", "tok/s"), "higher", t, p)
         for n in ns:
             t, p = last("tether", workload="decode", streams=n), last("mlx-lm", workload="decode", streams=n)
-            line(f"TTFT mean (s), {n} streams started together", ("ttft_mean_s", "s"), "lower", t, p)
+            line(f"TTFT mean (s), {n} stream{'s' * (n > 1)} started together", ("ttft_mean_s", "s"), "lower", t, p)
         for n in ns:
             t, p = last("tether", workload="decode", streams=n), last("mlx-lm", workload="decode", streams=n)
-            line(f"TTFT p50 (s), {n} streams started together", ("ttft_p50_s", "s"), "lower", t, p)
+            line(f"TTFT p50 (s), {n} stream{'s' * (n > 1)} started together", ("ttft_p50_s", "s"), "lower", t, p)
         for setting in ("chunked", "unchunked"):
             t = last("tether", workload="admit", setting=setting)
             p = last("mlx-lm", workload="admit", setting=setting)

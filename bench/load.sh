@@ -76,7 +76,7 @@ free_port() {
 cargo build --release --locked -p tether
 bench/peer/setup.sh $MODELS >&2
 
-echo "# load benchmark $(date -u +%FT%TZ): $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores; load average at start: $(cut -d' ' -f1-3 /proc/loadavg)" | tee "$OUT/header.txt"
+echo "# load benchmark $(date -u +%FT%TZ): $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores; load average at start: $(cut -d' ' -f1-3 /proc/loadavg)" >"$OUT/header.txt"
 
 for m in $MODELS; do
   dir="$PEER/models/$m-f32"
@@ -116,7 +116,7 @@ for m in $MODELS; do
   done
 done
 
-echo "# load average at end: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/header.txt"
+echo "# load average at end: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$OUT/header.txt"
 cat "$OUT/header.txt"
 echo "# tether: --weights $TETHER_WEIGHTS --device $TETHER_DEVICE; mlx-lm $("$PY" -c 'import importlib.metadata as m; print(m.version("mlx-lm"), "on mlx", m.version("mlx"))') float32"
 "$PY" bench/load.py --report "$RESULTS"

@@ -96,6 +96,7 @@ pub(crate) mod bridge {
         fn gpu_available() -> bool;
         fn default_device_name() -> String;
         fn synchronize() -> Result<()>;
+        fn call_at_exit(f: fn());
 
         fn load_safetensors(path: &str) -> Result<UniquePtr<SafetensorsFile>>;
         fn safetensors_len(f: &SafetensorsFile) -> usize;

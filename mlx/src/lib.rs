@@ -55,3 +55,11 @@ pub fn default_device() -> Device {
 pub fn synchronize() -> Result<()> {
     ffi::bridge::synchronize().map_err(|e| Error::from_cxx("synchronize", e))
 }
+
+/// Runs `f` when the process exits normally, before MLX tears down its
+/// global state. Threads that own MLX arrays must be stopped by then (a
+/// thread still using MLX while its statics are destroyed corrupts the heap).
+/// Call after MLX has been used at least once in the process.
+pub fn call_at_exit(f: fn()) {
+    ffi::bridge::call_at_exit(f)
+}

@@ -247,6 +247,24 @@ rust::String default_device_name() {
 }
 void synchronize() { mx::synchronize(); }
 
+namespace {
+std::vector<rust::Fn<void()>>& exit_hooks() {
+  static std::vector<rust::Fn<void()>> hooks;
+  return hooks;
+}
+void run_exit_hooks() {
+  auto& hooks = exit_hooks();
+  for (auto it = hooks.rbegin(); it != hooks.rend(); ++it) (*it)();
+}
+}  // namespace
+
+void call_at_exit(rust::Fn<void()> f) {
+  // MLX's statics are constructed by now (the engine has run ops), so an
+  // atexit handler registered here runs before their destructors.
+  if (exit_hooks().empty()) std::atexit(run_exit_hooks);
+  exit_hooks().push_back(f);
+}
+
 std::unique_ptr<SafetensorsFile> load_safetensors(rust::Str path) {
   auto [tensors, meta] = mx::load_safetensors(std::string(path));
   auto f = std::make_unique<SafetensorsFile>();

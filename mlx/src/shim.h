@@ -125,6 +125,9 @@ void set_default_device(bool gpu);
 bool gpu_available();
 rust::String default_device_name();
 void synchronize();
+// Runs `f` when the process exits, before MLX's own static destructors
+// (registered later, so it runs earlier).
+void call_at_exit(rust::Fn<void()> f);
 
 // ---- files
 std::unique_ptr<SafetensorsFile> load_safetensors(rust::Str path);

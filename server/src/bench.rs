@@ -129,3 +129,71 @@ pub fn run_streams_bench(engine: &crate::engine::EngineHandle, name: &str, promp
         })
     })
 }
+
+#[derive(Debug, Serialize)]
+pub struct AgentTurn {
+    pub engine: &'static str,
+    pub cache: bool,
+    pub turn: usize,
+    pub history_tokens: usize,
+    pub cached_tokens: usize,
+    pub ttft_ms: f64,
+}
+
+/// A multi-turn agent session: each turn sends the whole history plus
+/// `new_tokens` new ones and generates `gen` tokens; returns time to first
+/// token per turn, with the session's prefix cache on or off.
+pub fn run_agent_bench(
+    engine: &crate::engine::EngineHandle,
+    tokenizer: &crate::tokenizer::TextTokenizer,
+    turns: usize,
+    new_tokens: usize,
+    gen: usize,
+    cache: bool,
+) -> anyhow::Result<Vec<AgentTurn>> {
+    use crate::engine::{EngineEvent, Scope, SubmitRequest};
+    let text = prompt_tokens_with(tokenizer, new_tokens * turns + 7)?;
+    let scope = format!("agent-bench-{}", std::process::id());
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let mut history: Vec<u32> = Vec::new();
+    let mut out = Vec::new();
+    for turn in 1..=turns {
+        history.extend(&text[(turn - 1) * new_tokens..turn * new_tokens]);
+        let req = SubmitRequest {
+            prompt: history.clone(),
+            max_tokens: gen,
+            sampling: SamplingParams::default(),
+            stop_ids: vec![],
+            logprobs: None,
+            prefill_chunk: None,
+            deadline: None,
+            cache_scope: cache.then(|| Scope::Session(scope.clone())),
+        };
+        let start = std::time::Instant::now();
+        let (_, mut rx) = engine.submit(req)?;
+        let (generated, ttft, cached) = rt.block_on(async {
+            let mut ids = Vec::new();
+            let mut ttft = None;
+            let mut cached = 0;
+            while let Some(ev) = rx.recv().await {
+                match ev {
+                    EngineEvent::Tokens { ids: t, .. } => {
+                        ttft.get_or_insert_with(|| start.elapsed());
+                        ids.extend(t);
+                    }
+                    EngineEvent::Finished(f) => {
+                        cached = f.cached_tokens;
+                        break;
+                    }
+                    EngineEvent::Failed { message } => anyhow::bail!(message),
+                    EngineEvent::Started { .. } => {}
+                }
+            }
+            Ok((ids, ttft.unwrap_or_default(), cached))
+        })?;
+        out.push(AgentTurn { engine: "tether", cache, turn, history_tokens: history.len(), cached_tokens: cached, ttft_ms: ttft.as_secs_f64() * 1e3 });
+        history.extend(generated);
+    }
+    engine.drop_scope(Scope::Session(scope));
+    Ok(out)
+}

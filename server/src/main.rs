@@ -111,6 +111,11 @@ struct BenchArgs {
     /// the single-stream prefill/decode measurement instead.
     #[arg(long, default_value_t = 0)]
     streams: usize,
+    /// Run a multi-turn agent session of this many turns instead (time to
+    /// first token per turn, prefix cache on and off); each turn adds
+    /// --prompt-tokens new tokens and generates --gen-tokens.
+    #[arg(long, default_value_t = 0)]
+    turns: usize,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -208,6 +213,23 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Generate(args) => run_generate(args),
         Command::Serve(args) => run_serve(args),
+        Command::Bench(args) if args.turns > 0 => {
+            let device = pick_device(&args.model)?;
+            let opts = load_options(&args.model)?;
+            let name = args.model.model.clone();
+            let engine = tether::engine::EngineHandle::start(tether::engine::EngineConfig::default(), move || {
+                mlx::set_default_device(device)?;
+                Ok(LoadedModel::load(&name, opts)?)
+            })?;
+            let path = registry::resolve(&args.model.model)?;
+            let tokenizer = if path.is_dir() { TextTokenizer::from_hf_dir(&path)? } else { TextTokenizer::from_gguf_path(&path)? };
+            for cache in [true, false] {
+                for turn in tether::bench::run_agent_bench(&engine, &tokenizer, args.turns, args.prompt_tokens, args.gen_tokens, cache)? {
+                    println!("{}", serde_json::to_string(&turn)?);
+                }
+            }
+            Ok(())
+        }
         Command::Bench(args) if args.streams > 0 => {
             let device = pick_device(&args.model)?;
             let opts = load_options(&args.model)?;
@@ -299,17 +321,10 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         shutdown_signal().await;
         eprintln!("[serve] shutting down: draining in-flight requests");
         server.shutdown().await;
-        // Let the engine thread finish and drop the model before the process
-        // exits (MLX's static destructors must not race a live MLX thread).
-        engine.shutdown();
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while engine.stats().await.is_some() && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
         anyhow::Ok(())
     });
-    engine.shutdown();
+    // The engine finishes what is left, drops the model and exits.
+    engine.shutdown_and_join();
     result
 }
 

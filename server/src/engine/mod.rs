@@ -12,7 +12,7 @@ mod worker;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crate::sample::SamplingParams;
@@ -138,6 +138,17 @@ pub struct EngineHandle {
     next_id: Arc<AtomicU64>,
     info: Arc<EngineModelInfo>,
     config: Arc<EngineConfig>,
+    thread: Arc<Mutex<Option<std::thread::JoinHandle<()>>>>,
+}
+
+/// Engines still running, joined when the process exits (see `start`).
+static LIVE_ENGINES: Mutex<Vec<EngineHandle>> = Mutex::new(Vec::new());
+
+fn join_live_engines() {
+    let engines = std::mem::take(&mut *LIVE_ENGINES.lock().unwrap_or_else(|e| e.into_inner()));
+    for e in engines {
+        e.shutdown_and_join();
+    }
 }
 
 impl EngineHandle {
@@ -150,11 +161,25 @@ impl EngineHandle {
         let (tx, rx) = mpsc::channel();
         let (info_tx, info_rx) = mpsc::channel();
         let cfg = config.clone();
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("tether-engine".into())
             .spawn(move || worker::run(cfg, load, rx, info_tx))?;
         let info = info_rx.recv().map_err(|_| anyhow::anyhow!("engine thread exited while loading the model"))??;
-        Ok(EngineHandle { tx, next_id: Arc::new(AtomicU64::new(1)), info: Arc::new(info), config: Arc::new(config) })
+        let handle = EngineHandle {
+            tx,
+            next_id: Arc::new(AtomicU64::new(1)),
+            info: Arc::new(info),
+            config: Arc::new(config),
+            thread: Arc::new(Mutex::new(Some(thread))),
+        };
+        // The engine thread must be gone before MLX's globals are torn down
+        // at process exit, wherever the process exits from.
+        let mut live = LIVE_ENGINES.lock().unwrap_or_else(|e| e.into_inner());
+        if live.is_empty() {
+            mlx::call_at_exit(join_live_engines);
+        }
+        live.push(handle.clone());
+        Ok(handle)
     }
 
     pub fn info(&self) -> &EngineModelInfo {
@@ -205,5 +230,15 @@ impl EngineHandle {
     /// Asks the engine to finish running requests and exit.
     pub fn shutdown(&self) {
         let _ = self.tx.send(Command::Shutdown);
+    }
+
+    /// [`shutdown`](Self::shutdown), then waits for the engine thread to
+    /// finish its requests, drop the model and exit.
+    pub fn shutdown_and_join(&self) {
+        self.shutdown();
+        let thread = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(t) = thread {
+            let _ = t.join();
+        }
     }
 }

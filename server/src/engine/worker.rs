@@ -377,8 +377,10 @@ impl Engine {
     fn finish(&mut self, row: Row, reason: Finish) {
         let event = row.final_event(reason);
         let events = row.events.clone();
-        if let Some(scope) = row.request.cache_scope.clone() {
-            // The turn's state goes back for the session's next turn.
+        let scope = row.request.cache_scope.clone().filter(|_| reason != Finish::Cancelled);
+        if let Some(scope) = scope {
+            // A finished turn's state goes back for the session's next turn;
+            // a cancelled one is freed, as the client asked.
             let (tokens, cache) = row.into_cached_state();
             self.prefix.insert(scope, tokens, cache);
         } else {

@@ -34,7 +34,7 @@ pub use metrics::Metrics;
 pub use request::{tokenize, FimTokens};
 pub use session::new_secret;
 
-use crate::engine::EngineHandle;
+use crate::engine::{EngineHandle, Scope};
 use crate::tokenizer::TextTokenizer;
 use session::{SessionLimits, SessionRegistry};
 
@@ -140,8 +140,10 @@ pub async fn serve(config: ServerConfig, engine: EngineHandle, tokenizer: Arc<Te
         replay_bytes: config.replay_bytes,
         stall_timeout: config.stall_timeout,
     };
+    let forget_engine = engine.clone();
     let state = Arc::new(ServerState {
-        sessions: SessionRegistry::new(config.max_sessions, config.session_ttl, session_limits),
+        sessions: SessionRegistry::new(config.max_sessions, config.session_ttl, session_limits)
+            .with_on_forget(move |id| forget_engine.drop_scope(Scope::Session(id.to_string()))),
         config,
         engine,
         tokenizer,

@@ -11,7 +11,7 @@ use tokio::sync::mpsc;
 
 use super::session::{Frame, Session};
 use super::ServerState;
-use crate::engine::{EngineError, EngineEvent, Finish, RequestId, SubmitRequest, TokenLogprob};
+use crate::engine::{EngineError, EngineEvent, Finish, RequestId, Scope, SubmitRequest, TokenLogprob};
 use crate::sample::SamplingParams;
 use crate::stop::{StopMatcher, StopScan};
 use crate::tokenizer::{ChatMessage, TextTokenizer, TokenizerError};
@@ -121,7 +121,9 @@ pub fn fim_unsupported() -> ProtocolError {
 }
 
 /// The engine request for a validated, tokenized `generate`.
-pub fn submit_request(state: &ServerState, req: &GenerateRequest, prompt: Vec<u32>, received: Instant) -> SubmitRequest {
+/// The session's id scopes its prefix-cache entries: its next turn resumes
+/// from this one's KV state, and no other session ever sees it.
+pub fn submit_request(state: &ServerState, session_id: &str, req: &GenerateRequest, prompt: Vec<u32>, received: Instant) -> SubmitRequest {
     SubmitRequest {
         prompt,
         max_tokens: req.max_tokens as usize,
@@ -135,7 +137,7 @@ pub fn submit_request(state: &ServerState, req: &GenerateRequest, prompt: Vec<u3
         stop_ids: state.tokenizer.eos_ids().to_vec(),
         logprobs: req.logprobs.then(|| req.top_logprobs.unwrap_or(0)),
         prefill_chunk: req.chunk_size.map(|c| (c as usize).min(state.config.max_prefill_chunk)),
-        cache_scope: None,
+        cache_scope: Some(Scope::Session(session_id.to_string())),
         deadline: req.max_time_ms.map(|ms| received + Duration::from_millis(ms as u64)),
     }
 }
@@ -162,11 +164,12 @@ pub async fn start(
     let prepared = {
         let state = state.clone();
         let req = req.clone();
+        let session_id = session.id.clone();
         tokio::task::spawn_blocking(move || {
             let prompt =
                 tokenize(&state.tokenizer, state.fim.as_ref(), &req.input).map_err(|e| e.with_request_id(req.request_id.clone()))?;
             req.check_prompt_tokens(prompt.len(), &state.limits)?;
-            Ok::<_, ProtocolError>(submit_request(&state, &req, prompt, received))
+            Ok::<_, ProtocolError>(submit_request(&state, &session_id, &req, prompt, received))
         })
         .await
         .unwrap_or_else(|e| {

@@ -591,13 +591,22 @@ pub struct SessionRegistry {
     max: usize,
     ttl: Duration,
     limits: SessionLimits,
+    /// Told each session id the registry forgets (closed or expired), so the
+    /// engine can free that session's prefix-cache entries.
+    on_forget: Box<dyn Fn(&str) + Send + Sync>,
 }
 
 const MAX_TOMBSTONES: usize = 65_536;
 
 impl SessionRegistry {
+    /// Calls `on_forget` with each session id it closes or expires.
+    pub fn with_on_forget(mut self, on_forget: impl Fn(&str) + Send + Sync + 'static) -> SessionRegistry {
+        self.on_forget = Box::new(on_forget);
+        self
+    }
+
     pub fn new(max: usize, ttl: Duration, limits: SessionLimits) -> SessionRegistry {
-        SessionRegistry { map: DashMap::new(), tombstones: Mutex::new(HashMap::new()), count: AtomicUsize::new(0), max, ttl, limits }
+        SessionRegistry { map: DashMap::new(), tombstones: Mutex::new(HashMap::new()), count: AtomicUsize::new(0), max, ttl, limits, on_forget: Box::new(|_| {}) }
     }
 
     pub fn len(&self) -> usize {
@@ -654,6 +663,7 @@ impl SessionRegistry {
 
     fn forget(&self, id: &str) {
         if self.map.remove(id).is_some() {
+            (self.on_forget)(id);
             self.count.fetch_sub(1, Ordering::AcqRel);
             let mut tombs = self.tombstones.lock().unwrap_or_else(|e| e.into_inner());
             if tombs.len() >= MAX_TOMBSTONES {

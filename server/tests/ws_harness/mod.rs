@@ -67,44 +67,11 @@ pub fn harness_for(model: &'static str, reference_prompts: &[(&str, usize)]) -> 
             Ok(LoadedModel::load(model, opts)?)
         })
         .unwrap();
-        stop_engine_at_exit(engine.clone());
         let path = model_path(model);
         let tokenizer = Arc::new(TextTokenizer::from_gguf_path(&path).unwrap());
         let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         Harness { runtime, engine, tokenizer, reference }
     })
-}
-
-extern "C" {
-    fn atexit(callback: extern "C" fn()) -> std::os::raw::c_int;
-}
-
-static ENGINE_AT_EXIT: OnceLock<EngineHandle> = OnceLock::new();
-
-/// The engine thread must be gone before the process runs MLX's static
-/// destructors (a thread still touching MLX then corrupts the heap): at
-/// exit, ask it to stop and wait until its command channel closes.
-fn stop_engine_at_exit(engine: EngineHandle) {
-    extern "C" fn stop() {
-        let Some(engine) = ENGINE_AT_EXIT.get() else { return };
-        engine.shutdown();
-        let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_time().build() else { return };
-        rt.block_on(async {
-            for _ in 0..1000 {
-                if engine.stats().await.is_none() {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-            // The channel closes just before the thread drops the model.
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        });
-    }
-    if ENGINE_AT_EXIT.set(engine).is_ok() {
-        unsafe {
-            atexit(stop);
-        }
-    }
 }
 
 impl Harness {
