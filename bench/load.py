@@ -522,7 +522,9 @@ def report(path):
 
     for m in models:
         rs = [r for r in rows if r["model"] == m]
-        print(f"\n{m}: tether vs mlx-lm, same run; ratio = tether / mlx-lm")
+        reps = max(sum(1 for r in rs if r["engine"] == e and r["workload"] == "decode" and r.get("streams") == 1) for e in ("tether", "mlx-lm"))
+        runs = f"median of {reps} runs each, " if reps > 1 else ""
+        print(f"\n{m}: tether vs mlx-lm, same script; {runs}ratio = tether / mlx-lm")
         print(f"{'metric':<52} {'tether':>9} {'mlx-lm':>9} {'ratio':>7}  better")
 
         def line(name, unit, better, t, p):
@@ -532,8 +534,21 @@ def report(path):
             print(f"{name:<52} {fmt(tv, unit[1]):>9} {fmt(pv, unit[1]):>9} {ratio:>7}  {better}")
 
         def last(engine, **kw):
+            """The matching runs merged: the median of each number over the runs
+            (repeats) that have it; other fields from the last run."""
             c = [r for r in rs if r["engine"] == engine and all(r.get(k) == v for k, v in kw.items())]
-            return c[-1] if c else None
+            if not c:
+                return None
+            merged = dict(c[-1])
+            for k, v in c[-1].items():
+                if isinstance(v, float):
+                    vals = [r[k] for r in c if isinstance(r.get(k), (int, float))]
+                    merged[k] = statistics.median(vals) if vals else None
+            for k in ("agg_tok_s", "long_ttft_s"):
+                vals = [r[k] for r in c if r.get(k) is not None]
+                merged[k] = statistics.median(vals) if vals else None
+            merged["runs"] = len(c)
+            return merged
 
         ns = sorted({r["streams"] for r in rs if r["workload"] == "decode"})
         for n in ns:

@@ -26,6 +26,7 @@
 #        MLX_CHUNK=256              mlx-lm's chunked prefill step ("" skips that server)
 #        LOAD_ARGS="..."            extra bench/load.py arguments, for both engines
 #                                   (e.g. "--streams 1,8 --max-tokens 128 --long-prompt-tokens 1000")
+#        REPS=1                     repeat everything (engines interleaved); the table shows medians
 #        OUT=DIR                    where results.jsonl and the server logs go (default: a temp dir)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +35,7 @@ MODELS=${MODELS:-smollm2-135m}
 TETHER_WEIGHTS=${TETHER_WEIGHTS:-dense}
 TETHER_DEVICE=${TETHER_DEVICE:-cpu}
 MLX_CHUNK=${MLX_CHUNK-256}
+REPS=${REPS:-1}
 PEER="${TETHER_CACHE:-$HOME/.cache/tether}/peer"
 PY="$PEER/venv/bin/python"
 OUT=${OUT:-$(mktemp -d)}
@@ -79,6 +81,8 @@ bench/peer/setup.sh $MODELS >&2
 echo "# load benchmark $(date -u +%FT%TZ): $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores; load average at start: $(cut -d' ' -f1-3 /proc/loadavg)" >"$OUT/header.txt"
 
 for m in $MODELS; do
+ for rep in $(seq "$REPS"); do
+  log "$m: run $rep of $REPS"
   dir="$PEER/models/$m-f32"
   common=(--model-dir "$dir" --label "$m" --out "$RESULTS" "${EXTRA[@]}")
 
@@ -114,6 +118,7 @@ for m in $MODELS; do
       --mlx-prefill-step "$step" "${common[@]}" || log "mlx-lm run failed (rc $?)"
     stop_server
   done
+ done
 done
 
 echo "# load average at end: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$OUT/header.txt"

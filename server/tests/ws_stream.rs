@@ -218,3 +218,28 @@ async fn healthz_metrics_and_other_routes() {
     assert_eq!(srv.http_get("/nope").await.0, 404);
     assert_eq!(srv.http_get("/v1/ws").await.0, 426, "a plain GET is not an upgrade");
 }
+
+/// Turn 2 of a chat starts from turn 1's KV state (usage.cached_tokens),
+/// with the same text as without the cache; another session with the same
+/// history gets nothing from the first session's cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sessions_second_turn_reuses_its_first_turn() {
+    let mut c = server().await.client().await;
+    c.open().await;
+    let user1 = json!({"role": "user", "content": "What is 2+2?"});
+    c.generate("turn-1", json!({"messages": [user1], "max_tokens": 16})).await;
+    let turn1 = c.collect("turn-1").await;
+    assert_eq!(turn1.done().usage.cached_tokens, 0);
+    let history = json!([user1, {"role": "assistant", "content": turn1.text()}, {"role": "user", "content": "And 3+3?"}]);
+    c.generate("turn-2", json!({"messages": history, "max_tokens": 8})).await;
+    let turn2 = c.collect("turn-2").await;
+    let cached = turn2.done().usage.cached_tokens;
+    assert!(cached >= 32 && cached < turn2.done().usage.prompt_tokens, "cached {cached} of {}", turn2.done().usage.prompt_tokens);
+
+    let mut other = server().await.client().await;
+    other.open().await;
+    other.generate("turn-2", json!({"messages": history, "max_tokens": 8})).await;
+    let uncached = other.collect("turn-2").await;
+    assert_eq!(uncached.done().usage.cached_tokens, 0, "sessions never share private entries");
+    assert_eq!(uncached.text(), turn2.text(), "a cache hit must not change the output");
+}
