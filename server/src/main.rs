@@ -42,6 +42,12 @@ enum Command {
 
 #[derive(Args)]
 struct ServeArgs {
+    /// Engine workers, each with its own copy of the model (one per device,
+    /// or replicas on one device); a session is pinned to one by its id.
+    #[arg(long, default_value_t = 1)]
+    workers: usize,
+    #[command(flatten)]
+    engine: EngineArgs,
     #[command(flatten)]
     model: ModelArgs,
     /// Address to bind.
@@ -279,6 +285,38 @@ fn secs(name: &str, v: f64) -> anyhow::Result<Duration> {
     Duration::try_from_secs_f64(v).map_err(|_| anyhow::anyhow!("--{name} must be a non-negative number of seconds, got {v}"))
 }
 
+/// The engine's scheduling knobs.
+#[derive(Args)]
+struct EngineArgs {
+    /// Prompt tokens per prefill chunk (a request may ask for its own `chunk_size`).
+    #[arg(long, default_value_t = EngineConfig::default().prefill_chunk)]
+    prefill_chunk: usize,
+    /// Tokens (decode + prefill) per engine step.
+    #[arg(long, default_value_t = EngineConfig::default().step_token_budget)]
+    step_token_budget: usize,
+    /// Requests decoding or prefilling at once (the batch).
+    #[arg(long, default_value_t = EngineConfig::default().max_running)]
+    max_running: usize,
+    /// Bytes of KV state the prefix cache may hold, in MiB.
+    #[arg(long, default_value_t = EngineConfig::default().prefix_cache_bytes >> 20)]
+    prefix_cache_mib: usize,
+}
+
+impl EngineArgs {
+    fn config(&self) -> anyhow::Result<EngineConfig> {
+        let d = EngineConfig::default();
+        anyhow::ensure!(self.prefill_chunk >= 1 && self.step_token_budget >= 1 && self.max_running >= 1, "engine sizes must be at least 1");
+        Ok(EngineConfig {
+            prefill_chunk: self.prefill_chunk,
+            max_prefill_chunk: d.max_prefill_chunk.max(self.prefill_chunk),
+            step_token_budget: self.step_token_budget,
+            max_running: self.max_running,
+            prefix_cache_bytes: self.prefix_cache_mib << 20,
+            ..d
+        })
+    }
+}
+
 fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     let device = pick_device(&args.model)?;
     let opts = load_options(&args.model)?;
@@ -308,11 +346,18 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         ..ServerConfig::default()
     };
     config.validate().map_err(anyhow::Error::msg)?;
-    let model = args.model.model.clone();
-    let engine = EngineHandle::start(EngineConfig::default(), move || {
-        mlx::set_default_device(device)?;
-        Ok(LoadedModel::load(&model, opts)?)
-    })?;
+    anyhow::ensure!(args.workers >= 1, "--workers must be at least 1");
+    let engine_config = args.engine.config()?;
+    let workers = (0..args.workers)
+        .map(|_| {
+            let model = args.model.model.clone();
+            EngineHandle::start(engine_config.clone(), move || {
+                mlx::set_default_device(device)?;
+                Ok(LoadedModel::load(&model, opts)?)
+            })
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let engine = tether::engine::EnginePool::new(workers);
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let result = runtime.block_on(async {
         let server = tether::server::serve(config, engine.clone(), Arc::new(tokenizer)).await?;

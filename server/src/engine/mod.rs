@@ -6,6 +6,7 @@
 //! never waits on a consumer: a request whose channel is full is paused (not
 //! scheduled) until it drains. Tokenization and detokenization stay at the
 //! edge, so this thread does nothing but numerics and scheduling.
+mod pool;
 mod prefix;
 mod row;
 mod worker;
@@ -17,6 +18,7 @@ use std::time::Instant;
 
 use crate::sample::SamplingParams;
 
+pub use pool::EnginePool;
 pub use prefix::{PrefixStats, Scope};
 pub use worker::EngineConfig;
 

@@ -209,7 +209,7 @@ pub fn ws_size_cap(max_frame_bytes: usize) -> usize {
 }
 
 async fn engine_stats(state: &ServerState) -> Option<crate::engine::EngineStats> {
-    tokio::time::timeout(Duration::from_secs(2), state.engine.stats()).await.ok().flatten()
+    tokio::time::timeout(Duration::from_secs(2), state.engines.stats()).await.ok().flatten()
 }
 
 async fn healthz(state: &ServerState) -> Response<Body> {

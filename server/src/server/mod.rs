@@ -34,14 +34,15 @@ pub use metrics::Metrics;
 pub use request::{tokenize, FimTokens};
 pub use session::new_secret;
 
-use crate::engine::{EngineHandle, Scope};
+use crate::engine::{EnginePool, Scope};
 use crate::tokenizer::TextTokenizer;
 use session::{SessionLimits, SessionRegistry};
 
 /// Everything the connections share.
 pub struct ServerState {
     pub config: ServerConfig,
-    pub engine: EngineHandle,
+    /// The engine workers; each session is pinned to one.
+    pub engines: EnginePool,
     pub tokenizer: Arc<TextTokenizer>,
     pub fim: Option<FimTokens>,
     pub model: ModelInfo,
@@ -120,11 +121,12 @@ pub struct ServerHandle {
 /// Binds `config.host:config.port` and serves until [`ServerHandle::shutdown`].
 /// Must be called inside a Tokio runtime. The engine is shared, not owned:
 /// stopping the server leaves it running.
-pub async fn serve(config: ServerConfig, engine: EngineHandle, tokenizer: Arc<TextTokenizer>) -> anyhow::Result<ServerHandle> {
+pub async fn serve(config: ServerConfig, engines: impl Into<EnginePool>, tokenizer: Arc<TextTokenizer>) -> anyhow::Result<ServerHandle> {
+    let engines: EnginePool = engines.into();
     config.validate().map_err(anyhow::Error::msg)?;
     let listener = TcpListener::bind((config.host.as_str(), config.port)).await?;
     let addr = listener.local_addr()?;
-    let info = engine.info().clone();
+    let info = engines.info().clone();
     let fim = FimTokens::detect(&tokenizer);
     let model = ModelInfo {
         name: config.model_name.clone().unwrap_or_else(|| info.name.clone()),
@@ -140,12 +142,12 @@ pub async fn serve(config: ServerConfig, engine: EngineHandle, tokenizer: Arc<Te
         replay_bytes: config.replay_bytes,
         stall_timeout: config.stall_timeout,
     };
-    let forget_engine = engine.clone();
+    let forget = engines.clone();
     let state = Arc::new(ServerState {
         sessions: SessionRegistry::new(config.max_sessions, config.session_ttl, session_limits)
-            .with_on_forget(move |id| forget_engine.drop_scope(Scope::Session(id.to_string()))),
+            .with_on_forget(move |id| forget.for_session(id).drop_scope(Scope::Session(id.to_string()))),
         config,
-        engine,
+        engines,
         tokenizer,
         fim,
         model,
@@ -230,8 +232,8 @@ impl ServerHandle {
         &self.state
     }
 
-    pub fn engine(&self) -> &EngineHandle {
-        &self.state.engine
+    pub fn engines(&self) -> &EnginePool {
+        &self.state.engines
     }
 
     /// Graceful shutdown: stop accepting connections, sessions and requests

@@ -185,7 +185,7 @@ pub async fn start(
     };
     let prompt_tokens = submit.prompt.len();
     let submitted = Instant::now();
-    let (engine_id, events) = match state.engine.submit(submit) {
+    let (engine_id, events) = match session.engine().submit(submit) {
         Ok(x) => x,
         Err(e) => {
             session.unregister(key, &rid);
@@ -201,7 +201,7 @@ pub async fn start(
     };
     state.request_started(prompt_tokens);
     if !session.set_engine_id(key, &rid, engine_id) {
-        state.engine.cancel(engine_id);
+        session.engine().cancel(engine_id);
     }
     let fwd = Forwarder {
         state: state.clone(),
@@ -300,7 +300,7 @@ impl Forwarder {
                         StopScan::Continue(t) => t,
                         StopScan::Stopped(t) => {
                             stopped = true;
-                            self.state.engine.cancel(self.engine_id);
+                            self.session.engine().cancel(self.engine_id);
                             t
                         }
                     };
@@ -309,7 +309,7 @@ impl Forwarder {
                         Delta { request_id: self.request_id.clone(), seq, text, token_ids: ids, logprobs: self.wire_logprobs(&logprobs) };
                     if !self.push(Some(seq), ServerMessage::Delta(delta), false).await {
                         alive = false;
-                        self.state.engine.cancel(self.engine_id);
+                        self.session.engine().cancel(self.engine_id);
                     }
                 }
                 EngineEvent::Finished(info) => {

@@ -27,7 +27,7 @@ use protocol::{ErrorCode, ProtocolError, ServerMessage};
 use subtle::ConstantTimeEq;
 use tokio::sync::{watch, Notify};
 
-use crate::engine::{EngineHandle, RequestId};
+use crate::engine::{EngineHandle, EnginePool, RequestId};
 
 /// Why the server closes a connection: an optional `error` frame, then a
 /// close frame.
@@ -262,6 +262,11 @@ pub struct Session {
 }
 
 impl Session {
+    /// The engine worker this session is pinned to.
+    pub fn engine(&self) -> &EngineHandle {
+        &self.engine
+    }
+
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -614,14 +619,17 @@ impl SessionRegistry {
     }
 
     /// A new session attached to `conn`, or `None` at the session limit.
-    pub fn create(&self, conn: Arc<ConnCtl>, engine: &EngineHandle) -> Option<(Arc<Session>, String)> {
+    /// A new session, pinned to its engine worker for its whole life.
+    pub fn create(&self, conn: Arc<ConnCtl>, engines: &EnginePool) -> Option<(Arc<Session>, String)> {
         if self.count.fetch_add(1, Ordering::AcqRel) >= self.max {
             self.count.fetch_sub(1, Ordering::AcqRel);
             return None;
         }
         let token = new_secret("rt_");
+        let id = new_secret("s_");
+        let engine = engines.for_session(&id).clone();
         let session = Arc::new(Session {
-            id: new_secret("s_"),
+            id,
             inner: Mutex::new(Inner {
                 token: token.clone(),
                 closed: false,
@@ -635,7 +643,7 @@ impl SessionRegistry {
                 ring_bytes: 0,
             }),
             space: Notify::new(),
-            engine: engine.clone(),
+            engine,
             limits: self.limits,
         });
         self.map.insert(session.id.clone(), session.clone());

@@ -257,7 +257,7 @@ impl Reader {
                 if self.state.is_draining() {
                     return self.fatal(ErrorCode::ShuttingDown, "the server is shutting down");
                 }
-                match self.state.sessions.create(self.conn.clone(), &self.state.engine) {
+                match self.state.sessions.create(self.conn.clone(), &self.state.engines) {
                     Some((s, token)) => (s, token, Vec::new(), false),
                     None => {
                         let n = self.state.config.max_sessions;

@@ -86,12 +86,22 @@ impl Harness {
     }
 
     /// Starts a server with `config` (port 0) on the harness runtime.
-    pub async fn start(&self, mut config: ServerConfig) -> TestServer {
+    pub async fn start(&self, config: ServerConfig) -> TestServer {
+        self.start_with_engines(config, self.engine.clone().into()).await
+    }
+
+    /// Like [`start`](Self::start) with several engine workers.
+    pub async fn start_with_engines(&self, mut config: ServerConfig, engines: tether::engine::EnginePool) -> TestServer {
         config.host = "127.0.0.1".into();
         config.port = 0;
-        let (engine, tok) = (self.engine.clone(), self.tokenizer.clone());
-        let handle = self.runtime.spawn(async move { tether::server::serve(config, engine, tok).await }).await.unwrap().unwrap();
+        let tok = self.tokenizer.clone();
+        let handle = self.runtime.spawn(async move { tether::server::serve(config, engines, tok).await }).await.unwrap().unwrap();
         TestServer { addr: handle.addr(), state: handle.state().clone(), handle: Mutex::new(Some(handle)) }
+    }
+
+    /// Another engine worker with the same model.
+    pub fn second_engine(&self, model: &'static str) -> EngineHandle {
+        EngineHandle::start(EngineConfig::default(), move || Ok(LoadedModel::load(model, load_options())?)).unwrap()
     }
 
     pub async fn stats(&self) -> EngineStats {
