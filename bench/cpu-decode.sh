@@ -5,6 +5,7 @@
 # usage: bench/cpu-decode.sh [REPS]   (env: PROMPT_TOKENS, GEN_TOKENS)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+TETHER_BIN="${CARGO_TARGET_DIR:-target}/release/tether"
 REPS=${1:-2}
 P=${PROMPT_TOKENS:-512}
 G=${GEN_TOKENS:-128}
@@ -17,7 +18,7 @@ bench/peer/setup.sh >&2
 
 for rep in $(seq "$REPS"); do
   for m in smollm2-135m qwen2.5-coder-0.5b; do
-    target/release/tether bench --model "$m" --device cpu --prompt-tokens "$P" --gen-tokens "$G" >> "$OUT/results.jsonl"
+    "$TETHER_BIN" bench --model "$m" --device cpu --prompt-tokens "$P" --gen-tokens "$G" >> "$OUT/results.jsonl"
     "$PEER/venv/bin/python" bench/peer/mlx_lm_decode.py --model-dir "$PEER/models/$m-f32" --device cpu \
       --prompt-tokens "$P" --gen-tokens "$G" | sed "s/\"model\": \"[^\"]*\"/\"model\": \"$m\"/" >> "$OUT/results.jsonl"
   done

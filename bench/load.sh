@@ -30,6 +30,7 @@
 #        OUT=DIR                    where results.jsonl and the server logs go (default: a temp dir)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+TETHER_BIN="${CARGO_TARGET_DIR:-target}/release/tether"
 REPO="$PWD"
 MODELS=${MODELS:-smollm2-135m}
 TETHER_WEIGHTS=${TETHER_WEIGHTS:-dense}
@@ -88,7 +89,7 @@ for m in $MODELS; do
 
   # Tether
   tlog="$OUT/tether-$m.log"
-  target/release/tether serve --model "$m" --device "$TETHER_DEVICE" --weights "$TETHER_WEIGHTS" --host 127.0.0.1 --port 0 >"$tlog" 2>&1 &
+  "$TETHER_BIN" serve --model "$m" --device "$TETHER_DEVICE" --weights "$TETHER_WEIGHTS" --host 127.0.0.1 --port 0 >"$tlog" 2>&1 &
   SERVER_PID=$!
   port=""
   for _ in $(seq 240); do

@@ -4,11 +4,12 @@
 # arguments go to `tether` instead (e.g. `scripts/run.sh generate --chat --prompt ...`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+TETHER_BIN="${CARGO_TARGET_DIR:-target}/release/tether"
 
 scripts/setup.sh
 cargo build --release --locked -p tether
-target/release/tether fetch-model smollm2-135m >/dev/null
+"$TETHER_BIN" fetch-model smollm2-135m >/dev/null
 if [ "$#" -eq 0 ]; then
   set -- serve --port "${PORT:-8080}"
 fi
-exec target/release/tether "$@"
+exec "$TETHER_BIN" "$@"

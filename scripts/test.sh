@@ -4,11 +4,12 @@
 # hash-checked into ~/.cache/tether/models), then the Rust workspace tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+TETHER_BIN="${CARGO_TARGET_DIR:-target}/release/tether"
 
 scripts/setup.sh
 cargo build --release --locked -p tether
 for model in smollm2-135m qwen2.5-coder-0.5b; do
-  target/release/tether fetch-model "$model" >/dev/null
+  "$TETHER_BIN" fetch-model "$model" >/dev/null
 done
 # The same models as HF safetensors folders (+ the mlx-lm peer that makes the
 # 4-bit one), for server/tests/hf_safetensors.rs; about a minute when fresh.
