@@ -220,15 +220,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Generate(args) => run_generate(args),
         Command::Serve(args) => run_serve(args),
         Command::Bench(args) if args.turns > 0 => {
-            let device = pick_device(&args.model)?;
-            let opts = load_options(&args.model)?;
-            let name = args.model.model.clone();
-            let engine = tether::engine::EngineHandle::start(tether::engine::EngineConfig::default(), move || {
-                mlx::set_default_device(device)?;
-                Ok(LoadedModel::load(&name, opts)?)
-            })?;
-            let path = registry::resolve(&args.model.model)?;
-            let tokenizer = if path.is_dir() { TextTokenizer::from_hf_dir(&path)? } else { TextTokenizer::from_gguf_path(&path)? };
+            let (engine, tokenizer) = start_engine(&args.model, EngineConfig::default())?;
             for cache in [true, false] {
                 for turn in tether::bench::run_agent_bench(&engine, &tokenizer, args.turns, args.prompt_tokens, args.gen_tokens, cache)? {
                     println!("{}", serde_json::to_string(&turn)?);
@@ -237,15 +229,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Bench(args) if args.streams > 0 => {
-            let device = pick_device(&args.model)?;
-            let opts = load_options(&args.model)?;
-            let name = args.model.model.clone();
-            let engine = tether::engine::EngineHandle::start(tether::engine::EngineConfig::default(), move || {
-                mlx::set_default_device(device)?;
-                Ok(LoadedModel::load(&name, opts)?)
-            })?;
-            let path = registry::resolve(&args.model.model)?;
-            let tokenizer = if path.is_dir() { tether::tokenizer::TextTokenizer::from_hf_dir(&path)? } else { tether::tokenizer::TextTokenizer::from_gguf_path(&path)? };
+            let (engine, tokenizer) = start_engine(&args.model, EngineConfig::default())?;
             let prompt = tether::bench::prompt_tokens_with(&tokenizer, args.prompt_tokens)?;
             for streams in [1, args.streams] {
                 let r = tether::bench::run_streams_bench(&engine, &args.model.model, prompt.clone(), streams, args.gen_tokens)?;
@@ -318,11 +302,7 @@ impl EngineArgs {
 }
 
 fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
-    let device = pick_device(&args.model)?;
-    let opts = load_options(&args.model)?;
-    let path = registry::resolve(&args.model.model)?;
-    let tokenizer = if path.is_dir() { TextTokenizer::from_hf_dir(&path) } else { TextTokenizer::from_gguf_path(&path) }
-        .map_err(|e| anyhow::anyhow!("tokenizer of {}: {e}", path.display()))?;
+    let tokenizer = load_tokenizer(&args.model)?;
     let config = ServerConfig {
         host: args.host.clone(),
         port: args.port,
@@ -348,15 +328,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     config.validate().map_err(anyhow::Error::msg)?;
     anyhow::ensure!(args.workers >= 1, "--workers must be at least 1");
     let engine_config = args.engine.config()?;
-    let workers = (0..args.workers)
-        .map(|_| {
-            let model = args.model.model.clone();
-            EngineHandle::start(engine_config.clone(), move || {
-                mlx::set_default_device(device)?;
-                Ok(LoadedModel::load(&model, opts)?)
-            })
-        })
-        .collect::<anyhow::Result<Vec<_>>>()?;
+    let workers = (0..args.workers).map(|_| start_worker(&args.model, engine_config.clone())).collect::<anyhow::Result<Vec<_>>>()?;
     let engine = tether::engine::EnginePool::new(workers);
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let result = runtime.block_on(async {
@@ -394,6 +366,28 @@ async fn shutdown_signal() {
     {
         let _ = tokio::signal::ctrl_c().await;
     }
+}
+
+/// An engine thread that loads `args`' model onto the chosen device.
+fn start_worker(args: &ModelArgs, config: EngineConfig) -> anyhow::Result<EngineHandle> {
+    let device = pick_device(args)?;
+    let opts = load_options(args)?;
+    let name = args.model.clone();
+    EngineHandle::start(config, move || {
+        mlx::set_default_device(device)?;
+        Ok(LoadedModel::load(&name, opts)?)
+    })
+}
+
+/// The model's tokenizer, for the edge (the engine speaks token ids).
+fn load_tokenizer(args: &ModelArgs) -> anyhow::Result<TextTokenizer> {
+    let path = registry::resolve(&args.model)?;
+    let tokenizer = if path.is_dir() { TextTokenizer::from_hf_dir(&path) } else { TextTokenizer::from_gguf_path(&path) };
+    tokenizer.map_err(|e| anyhow::anyhow!("tokenizer of {}: {e}", path.display()))
+}
+
+fn start_engine(args: &ModelArgs, config: EngineConfig) -> anyhow::Result<(EngineHandle, TextTokenizer)> {
+    Ok((start_worker(args, config)?, load_tokenizer(args)?))
 }
 
 fn load_model(args: &ModelArgs) -> anyhow::Result<LoadedModel> {

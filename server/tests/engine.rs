@@ -7,17 +7,11 @@ use std::time::Duration;
 use common::*;
 use tether::engine::{EngineConfig, EngineEvent, EngineHandle, Finish, SubmitRequest};
 use tether::generate::greedy_tokens;
-use tether::loaded::LoadedModel;
 use tether::model::{load_transformer, LoadOptions};
 use tether::sample::SamplingParams;
 
 fn start(config: EngineConfig) -> EngineHandle {
-    let path = model_path("smollm2-135m");
-    EngineHandle::start(config, move || {
-        mlx::set_default_device(mlx::Device::Cpu)?;
-        Ok(LoadedModel::load_path("smollm2-135m", &path, LoadOptions::for_device(mlx::Device::Cpu))?)
-    })
-    .unwrap()
+    start_smollm2_engine(config)
 }
 
 fn request(prompt: Vec<u32>, max_tokens: usize) -> SubmitRequest {

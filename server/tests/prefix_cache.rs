@@ -5,17 +5,10 @@ mod common;
 
 use common::*;
 use tether::engine::{EngineConfig, EngineEvent, EngineHandle, FinishInfo, Scope, SubmitRequest};
-use tether::loaded::LoadedModel;
-use tether::model::LoadOptions;
 use tether::sample::SamplingParams;
 
 fn start(config: EngineConfig) -> EngineHandle {
-    let path = model_path("smollm2-135m");
-    EngineHandle::start(config, move || {
-        mlx::set_default_device(mlx::Device::Cpu)?;
-        Ok(LoadedModel::load_path("smollm2-135m", &path, LoadOptions::for_device(mlx::Device::Cpu))?)
-    })
-    .unwrap()
+    start_smollm2_engine(config)
 }
 
 async fn run(engine: &EngineHandle, prompt: &[u32], max_tokens: usize, scope: Option<&str>) -> (Vec<u32>, FinishInfo) {

@@ -43,7 +43,7 @@ pub struct EngineConfig {
 impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
-            max_running: 16,
+            max_running: 32,
             max_waiting: 256,
             step_token_budget: 512,
             prefill_chunk: 256,

@@ -18,6 +18,13 @@ pub struct Layer {
     pub down: Linear,
 }
 
+impl Layer {
+    /// Bytes held by this layer's weights.
+    pub fn nbytes(&self) -> usize {
+        self.attn_norm.nbytes() + self.qkv.nbytes() + self.attn_out.nbytes() + self.ffn_norm.nbytes() + self.gate_up.nbytes() + self.down.nbytes()
+    }
+}
+
 pub struct Transformer {
     pub config: ModelConfig,
     /// Activations and KV cache dtype (float32 on CPU, bfloat16 on GPU).
@@ -37,11 +44,7 @@ impl Transformer {
 
     /// Bytes held by the weights.
     pub fn nbytes(&self) -> usize {
-        let layers: usize = self
-            .layers
-            .iter()
-            .map(|l| l.attn_norm.nbytes() + l.qkv.nbytes() + l.attn_out.nbytes() + l.ffn_norm.nbytes() + l.gate_up.nbytes() + l.down.nbytes())
-            .sum();
+        let layers: usize = self.layers.iter().map(Layer::nbytes).sum();
         let head = if self.config.tied_embeddings { 0 } else { self.lm_head.nbytes() };
         self.embedding.nbytes() + layers + self.final_norm.nbytes() + head
     }
@@ -59,11 +62,7 @@ impl Transformer {
     /// Bytes of weights one decode step reads: every layer, the final norm and
     /// the LM head (the embedding table itself is only gathered a row at a time).
     pub fn decode_read_bytes(&self) -> usize {
-        let layers: usize = self
-            .layers
-            .iter()
-            .map(|l| l.attn_norm.nbytes() + l.qkv.nbytes() + l.attn_out.nbytes() + l.ffn_norm.nbytes() + l.gate_up.nbytes() + l.down.nbytes())
-            .sum();
+        let layers: usize = self.layers.iter().map(Layer::nbytes).sum();
         layers + self.final_norm.nbytes() + self.lm_head.nbytes()
     }
 

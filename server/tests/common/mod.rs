@@ -38,3 +38,14 @@ pub fn relative_error(a: &[f32], b: &[f32]) -> f64 {
     let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
     (num / den).sqrt()
 }
+
+/// An engine thread serving SmolLM2 on the CPU with `config`.
+pub fn start_smollm2_engine(config: tether::engine::EngineConfig) -> tether::engine::EngineHandle {
+    let path = model_path("smollm2-135m");
+    tether::engine::EngineHandle::start(config, move || {
+        mlx::set_default_device(mlx::Device::Cpu)?;
+        let opts = tether::model::LoadOptions::for_device(mlx::Device::Cpu);
+        Ok(tether::loaded::LoadedModel::load_path("smollm2-135m", &path, opts)?)
+    })
+    .unwrap()
+}
