@@ -6,6 +6,9 @@
 # the machine's Python, and a Qwen tokenizer.json + tokenizer_config.json;
 # and a `tether` binary built against MLX 0.32.4 (TETHER_BIN).
 # Prints a table; full logs go to $OUT (or /tmp/tether-gpu-bench).
+# MODE=decode (default): single-stream prefill/decode beside mlx-lm.
+# MODE=streams: aggregate decode through Tether's engine at 1, 8 and 32
+# concurrent streams (continuous batching), one JSON line per measurement.
 set -euo pipefail
 KEEP=${KEEP:-/root/keep}
 TETHER_BIN=${TETHER_BIN:-./tether}
@@ -31,6 +34,17 @@ for m in qwen2.5-0.5b qwen2.5-1.5b; do
 done
 
 : > "$OUT/results.jsonl"
+if [ "${MODE:-decode}" = streams ]; then
+  for m in qwen2.5-0.5b qwen2.5-1.5b; do
+    for fmt in bf16 4bit; do
+      for n in 8 32; do
+        "$TETHER_BIN" bench --model /opt/models/$m-$fmt --device gpu --streams $n --prompt-tokens 128 --gen-tokens 256 2>>"$OUT/tether.log" \
+          | sed "s/\"model\":\"[^\"]*\"/\"model\":\"$m-$fmt\"/" | tee -a "$OUT/results.jsonl"
+      done
+    done
+  done
+  exit 0
+fi
 for m in qwen2.5-0.5b qwen2.5-1.5b; do
   for fmt in bf16 4bit; do
     dir=/opt/models/$m-$fmt
