@@ -1,10 +1,7 @@
-//! [`GgufFile`]: a validated GGUF header plus the memory map it describes.
+//! [`GgufFile`]: a validated GGUF header plus the bytes it describes.
 
 use std::fmt;
-use std::fs::File;
 use std::path::{Path, PathBuf};
-
-use memmap2::Mmap;
 
 use crate::affine::{to_affine, AffineQuant};
 use crate::dequant::dequantize;
@@ -12,35 +9,31 @@ use crate::error::GgufError;
 use crate::header::{Header, TensorInfo};
 use crate::value::Value;
 
-/// A parsed GGUF file. Owns the memory map; tensor data is borrowed from it.
+/// A parsed GGUF file. Owns the file's bytes; tensor data is borrowed from them.
+///
+/// The file is read into memory rather than memory-mapped: a mapping is
+/// `unsafe` (another process could change the file under it), and Tether
+/// keeps unsafe code in its MLX binding alone. Reading a model file costs a
+/// fraction of a second next to building its weights on the device.
 pub struct GgufFile {
     path: PathBuf,
-    mmap: Mmap,
+    bytes: Vec<u8>,
     header: Header,
 }
 
 impl GgufFile {
-    /// Maps and parses the file at `path`, validating the whole header and
+    /// Reads and parses the file at `path`, validating the whole header and
     /// the position of every tensor. Tensor data is not read until used.
     pub fn open(path: &Path) -> Result<GgufFile, GgufError> {
         let io_err = |source| GgufError::Io {
             path: path.to_path_buf(),
             source,
         };
-        let file = File::open(path).map_err(io_err)?;
-        // SAFETY: `Mmap::map` is unsafe because the mapping aliases the file:
-        // if another process truncates or rewrites the file while it is
-        // mapped, reads may see changing bytes or fault (SIGBUS). Tether's
-        // invariant is that model files are immutable while the server runs
-        // (they are written once by the downloader, then only read). All
-        // parsing is bounds-checked against the length captured here, so a
-        // file that was valid when opened yields no UB from our own indexing.
-        #[allow(unsafe_code)]
-        let mmap = unsafe { Mmap::map(&file) }.map_err(io_err)?;
-        let header = Header::parse(&mmap)?;
+        let bytes = std::fs::read(path).map_err(io_err)?;
+        let header = Header::parse(&bytes)?;
         Ok(GgufFile {
             path: path.to_path_buf(),
-            mmap,
+            bytes,
             header,
         })
     }
@@ -66,7 +59,7 @@ impl GgufFile {
 
     /// Size of the mapped file in bytes.
     pub fn file_len(&self) -> usize {
-        self.mmap.len()
+        self.bytes.len()
     }
 
     /// All metadata key/value pairs, in file order.
@@ -157,7 +150,7 @@ impl GgufFile {
             .ok()
             .and_then(|off| off.checked_add(self.header.data_offset))
             .and_then(|start| Some(start..start.checked_add(t.n_bytes())?));
-        range.and_then(|r| self.mmap.get(r)).unwrap_or(&[])
+        range.and_then(|r| self.bytes.get(r)).unwrap_or(&[])
     }
 
     /// Dequantizes tensor `t` to `f32`, row-major with shape `t.shape()`.
@@ -198,7 +191,7 @@ impl fmt::Debug for GgufFile {
         f.debug_struct("GgufFile")
             .field("path", &self.path)
             .field("version", &self.header.version)
-            .field("file_len", &self.mmap.len())
+            .field("file_len", &self.bytes.len())
             .field("n_metadata", &self.header.metadata.len())
             .field("n_tensors", &self.header.tensors.len())
             .finish()

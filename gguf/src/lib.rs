@@ -1,10 +1,10 @@
 //! GGUF reading and dequantization for Tether.
 //!
-//! [`GgufFile::open`] memory-maps a GGUF (v2 or v3) file and validates its
+//! [`GgufFile::open`] reads a GGUF (v2 or v3) file and validates its
 //! entire header up front: every length, count and offset is checked against
 //! the file size before anything is allocated, so a truncated or corrupt file
 //! produces a descriptive [`GgufError`] instead of a panic or a huge
-//! allocation. Tensor data stays in the map until it is dequantized
+//! allocation. Tensor data stays in the file bytes until it is dequantized
 //! ([`GgufFile::dequantize_f32`], bit-exact with ggml) or converted to an
 //! exact scale/bias form ([`GgufFile::affine`]) for backends that support
 //! affine group quantization natively.
@@ -17,7 +17,7 @@
 //! let w: Vec<f32> = f.dequantize_f32(t)?; // row-major, shape t.shape()
 //! # let _ = (layers, w); Ok(()) }
 //! ```
-#![deny(unsafe_code)]
+#![forbid(unsafe_code)]
 #![warn(missing_debug_implementations)]
 
 mod affine;
