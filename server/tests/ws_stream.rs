@@ -242,4 +242,10 @@ async fn a_sessions_second_turn_reuses_its_first_turn() {
     let uncached = other.collect("turn-2").await;
     assert_eq!(uncached.done().usage.cached_tokens, 0, "sessions never share private entries");
     assert_eq!(uncached.text(), turn2.text(), "a cache hit must not change the output");
+
+    let (status, metrics) = server().await.http_get("/metrics").await;
+    assert_eq!(status, 200);
+    let hits = metrics.lines().find_map(|l| l.strip_prefix("tether_prefix_cache_hits_total ")).expect("prefix cache hits in /metrics");
+    assert!(hits.trim().parse::<u64>().unwrap() >= 1, "{hits}");
+    assert!(metrics.contains("tether_prefix_cache_bytes "), "{metrics}");
 }

@@ -31,6 +31,12 @@ pub struct Metrics {
     engine_peak_memory: Gauge,
     engine_cache_memory: Gauge,
     engine_steps: Counter<u64, AtomicU64>,
+    prefix_hits: Counter<u64, AtomicU64>,
+    prefix_misses: Counter<u64, AtomicU64>,
+    prefix_hit_tokens: Counter<u64, AtomicU64>,
+    prefix_evictions: Counter<u64, AtomicU64>,
+    prefix_entries: Gauge,
+    prefix_bytes: Gauge,
 }
 
 impl Default for Metrics {
@@ -60,6 +66,12 @@ impl Metrics {
             engine_peak_memory: Gauge::default(),
             engine_cache_memory: Gauge::default(),
             engine_steps: Counter::default(),
+            prefix_hits: Counter::default(),
+            prefix_misses: Counter::default(),
+            prefix_hit_tokens: Counter::default(),
+            prefix_evictions: Counter::default(),
+            prefix_entries: Gauge::default(),
+            prefix_bytes: Gauge::default(),
         };
         registry.register("sessions", "Sessions alive (attached or awaiting resume)", m.sessions.clone());
         registry.register("connections", "Open WebSocket connections", m.connections.clone());
@@ -77,6 +89,12 @@ impl Metrics {
         registry.register("engine_peak_memory_bytes", "MLX peak active bytes", m.engine_peak_memory.clone());
         registry.register("engine_cache_memory_bytes", "MLX free-buffer cache bytes", m.engine_cache_memory.clone());
         registry.register("engine_steps", "Engine steps run", m.engine_steps.clone());
+        registry.register("prefix_cache_hits", "Requests that resumed from a cached prefix", m.prefix_hits.clone());
+        registry.register("prefix_cache_misses", "Requests with a cache scope that found no cached prefix", m.prefix_misses.clone());
+        registry.register("prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", m.prefix_hit_tokens.clone());
+        registry.register("prefix_cache_evictions", "Prefix-cache entries evicted under the byte budget", m.prefix_evictions.clone());
+        registry.register("prefix_cache_entries", "Prefix-cache entries held", m.prefix_entries.clone());
+        registry.register("prefix_cache_bytes", "KV bytes held by the prefix cache", m.prefix_bytes.clone());
         Metrics { registry, ..m }
     }
 
@@ -105,13 +123,24 @@ impl Metrics {
             self.engine_active_memory.set(s.active_memory as i64);
             self.engine_peak_memory.set(s.peak_memory as i64);
             self.engine_cache_memory.set(s.cache_memory as i64);
-            let seen = self.engine_steps.get();
-            if s.steps > seen {
-                self.engine_steps.inc_by(s.steps - seen);
-            }
+            catch_up(&self.engine_steps, s.steps);
+            catch_up(&self.prefix_hits, s.prefix.hits);
+            catch_up(&self.prefix_misses, s.prefix.misses);
+            catch_up(&self.prefix_hit_tokens, s.prefix.hit_tokens);
+            catch_up(&self.prefix_evictions, s.prefix.evictions);
+            self.prefix_entries.set(s.prefix.entries as i64);
+            self.prefix_bytes.set(s.prefix.bytes as i64);
         }
         let mut out = String::new();
         encode(&mut out, &self.registry).expect("writing to a String cannot fail");
         out
+    }
+}
+
+/// Raises a counter mirrored from the engine's running total to that total.
+fn catch_up(counter: &Counter<u64, AtomicU64>, total: u64) {
+    let seen = counter.get();
+    if total > seen {
+        counter.inc_by(total - seen);
     }
 }
