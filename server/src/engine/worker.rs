@@ -320,9 +320,15 @@ impl Engine {
         mlx::eval(&to_eval)?;
         self.stats.steps += 1;
 
+        // One readback for every row's token, not one per row.
+        let ids: Vec<i32> = match sampled.len() {
+            0 => Vec::new(),
+            1 => sampled[0].1.to_vec_i32()?,
+            _ => mlx::concatenate(&sampled.iter().map(|(_, t, _)| t).collect::<Vec<_>>(), 0)?.to_vec_i32()?,
+        };
         let mut finished: Vec<(usize, Finish)> = Vec::new();
-        for (i, token, logits) in sampled {
-            let id = token.to_vec_i32()?[0] as u32;
+        for ((i, _, logits), id) in sampled.into_iter().zip(ids) {
+            let id = id as u32;
             let row = &mut self.running[i];
             if row.request.stop_ids.contains(&id) {
                 finished.push((i, Finish::Stop));
