@@ -25,6 +25,8 @@ pub const MAX_TOP_K: u32 = 1000;
 pub const MAX_TOP_LOGPROBS: u8 = 20;
 /// Largest `temperature`.
 pub const MAX_TEMPERATURE: f32 = 2.0;
+/// Largest `speculation.max_draft`.
+pub const MAX_DRAFT_TOKENS: u8 = 32;
 
 /// Every client message `type`, in the order the protocol documents them.
 pub const CLIENT_MESSAGE_TYPES: [&str; 5] = [
@@ -292,7 +294,9 @@ pub struct GenerateRequest {
     /// Client-chosen id, unique within the session: 1..=64 chars of `[A-Za-z0-9._:-]`.
     pub request_id: String,
     pub input: GenerateInput,
-    /// Most tokens to generate; default 256, at least 1, at most `limits.max_tokens`.
+    /// Most tokens to generate; default 256, at most `limits.max_tokens`.
+    /// 0 pre-warms: the prompt is read into the session's cache and nothing
+    /// is generated, so the next request with this prefix starts at once.
     pub max_tokens: u32,
     /// Sampling temperature in [0, 2]; 0 (the default) is greedy.
     pub temperature: f32,
@@ -315,6 +319,36 @@ pub struct GenerateRequest {
     pub max_time_ms: Option<u32>,
     /// Prefill chunk size in tokens (at least 1), checked against server limits.
     pub chunk_size: Option<u32>,
+    /// Speculative decoding for this request; `None` = the server's default.
+    pub speculation: Option<SpeculationOptions>,
+}
+
+/// Where draft tokens come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum DraftSourceName {
+    /// No speculation.
+    Off,
+    /// Prompt lookup: continuations copied from the prompt (FIM suffix and
+    /// context files included) and the text generated so far.
+    Echo,
+    /// The server's draft model (a small model sharing the tokenizer);
+    /// `invalid_parameter` when the server has none.
+    DraftModel,
+}
+
+/// `generate.speculation`. Speculation never changes greedy output, and keeps
+/// the sampling distribution; it only changes how many tokens each forward yields.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SpeculationOptions {
+    /// Draft source; omitted = the server's default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<DraftSourceName>,
+    /// Most draft tokens per verification, 1..=32; omitted = the server's default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 32))]
+    pub max_draft: Option<u8>,
 }
 
 impl GenerateRequest {
@@ -334,6 +368,7 @@ impl GenerateRequest {
             top_logprobs: None,
             max_time_ms: None,
             chunk_size: None,
+            speculation: None,
         }
     }
 
@@ -358,9 +393,6 @@ impl GenerateRequest {
             if m.is_empty() {
                 return Err(bad("messages must contain at least 1 message, got 0"));
             }
-        }
-        if self.max_tokens == 0 {
-            return Err(bad("max_tokens must be at least 1, got 0"));
         }
         if !(self.temperature >= 0.0 && self.temperature <= MAX_TEMPERATURE) {
             return Err(bad(format!(
@@ -415,6 +447,13 @@ impl GenerateRequest {
         if self.chunk_size == Some(0) {
             return Err(bad("chunk_size must be at least 1, got 0"));
         }
+        if let Some(n) = self.speculation.and_then(|s| s.max_draft) {
+            if n == 0 || n > MAX_DRAFT_TOKENS {
+                return Err(bad(format!(
+                    "speculation.max_draft must be in [1, {MAX_DRAFT_TOKENS}], got {n}"
+                )));
+            }
+        }
         Ok(())
     }
 
@@ -430,7 +469,7 @@ impl GenerateRequest {
             return err(
                 ErrorCode::InvalidParameter,
                 format!(
-                    "max_tokens must be in [1, {}], got {}",
+                    "max_tokens must be in [0, {}], got {}",
                     limits.max_tokens, self.max_tokens
                 ),
             );
@@ -507,9 +546,9 @@ struct GenerateWire {
     /// Fill-in-the-middle input.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     fim: Option<FimInput>,
-    /// Most tokens to generate (at least 1, at most `limits.max_tokens`).
+    /// Most tokens to generate (at most `limits.max_tokens`); 0 pre-warms the session's cache.
     #[serde(default = "default_max_tokens")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 0))]
     max_tokens: u32,
     /// Sampling temperature; 0 = greedy.
     #[serde(default)]
@@ -549,6 +588,9 @@ struct GenerateWire {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     chunk_size: Option<u32>,
+    /// Speculative decoding; omitted = the server's default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    speculation: Option<SpeculationOptions>,
 }
 
 fn default_max_tokens() -> u32 {
@@ -610,6 +652,7 @@ impl TryFrom<GenerateWire> for GenerateRequest {
             top_logprobs: w.top_logprobs,
             max_time_ms: w.max_time_ms,
             chunk_size: w.chunk_size,
+            speculation: w.speculation,
         })
     }
 }
@@ -637,6 +680,7 @@ impl From<GenerateRequest> for GenerateWire {
             top_logprobs: r.top_logprobs,
             max_time_ms: r.max_time_ms,
             chunk_size: r.chunk_size,
+            speculation: r.speculation,
         }
     }
 }

@@ -15,17 +15,18 @@ mod schema;
 mod server;
 
 pub use client::{
-    is_valid_request_id, Cancel, ChatMessage, ClientMessage, FimExtra, FimInput, GenerateInput,
-    GenerateRequest, Ping, PingId, Role, SessionClose, SessionOpen, CLIENT_MESSAGE_TYPES,
-    DEFAULT_MAX_TOKENS, MAX_REQUEST_ID_LEN, MAX_SESSION_TOKEN_LEN, MAX_STOP_BYTES,
-    MAX_STOP_SEQUENCES, MAX_TEMPERATURE, MAX_TOP_K, MAX_TOP_LOGPROBS,
+    is_valid_request_id, Cancel, ChatMessage, ClientMessage, DraftSourceName, FimExtra, FimInput,
+    GenerateInput, GenerateRequest, Ping, PingId, Role, SessionClose, SessionOpen,
+    SpeculationOptions, CLIENT_MESSAGE_TYPES, DEFAULT_MAX_TOKENS, MAX_DRAFT_TOKENS,
+    MAX_REQUEST_ID_LEN, MAX_SESSION_TOKEN_LEN, MAX_STOP_BYTES, MAX_STOP_SEQUENCES, MAX_TEMPERATURE,
+    MAX_TOP_K, MAX_TOP_LOGPROBS,
 };
 pub use error::{ErrorCode, ProtocolError};
 pub use parse::parse_client;
 pub use schema::json_schema;
 pub use server::{
     Delta, Done, ErrorFrame, FinishReason, Limits, ModelInfo, Pong, ServerMessage, SessionReady,
-    Timing, TokenLogprob, TopLogprob, Usage, SERVER_MESSAGE_TYPES,
+    SpeculativeStats, Timing, TokenLogprob, TopLogprob, Usage, SERVER_MESSAGE_TYPES,
 };
 
 /// The protocol version this crate speaks; sent in `session.ready`.

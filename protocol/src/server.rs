@@ -235,7 +235,7 @@ pub struct Timing {
 
 /// `done`: the request is over. Its `seq` is one past the last delta's (1
 /// if there were none), so replay covers it too.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Done {
     pub request_id: String,
@@ -244,6 +244,23 @@ pub struct Done {
     pub finish_reason: FinishReason,
     pub usage: Usage,
     pub timing: Timing,
+    /// Present when the request speculated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub speculative: Option<SpeculativeStats>,
+}
+
+/// How speculation went for one request.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SpeculativeStats {
+    /// Draft tokens verified.
+    pub drafted: u64,
+    /// Draft tokens accepted (each saved one forward).
+    pub accepted: u64,
+    /// Acceptance rate at each draft position (first draft first).
+    pub acceptance_by_position: Vec<f32>,
+    /// Generated tokens per forward of this request's decode (1.0 without speculation).
+    pub tokens_per_forward: f32,
 }
 
 /// `error`: see [`ErrorCode`] for each code's meaning and whether the

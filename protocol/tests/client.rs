@@ -109,7 +109,10 @@ fn bad_cases() -> Vec<Case> {
         ("request_id with slash", gen(json!({"request_id": "a/b"})), InvalidParameter, &["invalid character '/'"], None),
         ("request_id non-ASCII", gen(json!({"request_id": "réq"})), InvalidParameter, &["invalid character 'é'"], None),
         ("empty messages", gen(json!({"prompt": null, "messages": []})), InvalidParameter, &["messages must contain at least 1 message"], Some("r1")),
-        ("max_tokens 0", gen(json!({"max_tokens": 0})), InvalidParameter, &["max_tokens must be at least 1, got 0"], Some("r1")),
+        ("speculation max_draft 0", gen(json!({"speculation": {"max_draft": 0}})), InvalidParameter, &["speculation.max_draft must be in [1, 32], got 0"], Some("r1")),
+        ("speculation max_draft 33", gen(json!({"speculation": {"max_draft": 33}})), InvalidParameter, &["speculation.max_draft must be in [1, 32], got 33"], Some("r1")),
+        ("speculation unknown source", gen(json!({"speculation": {"source": "medusa"}})), InvalidField, &["`speculation.source`", "unknown variant `medusa`", "expected one of `off`, `echo`, `draft_model`"], Some("r1")),
+        ("speculation unknown field", gen(json!({"speculation": {"depth": 3}})), InvalidField, &["`speculation`", "unknown field `depth`"], Some("r1")),
         ("temperature -1", gen(json!({"temperature": -1})), InvalidParameter, &["temperature must be in [0, 2], got -1"], Some("r1")),
         ("temperature 3", gen(json!({"temperature": 3})), InvalidParameter, &["temperature must be in [0, 2], got 3"], Some("r1")),
         ("temperature overflowing f32", gen(json!({"temperature": 1e300})), InvalidParameter, &["temperature must be in [0, 2], got inf"], Some("r1")),
@@ -443,7 +446,7 @@ fn check_limits() {
     g.max_tokens = 1025;
     let e = g.check_limits(&l).unwrap_err();
     assert_eq!(e.code, InvalidParameter);
-    assert_eq!(e.message, "max_tokens must be in [1, 1024], got 1025");
+    assert_eq!(e.message, "max_tokens must be in [0, 1024], got 1025");
     assert_eq!(e.request_id.as_deref(), Some("r1"));
 
     let small_ctx = Limits {

@@ -5,8 +5,8 @@ use std::collections::HashSet;
 
 use protocol::{
     Delta, Done, ErrorCode, ErrorFrame, FinishReason, Limits, ModelInfo, PingId, Pong,
-    ServerMessage, SessionReady, Timing, TokenLogprob, TopLogprob, Usage, PROTOCOL_VERSION,
-    SERVER_MESSAGE_TYPES,
+    ServerMessage, SessionReady, SpeculativeStats, Timing, TokenLogprob, TopLogprob, Usage,
+    PROTOCOL_VERSION, SERVER_MESSAGE_TYPES,
 };
 use serde_json::{json, Value};
 
@@ -168,6 +168,7 @@ fn done_for_each_finish_reason() {
                 ttft_ms: 35,
                 total_ms: 80,
             },
+            speculative: None,
         });
         assert_eq!(msg.seq(), Some(4));
         round_trip(
@@ -177,6 +178,38 @@ fn done_for_each_finish_reason() {
                    "timing": {"queue_ms": 1, "ttft_ms": 35, "total_ms": 80}}),
         );
     }
+}
+
+#[test]
+fn done_with_speculation_stats() {
+    let msg = ServerMessage::Done(Done {
+        request_id: "r1".into(),
+        seq: 2,
+        finish_reason: FinishReason::Length,
+        usage: Usage {
+            prompt_tokens: 40,
+            cached_tokens: 0,
+            completion_tokens: 9,
+        },
+        timing: Timing {
+            queue_ms: 0,
+            ttft_ms: 20,
+            total_ms: 50,
+        },
+        speculative: Some(SpeculativeStats {
+            drafted: 8,
+            accepted: 6,
+            acceptance_by_position: vec![1.0, 0.5],
+            tokens_per_forward: 2.25,
+        }),
+    });
+    round_trip(
+        msg,
+        json!({"type": "done", "request_id": "r1", "seq": 2, "finish_reason": "length",
+               "usage": {"prompt_tokens": 40, "cached_tokens": 0, "completion_tokens": 9},
+               "timing": {"queue_ms": 0, "ttft_ms": 20, "total_ms": 50},
+               "speculative": {"drafted": 8, "accepted": 6, "acceptance_by_position": [1.0, 0.5], "tokens_per_forward": 2.25}}),
+    );
 }
 
 #[test]

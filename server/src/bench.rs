@@ -91,7 +91,7 @@ pub fn run_streams_bench(engine: &crate::engine::EngineHandle, name: &str, promp
             if let Some(first) = p.first_mut() {
                 *first = first.wrapping_add(s as u32 % 7);
             }
-            let req = SubmitRequest { prompt: p, max_tokens: gen, sampling: SamplingParams::default(), stop_ids: vec![], logprobs: None, prefill_chunk: None, deadline: None, cache_scope: None };
+            let req = SubmitRequest::new(p, gen);
             let (_, mut rx) = engine.submit(req)?;
             tasks.push(tokio::spawn(async move {
                 let mut ttft = None;
@@ -159,16 +159,7 @@ pub fn run_agent_bench(
     let mut out = Vec::new();
     for turn in 1..=turns {
         history.extend(&text[(turn - 1) * new_tokens..turn * new_tokens]);
-        let req = SubmitRequest {
-            prompt: history.clone(),
-            max_tokens: gen,
-            sampling: SamplingParams::default(),
-            stop_ids: vec![],
-            logprobs: None,
-            prefill_chunk: None,
-            deadline: None,
-            cache_scope: cache.then(|| Scope::Session(scope.clone())),
-        };
+        let req = SubmitRequest { cache_scope: cache.then(|| Scope::Session(scope.clone())), ..SubmitRequest::new(history.clone(), gen) };
         let start = std::time::Instant::now();
         let (_, mut rx) = engine.submit(req)?;
         let (generated, ttft, cached) = rt.block_on(async {

@@ -7,5 +7,6 @@ pub mod model;
 pub mod registry;
 pub mod sample;
 pub mod server;
+pub mod spec_bench;
 pub mod stop;
 pub mod tokenizer;

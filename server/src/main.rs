@@ -11,6 +11,7 @@ use tether::loaded::LoadedModel;
 use tether::model::{LoadOptions, WeightFormat};
 use tether::registry;
 use tether::sample::SamplingParams;
+use tether::engine::speculate::DraftKind;
 use tether::engine::{EngineConfig, EngineHandle};
 use tether::server::ServerConfig;
 use tether::stop::{StopMatcher, StopScan};
@@ -50,6 +51,18 @@ struct ServeArgs {
     engine: EngineArgs,
     #[command(flatten)]
     model: ModelArgs,
+    /// Default draft source for requests that do not choose one: `echo`
+    /// (prompt lookup), `draft_model` (needs --draft-model) or `off`.
+    #[arg(long, default_value = "echo")]
+    speculation: String,
+    /// A small model sharing --model's tokenizer that drafts for it, for
+    /// requests with `speculation.source: "draft_model"` (e.g.
+    /// qwen2.5-coder-0.5b for qwen2.5-coder-1.5b).
+    #[arg(long)]
+    draft_model: Option<String>,
+    /// Default most draft tokens per verification (a request may ask for 1..=32).
+    #[arg(long, default_value_t = tether::engine::speculate::DEFAULT_MAX_DRAFT)]
+    max_draft: usize,
     /// Address to bind.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -103,6 +116,10 @@ struct ServeArgs {
     /// Seconds graceful shutdown waits for in-flight requests.
     #[arg(long, default_value_t = 30.0)]
     drain_timeout_secs: f64,
+    /// Serve the static files of this folder on other GET paths, e.g. the
+    /// browser playground built into `client-ts/dist/playground`.
+    #[arg(long)]
+    ui_dir: Option<std::path::PathBuf>,
 }
 
 #[derive(Args)]
@@ -122,6 +139,17 @@ struct BenchArgs {
     /// --prompt-tokens new tokens and generates --gen-tokens.
     #[arg(long, default_value_t = 0)]
     turns: usize,
+    /// Run the speculative-decoding benchmark instead: a code-edit and (on
+    /// models with FIM tokens) a FIM workload at these concurrency levels,
+    /// speculation off then on, e.g. `--speculation-streams 1,8`.
+    #[arg(long, value_delimiter = ',')]
+    speculation_streams: Vec<usize>,
+    /// Most draft tokens per verification in the speculation benchmark.
+    #[arg(long, default_value_t = tether::engine::speculate::DEFAULT_MAX_DRAFT)]
+    max_draft: usize,
+    /// Also compare drafting with this model (same tokenizer as --model).
+    #[arg(long)]
+    draft_model: Option<String>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -219,6 +247,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Generate(args) => run_generate(args),
         Command::Serve(args) => run_serve(args),
+        Command::Bench(args) if !args.speculation_streams.is_empty() => {
+            let config = EngineConfig { draft_model: draft_model_spec(&args.model, args.draft_model.as_deref())?, ..EngineConfig::default() };
+            let mut sources = vec![DraftKind::Echo];
+            sources.extend(config.draft_model.is_some().then_some(DraftKind::Model));
+            let (engine, tokenizer) = start_engine(&args.model, config)?;
+            let fim = tether::server::FimTokens::detect(&tokenizer);
+            tether::spec_bench::run_all(&engine, &tokenizer, fim.as_ref(), &args.speculation_streams, &sources, args.max_draft)
+        }
         Command::Bench(args) if args.turns > 0 => {
             let (engine, tokenizer) = start_engine(&args.model, EngineConfig::default())?;
             for cache in [true, false] {
@@ -265,6 +301,25 @@ fn pick_device(args: &ModelArgs) -> anyhow::Result<mlx::Device> {
     })
 }
 
+/// The draft model to load beside `target`: same device and weight form.
+fn draft_model_spec(target: &ModelArgs, draft: Option<&str>) -> anyhow::Result<Option<tether::engine::speculate::DraftModelSpec>> {
+    let Some(name) = draft else { return Ok(None) };
+    Ok(Some(tether::engine::speculate::DraftModelSpec { path: registry::resolve(name)?, options: load_options(target)? }))
+}
+
+fn speculation_arg(source: &str, max_draft: usize, has_draft_model: bool) -> anyhow::Result<tether::engine::speculate::Speculation> {
+    use tether::engine::speculate::{DraftKind, Speculation};
+    let kind = match source {
+        "echo" => DraftKind::Echo,
+        "off" => DraftKind::Off,
+        "draft_model" if has_draft_model => DraftKind::Model,
+        "draft_model" => anyhow::bail!("--speculation draft_model needs --draft-model"),
+        other => anyhow::bail!("--speculation must be `echo`, `draft_model` or `off`, got {other:?}"),
+    };
+    anyhow::ensure!((1..=protocol::MAX_DRAFT_TOKENS as usize).contains(&max_draft), "--max-draft must be in [1, {}]", protocol::MAX_DRAFT_TOKENS);
+    Ok(Speculation { kind, max_draft })
+}
+
 fn secs(name: &str, v: f64) -> anyhow::Result<Duration> {
     Duration::try_from_secs_f64(v).map_err(|_| anyhow::anyhow!("--{name} must be a non-negative number of seconds, got {v}"))
 }
@@ -281,6 +336,9 @@ struct EngineArgs {
     /// Requests decoding or prefilling at once (the batch).
     #[arg(long, default_value_t = EngineConfig::default().max_running)]
     max_running: usize,
+    /// Draft tokens (all rows together) one step may verify.
+    #[arg(long, default_value_t = EngineConfig::default().step_draft_budget)]
+    step_draft_budget: usize,
     /// Bytes of KV state the prefix cache may hold, in MiB.
     #[arg(long, default_value_t = EngineConfig::default().prefix_cache_bytes >> 20)]
     prefix_cache_mib: usize,
@@ -296,6 +354,7 @@ impl EngineArgs {
             step_token_budget: self.step_token_budget,
             max_running: self.max_running,
             prefix_cache_bytes: self.prefix_cache_mib << 20,
+            step_draft_budget: self.step_draft_budget,
             ..d
         })
     }
@@ -307,6 +366,8 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         host: args.host.clone(),
         port: args.port,
         model_name: Some(args.model.model.clone()),
+        speculation: speculation_arg(&args.speculation, args.max_draft, args.draft_model.is_some())?,
+        has_draft_model: args.draft_model.is_some(),
         max_frame_bytes: args.max_frame_bytes,
         max_prompt_tokens: args.max_prompt_tokens,
         max_tokens: args.max_tokens,
@@ -323,11 +384,15 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         auth_token: args.auth_token.clone().or_else(|| std::env::var("TETHER_AUTH_TOKEN").ok().filter(|t| !t.is_empty())),
         allowed_origins: args.allow_origin.clone(),
         drain_timeout: secs("drain-timeout-secs", args.drain_timeout_secs)?,
+        ui_dir: match &args.ui_dir {
+            Some(d) => Some(d.canonicalize().ok().filter(|p| p.is_dir()).ok_or_else(|| anyhow::anyhow!("--ui-dir {}: not a folder", d.display()))?),
+            None => None,
+        },
         ..ServerConfig::default()
     };
     config.validate().map_err(anyhow::Error::msg)?;
     anyhow::ensure!(args.workers >= 1, "--workers must be at least 1");
-    let engine_config = args.engine.config()?;
+    let engine_config = EngineConfig { draft_model: draft_model_spec(&args.model, args.draft_model.as_deref())?, ..args.engine.config()? };
     let workers = (0..args.workers).map(|_| start_worker(&args.model, engine_config.clone())).collect::<anyhow::Result<Vec<_>>>()?;
     let engine = tether::engine::EnginePool::new(workers);
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;

@@ -61,13 +61,56 @@ impl Sampler {
     /// Samples one token id per row of float32 `logits` `[rows, vocab]`;
     /// returns a lazy int32 array `[rows]`.
     pub fn sample(&mut self, logits: &Array) -> mlx::Result<Array> {
-        let Some(key) = self.key.take() else {
+        let Some(draw_key) = self.next_key()? else {
             return logits.argmax(-1, false)?.astype(Dtype::I32);
         };
+        random::categorical(&self.filtered(logits)?, -1, &draw_key)?.astype(Dtype::I32)
+    }
+
+    /// Verifies deterministic draft tokens by speculative sampling.
+    /// `logits` `[k + 1, vocab]` are the target's after the pending token and
+    /// each of the `k` drafts. Draft `i` is accepted with probability
+    /// `p_i(d_i)` (the proposal is a point mass, so min(1, p/q) = p); a
+    /// rejected draft is replaced by a draw from `p_i` without `d_i` (the
+    /// normalised residual max(p - q, 0)). Returns a lazy int32 array
+    /// `[2k + 1]`: k accept flags, k residual draws, one draw after the last
+    /// draft (the bonus token when all are accepted); see
+    /// [`crate::engine::speculate::accept_sampled`]. Greedy samplers must use
+    /// [`sample`](Self::sample) and compare with argmax instead.
+    pub fn verify(&mut self, logits: &Array, drafts: &[u32]) -> mlx::Result<Array> {
+        let key = self.next_key()?.ok_or_else(|| mlx::Error { op: "verify", message: "greedy rows verify by argmax".into() })?;
+        let k = drafts.len() as i32;
+        let x = self.filtered(logits)?;
+        let vocab = x.dim(-1) as i32;
+        let bonus_key = random::split(&key, 3)?;
+        let (u_key, resid_key, last_key) = (&bonus_key[0], &bonus_key[1], &bonus_key[2]);
+        let last = x.slice(&[k, 0], &[k + 1, vocab])?;
+        let bonus = random::categorical(&last, -1, last_key)?.astype(Dtype::I32)?;
+        if k == 0 {
+            return Ok(bonus);
+        }
+        let head = x.slice(&[0, 0], &[k, vocab])?;
+        let ids: Vec<i32> = drafts.iter().map(|&d| d as i32).collect();
+        let ids = Array::from_i32(&ids, &[drafts.len(), 1])?;
+        let p_draft = head.softmax(-1, true)?.take_along_axis(&ids, -1)?.reshape(&[k])?;
+        let accept = random::uniform(&[k], u_key)?.less(&p_draft)?.astype(Dtype::I32)?;
+        let neg_inf = Array::full(&[drafts.len(), 1], f32::NEG_INFINITY, Dtype::F32)?;
+        let residual = random::categorical(&head.put_along_axis(&ids, &neg_inf, -1)?, -1, resid_key)?.astype(Dtype::I32)?;
+        mlx::concatenate(&[&accept, &residual, &bonus], 0)
+    }
+
+    /// A fresh PRNG key for this draw (`None` for greedy samplers).
+    fn next_key(&mut self) -> mlx::Result<Option<Array>> {
+        let Some(key) = self.key.take() else { return Ok(None) };
         let mut keys = random::split(&key, 2)?;
         let draw_key = keys.pop().expect("split gives two keys");
         self.key = keys.pop();
+        Ok(Some(draw_key))
+    }
 
+    /// Logits with temperature applied and the tokens that top-k, top-p and
+    /// min-p exclude set to -inf.
+    fn filtered(&self, logits: &Array) -> mlx::Result<Array> {
         let p = &self.params;
         let neg_inf = Array::scalar(f32::NEG_INFINITY, Dtype::F32)?;
         let mut x = logits.divide(&Array::scalar(p.temperature, Dtype::F32)?)?;
@@ -91,7 +134,7 @@ impl Sampler {
             let floor = x.max(&[-1], true)?.add(&Array::scalar(p.min_p.ln(), Dtype::F32)?)?;
             x = mlx::where_(&x.less(&floor)?, &neg_inf, &x)?;
         }
-        random::categorical(&x, -1, &draw_key)?.astype(Dtype::I32)
+        Ok(x)
     }
 }
 
@@ -149,6 +192,35 @@ mod tests {
     fn seed_reproduces() {
         let p = SamplingParams { temperature: 1.0, seed: Some(42), ..Default::default() };
         assert_eq!(draws(p.clone(), 20), draws(p, 20));
+    }
+
+    #[test]
+    fn speculative_verification_keeps_the_target_distribution() {
+        // Position 0's distribution over 4 tokens; the draft proposes token 1.
+        let rows = [0.5f32, 1.5, 0.0, 1.0, /* position 1 */ 0.0, 0.0, 3.0, 0.0];
+        let logits = Array::from_f32(&rows, &[2, 4]).unwrap();
+        let p = SamplingParams { temperature: 1.0, seed: Some(7), ..Default::default() };
+        let mut s = Sampler::new(p).unwrap();
+        let trials = 4000;
+        let mut counts = [0usize; 4];
+        let mut accepted = 0;
+        for _ in 0..trials {
+            let out = s.verify(&logits, &[1]).unwrap().to_vec_i32().unwrap();
+            let (emitted, a) = crate::engine::speculate::accept_sampled(&[1], &out);
+            counts[emitted[0] as usize] += 1;
+            accepted += a;
+            if a == 0 {
+                assert_ne!(emitted[0], 1, "a rejected draft is never re-emitted");
+            }
+        }
+        let z: f32 = rows[..4].iter().map(|l| l.exp()).sum();
+        for (t, &c) in counts.iter().enumerate() {
+            let want = rows[t].exp() / z;
+            let got = c as f32 / trials as f32;
+            assert!((got - want).abs() < 0.03, "token {t}: {got} vs {want}");
+        }
+        let p1 = rows[1].exp() / z;
+        assert!((accepted as f32 / trials as f32 - p1).abs() < 0.03);
     }
 
     #[test]

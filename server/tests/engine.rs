@@ -15,7 +15,7 @@ fn start(config: EngineConfig) -> EngineHandle {
 }
 
 fn request(prompt: Vec<u32>, max_tokens: usize) -> SubmitRequest {
-    SubmitRequest { prompt, max_tokens, sampling: SamplingParams::default(), stop_ids: vec![], logprobs: None, prefill_chunk: None, deadline: None, cache_scope: None }
+    SubmitRequest::new(prompt, max_tokens)
 }
 
 async fn collect(mut rx: tokio::sync::mpsc::Receiver<EngineEvent>) -> (Vec<u32>, Option<Finish>) {

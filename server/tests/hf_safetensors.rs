@@ -25,30 +25,6 @@ use tether::tokenizer::TextTokenizer;
 
 const MAX_RELATIVE_ERROR: f64 = 1e-3;
 
-fn peer_models_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("TETHER_PEER_MODELS") {
-        return PathBuf::from(d);
-    }
-    let cache = match std::env::var_os("TETHER_CACHE") {
-        Some(c) => PathBuf::from(c),
-        None => PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/tether"),
-    };
-    cache.join("peer/models")
-}
-
-/// A converted folder; missing means the peer setup has not run.
-fn peer_dir(name: &str) -> PathBuf {
-    let dir = peer_models_dir().join(name);
-    for file in ["config.json", "tokenizer.json"] {
-        assert!(
-            dir.join(file).is_file(),
-            "{} not found: run bench/peer/setup.sh (it converts the test models into HF folders; \
-             set TETHER_PEER_MODELS to use another folder)",
-            dir.join(file).display()
-        );
-    }
-    dir
-}
 
 fn load(name: &str) -> LoadedModel {
     mlx::set_default_device(mlx::Device::Cpu).unwrap();

@@ -12,16 +12,7 @@ fn start(config: EngineConfig) -> EngineHandle {
 }
 
 async fn run(engine: &EngineHandle, prompt: &[u32], max_tokens: usize, scope: Option<&str>) -> (Vec<u32>, FinishInfo) {
-    let req = SubmitRequest {
-        prompt: prompt.to_vec(),
-        max_tokens,
-        sampling: SamplingParams::default(),
-        stop_ids: vec![],
-        logprobs: None,
-        prefill_chunk: None,
-        deadline: None,
-        cache_scope: scope.map(|s| Scope::Session(s.to_string())),
-    };
+    let req = SubmitRequest { cache_scope: scope.map(|s| Scope::Session(s.to_string())), ..SubmitRequest::new(prompt.to_vec(), max_tokens) };
     let (_, mut rx) = engine.submit(req).unwrap();
     let mut ids = Vec::new();
     while let Some(ev) = rx.recv().await {

@@ -46,3 +46,36 @@ async fn fim_request_fills_the_middle() {
     assert!(!out.text().is_empty() && !out.text().contains('\n'), "{:?}", out.text());
     h.wait_idle().await;
 }
+
+/// An editor's habits: pre-warm the session's cache with the file (no
+/// tokens generated), then ask for completions with and without echo drafts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prewarmed_fim_with_echo_drafts_equals_without() {
+    const EDIT_PREFIX: &str = "def area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n\n\n# The same for squares.\n";
+    const EDIT_SUFFIX: &str = "\n\nprint(square_area(3), square_perimeter(3))\n";
+    let h = harness_for("qwen2.5-coder-0.5b", &[(FIM_PROMPT, 8)]);
+    let srv = h.start(ServerConfig::default()).await;
+    let mut c = srv.client().await;
+    c.open().await;
+    let fim = json!({"prefix": EDIT_PREFIX, "suffix": EDIT_SUFFIX});
+
+    c.generate("warm", json!({"fim": fim, "max_tokens": 0})).await;
+    let warm = c.collect("warm").await;
+    assert!(warm.token_ids().is_empty());
+    assert_eq!((warm.done().finish_reason, warm.done().usage.completion_tokens), (FinishReason::Length, 0));
+
+    c.generate("echo", json!({"fim": fim, "max_tokens": 40, "speculation": {"source": "echo", "max_draft": 8}})).await;
+    let echo = c.collect("echo").await;
+    echo.assert_contiguous();
+    let done = echo.done();
+    assert!(done.usage.cached_tokens > 0, "the pre-warmed file is reused");
+    let spec = done.speculative.as_ref().expect("a speculating request reports its stats");
+    assert!(spec.accepted <= spec.drafted && spec.tokens_per_forward >= 1.0, "{spec:?}");
+
+    c.generate("plain", json!({"fim": fim, "max_tokens": 40, "speculation": {"source": "off"}})).await;
+    let plain = c.collect("plain").await;
+    assert!(plain.done().speculative.is_none());
+    assert_eq!(echo.token_ids(), plain.token_ids(), "speculation must not change greedy output");
+    assert_eq!(echo.text(), plain.text());
+    h.wait_idle().await;
+}

@@ -9,6 +9,7 @@
 mod pool;
 mod prefix;
 mod row;
+pub mod speculate;
 mod worker;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -55,6 +56,25 @@ pub struct SubmitRequest {
     /// Whose prefix-cache entries this request may reuse and leaves behind
     /// (a session's id); `None` neither reads nor writes the cache.
     pub cache_scope: Option<Scope>,
+    /// Draft tokens verified alongside this request's decode steps.
+    pub speculation: speculate::Speculation,
+}
+
+impl SubmitRequest {
+    /// Greedy, no stop ids, no cache, no speculation: fill in the rest.
+    pub fn new(prompt: Vec<u32>, max_tokens: usize) -> SubmitRequest {
+        SubmitRequest {
+            prompt,
+            max_tokens,
+            sampling: SamplingParams::default(),
+            stop_ids: Vec::new(),
+            logprobs: None,
+            prefill_chunk: None,
+            deadline: None,
+            cache_scope: None,
+            speculation: speculate::Speculation::default(),
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -83,6 +103,8 @@ pub struct FinishInfo {
     pub prompt_tokens: usize,
     pub cached_tokens: usize,
     pub completion_tokens: usize,
+    /// Speculation counters, when the request speculated.
+    pub speculative: Option<speculate::SpecStats>,
 }
 
 /// A snapshot of the engine's state, for /metrics and tests.
@@ -100,6 +122,12 @@ pub struct EngineStats {
     pub peak_memory: usize,
     pub cache_memory: usize,
     pub prefix: PrefixStats,
+    /// Draft tokens verified and accepted, over all requests.
+    pub drafted_tokens: u64,
+    pub accepted_draft_tokens: u64,
+    /// Decode row-forwards of speculating rows, and the tokens they produced.
+    pub spec_decode_forwards: u64,
+    pub spec_decode_tokens: u64,
 }
 
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
@@ -121,6 +149,8 @@ pub struct EngineModelInfo {
     pub vocab_size: usize,
     pub kv_bytes_per_token: usize,
     pub weight_bytes: usize,
+    /// The draft model's path, when the engine has one.
+    pub draft_model: Option<String>,
 }
 
 pub(crate) enum Command {

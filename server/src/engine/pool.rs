@@ -63,6 +63,10 @@ impl EnginePool {
                     t.prefix.evictions += s.prefix.evictions;
                     t.prefix.entries += s.prefix.entries;
                     t.prefix.bytes += s.prefix.bytes;
+                    t.drafted_tokens += s.drafted_tokens;
+                    t.accepted_draft_tokens += s.accepted_draft_tokens;
+                    t.spec_decode_forwards += s.spec_decode_forwards;
+                    t.spec_decode_tokens += s.spec_decode_tokens;
                 }
             }
         }

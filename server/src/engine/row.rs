@@ -1,6 +1,7 @@
 //! One request inside the engine: its KV cache, sampler and progress.
+use super::speculate::{DraftState, Proposal};
 use super::{EngineEvent, Finish, FinishInfo, RequestId, SubmitRequest, TokenLogprob};
-use crate::model::KvCache;
+use crate::model::{KvCache, Transformer};
 use crate::sample::Sampler;
 
 pub(super) struct Row {
@@ -19,19 +20,30 @@ pub(super) struct Row {
     pub tokens: Vec<u32>,
     /// Prompt tokens that came from the prefix cache.
     pub cached_tokens: usize,
+    /// Draft source and counters of a speculating row.
+    pub draft: Option<DraftState>,
 }
 
 /// What a row does in one step.
 pub(super) enum Work {
     Prefill { tokens: usize },
-    Decode,
+    /// The pending token, then draft tokens to verify (often none).
+    /// `model_depth` drafts are still to come from the draft model.
+    Decode { drafts: Vec<u32>, model_depth: usize },
 }
 
 impl Row {
-    pub fn new(id: RequestId, request: SubmitRequest, events: tokio::sync::mpsc::Sender<EngineEvent>, cache: KvCache) -> mlx::Result<Row> {
+    pub fn new(
+        id: RequestId,
+        request: SubmitRequest,
+        events: tokio::sync::mpsc::Sender<EngineEvent>,
+        cache: KvCache,
+        draft_model: Option<&Transformer>,
+    ) -> mlx::Result<Row> {
         let sampler = Sampler::new(request.sampling.clone())?;
         let tokens = request.prompt.clone();
-        Ok(Row { id, request, events, cache, sampler, prefilled: 0, generated: 0, pending_token: None, tokens, cached_tokens: 0 })
+        let draft = DraftState::new(&request.speculation, draft_model);
+        Ok(Row { id, request, events, cache, sampler, prefilled: 0, generated: 0, pending_token: None, tokens, cached_tokens: 0, draft })
     }
 
     pub fn prompt_remaining(&self) -> usize {
@@ -55,9 +67,12 @@ impl Row {
                 self.prefilled += tokens;
                 Ok(chunk)
             }
-            Work::Decode => {
+            Work::Decode { ref drafts, .. } => {
                 let token = self.pending_token.take().ok_or_else(|| mlx::Error { op: "engine", message: "decode without a token".into() })?;
-                Ok(vec![token])
+                let mut input = Vec::with_capacity(1 + drafts.len());
+                input.push(token);
+                input.extend_from_slice(drafts);
+                Ok(input)
             }
         }
     }
@@ -70,16 +85,37 @@ impl Row {
     }
 
     /// The tokens whose keys and values the cache holds, with the cache.
+    /// (After a verification that ended on a stop token the cache may hold
+    /// accepted drafts past the last emitted token: those are dropped.)
     pub fn into_cached_state(self) -> (Vec<u32>, KvCache) {
-        let mut tokens = self.tokens;
-        tokens.truncate(self.cache.len());
-        (tokens, self.cache)
+        let (mut tokens, mut cache) = (self.tokens, self.cache);
+        let len = tokens.len().min(cache.len());
+        tokens.truncate(len);
+        cache.truncate(len);
+        (tokens, cache)
+    }
+
+    /// This decode step's drafts: as many as the source offers, within the
+    /// step's remaining `budget` and the request's remaining `max_tokens`
+    /// (a verification emits up to drafts + 1 tokens).
+    pub fn drafts(&mut self, budget: usize) -> Proposal {
+        let room = budget.min(self.request.max_tokens.saturating_sub(self.generated + 1));
+        let (history, generated) = (&self.tokens, self.generated);
+        match &mut self.draft {
+            Some(d) => d.propose(history, generated, room),
+            None => Proposal::Ready(Vec::new()),
+        }
+    }
+
+    /// A request with `max_tokens: 0` only warms the prefix cache.
+    pub fn is_prewarm(&self) -> bool {
+        self.request.max_tokens == 0
     }
 
     /// Whether the step's forward ends with a token to sample: every decode
     /// step, and the prefill chunk that completes the prompt.
     pub fn samples_after(&self, work: &Work) -> bool {
-        matches!(work, Work::Decode) || self.prompt_remaining() == 0
+        matches!(work, Work::Decode { .. }) || (self.prompt_remaining() == 0 && !self.is_prewarm())
     }
 
     pub fn final_event(&self, reason: Finish) -> EngineEvent {
@@ -88,6 +124,7 @@ impl Row {
             prompt_tokens: self.request.prompt.len(),
             cached_tokens: self.cached_tokens,
             completion_tokens: self.generated,
+            speculative: self.draft.as_ref().map(|d| d.stats.clone()),
         })
     }
 }

@@ -10,6 +10,7 @@ use std::sync::mpsc::{Receiver, Sender, TryRecvError};
 use std::time::Instant;
 
 use super::prefix::PrefixCache;
+use super::speculate::{self, DraftModel, DraftRow, Proposal};
 use super::row::{logprobs_of, Row, Work};
 use super::{Command, EngineEvent, EngineModelInfo, EngineStats, Finish, RequestId, SubmitRequest};
 use crate::loaded::LoadedModel;
@@ -38,6 +39,12 @@ pub struct EngineConfig {
     pub prefix_cache_bytes: usize,
     /// Tokens per prefix-cache block (the granularity of matches).
     pub prefix_block_tokens: usize,
+    /// Draft tokens (all rows together) one step may verify, within the
+    /// step's token budget: drafts are speculative work and must not crowd
+    /// out prefill of waiting requests.
+    pub step_draft_budget: usize,
+    /// A small model sharing the tokenizer, for requests that draft with one.
+    pub draft_model: Option<speculate::DraftModelSpec>,
 }
 
 impl Default for EngineConfig {
@@ -54,8 +61,21 @@ impl Default for EngineConfig {
             reclaim_every_steps: 256,
             prefix_cache_bytes: 1 << 30,
             prefix_block_tokens: 16,
+            step_draft_budget: 64,
+            draft_model: None,
         }
     }
+}
+
+/// A row's part in this step.
+struct Scheduled {
+    row: usize,
+    /// Whether its logits are sampled (decode, or the last prefill chunk).
+    samples: bool,
+    /// Whether it decodes (a verification, drafts or not) rather than prefills.
+    decode: bool,
+    /// Draft tokens fed after its pending token.
+    drafts: Vec<u32>,
 }
 
 struct Waiting {
@@ -78,6 +98,7 @@ struct Engine {
     /// Where the next step's round-robin starts, so no row is always last.
     rotate: usize,
     prefix: PrefixCache,
+    draft: Option<DraftModel>,
 }
 
 pub(super) fn run<F>(config: EngineConfig, load: F, rx: Receiver<Command>, info_tx: Sender<anyhow::Result<EngineModelInfo>>)
@@ -91,6 +112,13 @@ where
             return;
         }
     };
+    let draft = match config.draft_model.as_ref().map(|spec| DraftModel::load(spec, model.transformer.config.vocab_size)).transpose() {
+        Ok(d) => d,
+        Err(e) => {
+            let _ = info_tx.send(Err(e.context("loading the draft model")));
+            return;
+        }
+    };
     let c = &model.transformer.config;
     let kv_bytes_per_token = c.kv_bytes_per_token(model.transformer.dtype.size());
     let info = EngineModelInfo {
@@ -100,6 +128,7 @@ where
         vocab_size: c.vocab_size,
         kv_bytes_per_token,
         weight_bytes: model.transformer.nbytes(),
+        draft_model: config.draft_model.as_ref().map(|d| d.path.display().to_string()),
     };
     let _ = info_tx.send(Ok(info));
     let namespace = {
@@ -111,6 +140,7 @@ where
     let prefix = PrefixCache::new(config.prefix_cache_bytes, config.prefix_block_tokens, namespace);
     let mut engine = Engine {
         prefix,
+        draft,
         config,
         model: model.transformer,
         kv_bytes_per_token,
@@ -205,6 +235,7 @@ impl Engine {
                 prompt_tokens: w.request.prompt.len(),
                 cached_tokens: 0,
                 completion_tokens: 0,
+                speculative: None,
             });
             self.deliver_final(w.events, event);
         }
@@ -226,7 +257,7 @@ impl Engine {
             }
             let w = self.waiting.pop_front().expect("front exists");
             let queue_ms = w.queued_at.elapsed().as_secs_f64() * 1e3;
-            match Row::new(w.id, w.request, w.events.clone(), self.model.new_cache()) {
+            match Row::new(w.id, w.request, w.events.clone(), self.model.new_cache(), self.draft.as_ref().map(|d| &d.model)) {
                 Ok(mut row) => {
                     if let Some(scope) = &row.request.cache_scope {
                         if let Some((cache, len)) = self.prefix.lookup(scope, &row.request.prompt) {
@@ -241,19 +272,32 @@ impl Engine {
         }
     }
 
-    /// Assigns this step's work: decode rows first, then prefill chunks, all
-    /// under the token budget, starting at a rotating row for fairness.
-    fn plan(&self) -> Vec<(usize, Work)> {
+    /// Assigns this step's work under the token budget, starting at a
+    /// rotating row for fairness: every decode row's token first, then the
+    /// decode rows' draft tokens, then prefill chunks.
+    fn plan(&mut self) -> Vec<(usize, Work)> {
         let n = self.running.len();
         let order: Vec<usize> = (0..n).map(|i| (i + self.rotate) % n.max(1)).collect();
         let mut budget = self.config.step_token_budget;
-        let mut plan = Vec::new();
+        let mut decoding = Vec::new();
         for &i in &order {
             let row = &self.running[i];
             if row.pending_token.is_some() && row.can_publish() && budget > 0 {
-                plan.push((i, Work::Decode));
+                decoding.push(i);
                 budget -= 1;
             }
+        }
+        let mut draft_budget = budget.min(self.config.step_draft_budget);
+        let mut plan = Vec::new();
+        for i in decoding {
+            let (drafts, model_depth) = match self.running[i].drafts(draft_budget) {
+                Proposal::Ready(drafts) => (drafts, 0),
+                Proposal::FromModel(depth) => (Vec::new(), depth),
+            };
+            let n = drafts.len() + model_depth;
+            draft_budget -= n;
+            budget -= n;
+            plan.push((i, Work::Decode { drafts, model_depth }));
         }
         for &i in &order {
             let row = &self.running[i];
@@ -278,11 +322,12 @@ impl Engine {
         if self.running.is_empty() {
             return Ok(());
         }
-        let plan = self.plan();
+        let mut plan = self.plan();
         self.rotate = self.rotate.wrapping_add(1);
         if plan.is_empty() {
             return Ok(());
         }
+        self.draft_with_model(&mut plan)?;
         // One forward for every scheduled row, then one eval.
         let mut work_of: Vec<Option<Work>> = (0..self.running.len()).map(|_| None).collect();
         for (i, work) in plan {
@@ -292,70 +337,72 @@ impl Engine {
             work_of[i] = Some(work);
         }
         let mut inputs = Vec::new();
-        let mut scheduled = Vec::new();
+        let mut scheduled: Vec<Scheduled> = Vec::new();
         for (i, row) in self.running.iter_mut().enumerate() {
-            let Some(work) = &work_of[i] else { continue };
-            let tokens: Vec<i32> = row.take_input(work)?.into_iter().map(|t| t as i32).collect();
+            let Some(work) = work_of[i].take() else { continue };
+            let tokens: Vec<i32> = row.take_input(&work)?.into_iter().map(|t| t as i32).collect();
             let ids = mlx::Array::from_i32(&tokens, &[1, tokens.len()])?;
-            scheduled.push((i, row.samples_after(work)));
-            inputs.push(RowInput { ids, cache: &mut row.cache, n_logits: 1 });
+            let samples = row.samples_after(&work);
+            let (decode, drafts) = match work {
+                Work::Decode { drafts, .. } => (true, drafts),
+                Work::Prefill { .. } => (false, Vec::new()),
+            };
+            inputs.push(RowInput { ids, cache: &mut row.cache, n_logits: 1 + drafts.len() });
+            scheduled.push(Scheduled { row: i, samples, decode, drafts });
         }
         let logits = self.model.forward_batch(&mut inputs)?;
         drop(inputs);
-        let mut sampled: Vec<(usize, mlx::Array, Option<mlx::Array>)> = Vec::new();
-        for ((i, samples), logits) in scheduled.iter().zip(logits) {
-            if *samples {
-                let row = &mut self.running[*i];
-                let token = row.sampler.sample(&logits)?;
-                let keep = row.request.logprobs.is_some().then_some(logits);
-                sampled.push((*i, token, keep));
+
+        // Each sampling row's draws, lazily: greedy rows take the argmax at
+        // every position; sampled rows with drafts run speculative sampling.
+        let mut draws: Vec<(usize, mlx::Array, Option<mlx::Array>)> = Vec::new();
+        for (s, logits) in scheduled.iter().zip(logits) {
+            if !s.samples {
+                continue;
             }
+            let row = &mut self.running[s.row];
+            let draw = if s.drafts.is_empty() || row.request.sampling.is_greedy() {
+                row.sampler.sample(&logits)?
+            } else {
+                row.sampler.verify(&logits, &s.drafts)?
+            };
+            let keep = row.request.logprobs.is_some().then_some(logits);
+            draws.push((s.row, draw, keep));
         }
-        let mut to_eval: Vec<&mlx::Array> = sampled.iter().map(|(_, t, _)| t).collect();
-        for (i, samples) in &scheduled {
-            if !samples {
-                to_eval.extend(self.running[*i].cache.buffers());
+        let mut to_eval: Vec<&mlx::Array> = draws.iter().map(|(_, d, _)| d).collect();
+        for s in &scheduled {
+            if !s.samples {
+                to_eval.extend(self.running[s.row].cache.buffers());
             }
         }
         mlx::eval(&to_eval)?;
         self.stats.steps += 1;
 
-        // One readback for every row's token, not one per row.
-        let ids: Vec<i32> = match sampled.len() {
+        // One readback for every row's draws, not one per row.
+        let lens: Vec<usize> = draws.iter().map(|(_, d, _)| d.size()).collect();
+        let flat: Vec<i32> = match draws.len() {
             0 => Vec::new(),
-            1 => sampled[0].1.to_vec_i32()?,
-            _ => mlx::concatenate(&sampled.iter().map(|(_, t, _)| t).collect::<Vec<_>>(), 0)?.to_vec_i32()?,
+            1 => draws[0].1.to_vec_i32()?,
+            _ => mlx::concatenate(&draws.iter().map(|(_, d, _)| d).collect::<Vec<_>>(), 0)?.to_vec_i32()?,
         };
         let mut finished: Vec<(usize, Finish)> = Vec::new();
-        for ((i, _, logits), id) in sampled.into_iter().zip(ids) {
-            let id = id as u32;
-            let row = &mut self.running[i];
-            if row.request.stop_ids.contains(&id) {
-                finished.push((i, Finish::Stop));
-                continue;
-            }
-            let logprobs = match (&logits, row.request.logprobs) {
-                (Some(l), Some(n)) => vec![logprobs_of(&l.to_vec_f32()?, id, n as usize)],
-                _ => Vec::new(),
-            };
-            row.generated += 1;
-            row.tokens.push(id);
-            self.stats.generated_tokens += 1;
-            // can_publish() held when the row was scheduled, so this fits.
-            if row.events.try_send(EngineEvent::Tokens { ids: vec![id], logprobs }).is_err() {
-                finished.push((i, Finish::Cancelled));
-                continue;
-            }
-            row.pending_token = Some(id);
-            if row.generated >= row.request.max_tokens {
-                finished.push((i, Finish::Length));
-            } else if row.request.deadline.is_some_and(|d| Instant::now() >= d) {
-                finished.push((i, Finish::TimeLimit));
+        let mut at = 0;
+        for ((i, _, logits), len) in draws.into_iter().zip(lens) {
+            let readback = &flat[at..at + len];
+            at += len;
+            let s = scheduled.iter().find(|s| s.row == i).expect("drawn rows were scheduled");
+            if let Some(reason) = self.publish(i, s.decode, &s.drafts, readback, logits.as_ref())? {
+                finished.push((i, reason));
             }
         }
-        // Deadlines also end rows still reading a long prompt.
         for (i, row) in self.running.iter().enumerate() {
-            if row.request.deadline.is_some_and(|d| Instant::now() >= d) && !finished.iter().any(|(j, _)| *j == i) {
+            if finished.iter().any(|(j, _)| *j == i) {
+                continue;
+            }
+            if row.is_prewarm() && row.prompt_remaining() == 0 {
+                finished.push((i, Finish::Length));
+            } else if row.request.deadline.is_some_and(|d| Instant::now() >= d) {
+                // Deadlines also end rows still reading a long prompt.
                 finished.push((i, Finish::TimeLimit));
             }
         }
@@ -365,6 +412,97 @@ impl Engine {
             self.finish(row, reason);
         }
         Ok(())
+    }
+
+    /// Fills in the drafts of rows that take them from the draft model: one
+    /// batched draft round for all of them (see [`DraftModel::propose`]).
+    fn draft_with_model(&mut self, plan: &mut [(usize, Work)]) -> mlx::Result<()> {
+        let Some(draft) = &self.draft else { return Ok(()) };
+        let wanted: Vec<(usize, usize)> = plan
+            .iter()
+            .enumerate()
+            .filter_map(|(p, (_, w))| match w {
+                Work::Decode { model_depth, .. } if *model_depth > 0 => Some((p, *model_depth)),
+                _ => None,
+            })
+            .collect();
+        if wanted.is_empty() {
+            return Ok(());
+        }
+        let rows_of: Vec<usize> = wanted.iter().map(|&(p, _)| plan[p].0).collect();
+        let mut rows: Vec<DraftRow<'_>> = Vec::new();
+        for (r, row) in self.running.iter_mut().enumerate() {
+            let Some(k) = rows_of.iter().position(|&i| i == r) else { continue };
+            let cache = row.draft.as_mut().and_then(|d| d.model_cache()).expect("model-drafting rows have a draft cache");
+            rows.push(DraftRow { history: &row.tokens, cache, depth: wanted[k].1 });
+        }
+        // `rows` follows running order; map each back to its plan entry.
+        let mut order: Vec<usize> = (0..wanted.len()).collect();
+        order.sort_by_key(|&k| rows_of[k]);
+        let proposals = draft.propose(&mut rows)?;
+        for (k, drafts) in order.into_iter().zip(proposals) {
+            if let (_, Work::Decode { drafts: slot, .. }) = &mut plan[wanted[k].0] {
+                *slot = drafts;
+            }
+        }
+        Ok(())
+    }
+
+    /// Turns row `i`'s draws into published tokens: accepts drafts, rolls
+    /// the KV cache back past rejected ones, emits tokens up to a stop token
+    /// or `max_tokens`. Returns why the row finished, if it did.
+    fn publish(&mut self, i: usize, decode: bool, drafts: &[u32], readback: &[i32], logits: Option<&mlx::Array>) -> mlx::Result<Option<Finish>> {
+        let row = &mut self.running[i];
+        let (emitted, accepted): (Vec<u32>, usize) = if drafts.is_empty() || row.request.sampling.is_greedy() {
+            let targets: Vec<u32> = readback.iter().map(|&t| t as u32).collect();
+            let accepted = speculate::accept_greedy(drafts, &targets);
+            (targets[..=accepted].to_vec(), accepted)
+        } else {
+            speculate::accept_sampled(drafts, readback)
+        };
+        // The forward appended the pending token and every draft; keep the
+        // accepted ones only.
+        row.cache.truncate(row.cache.len() - (drafts.len() - accepted));
+        if let (Some(draft), true) = (&mut row.draft, decode) {
+            draft.verified(row.tokens.len(), drafts.len(), accepted, emitted.len());
+            self.stats.drafted_tokens += drafts.len() as u64;
+            self.stats.accepted_draft_tokens += accepted as u64;
+            self.stats.spec_decode_forwards += 1;
+            self.stats.spec_decode_tokens += emitted.len() as u64;
+        }
+        let host_logits = match (logits, row.request.logprobs) {
+            (Some(l), Some(_)) => Some(l.to_vec_f32()?),
+            _ => None,
+        };
+        let mut ids = Vec::with_capacity(emitted.len());
+        let mut logprobs = Vec::new();
+        let mut finish = None;
+        for (pos, &id) in emitted.iter().enumerate() {
+            if row.request.stop_ids.contains(&id) {
+                finish = Some(Finish::Stop);
+                break;
+            }
+            if let (Some(host), Some(n)) = (&host_logits, row.request.logprobs) {
+                let vocab = host.len() / (drafts.len() + 1);
+                logprobs.push(logprobs_of(&host[pos * vocab..(pos + 1) * vocab], id, n as usize));
+            }
+            ids.push(id);
+            row.generated += 1;
+            row.tokens.push(id);
+            if row.generated >= row.request.max_tokens {
+                finish = Some(Finish::Length);
+                break;
+            }
+        }
+        self.stats.generated_tokens += ids.len() as u64;
+        if let Some(&last) = ids.last() {
+            // can_publish() held when the row was scheduled, so this fits.
+            if row.events.try_send(EngineEvent::Tokens { ids, logprobs }).is_err() {
+                return Ok(Some(Finish::Cancelled));
+            }
+            row.pending_token = Some(last);
+        }
+        Ok(finish)
     }
 
     /// Rows whose receiver was dropped are cancelled.

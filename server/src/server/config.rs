@@ -1,6 +1,7 @@
 //! Server configuration: bind address, protocol limits, session lifetimes,
 //! authentication. Every limit here is announced to clients (see
 //! [`ServerConfig::limits`]) or enforced at the edge.
+use std::path::PathBuf;
 use std::time::Duration;
 
 use protocol::Limits;
@@ -45,12 +46,19 @@ pub struct ServerConfig {
     pub rate_limit_burst: f64,
     /// Largest `chunk_size` (prefill tokens per forward) a request may ask for.
     pub max_prefill_chunk: usize,
+    /// Speculation for requests that do not choose their own.
+    pub speculation: crate::engine::speculate::Speculation,
+    /// Whether the engines have a draft model (`speculation.source: "draft_model"`).
+    pub has_draft_model: bool,
     /// Bearer token required on `/v1/ws` when set.
     pub auth_token: Option<String>,
     /// Allowed `Origin` values on `/v1/ws`; empty allows every origin.
     pub allowed_origins: Vec<String>,
     /// How long graceful shutdown waits for in-flight requests.
     pub drain_timeout: Duration,
+    /// A folder of static files served on `GET` paths outside the API (the
+    /// browser playground); an absolute, canonical path. `None` serves none.
+    pub ui_dir: Option<PathBuf>,
 }
 
 impl Default for ServerConfig {
@@ -74,9 +82,12 @@ impl Default for ServerConfig {
             rate_limit_per_sec: 100.0,
             rate_limit_burst: 200.0,
             max_prefill_chunk: 2048,
+            speculation: crate::engine::speculate::Speculation { kind: crate::engine::speculate::DraftKind::Echo, ..Default::default() },
+            has_draft_model: false,
             auth_token: None,
             allowed_origins: Vec::new(),
             drain_timeout: Duration::from_secs(30),
+            ui_dir: None,
         }
     }
 }

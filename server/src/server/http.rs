@@ -1,6 +1,8 @@
 //! The HTTP side: routing, the WebSocket upgrade of `GET /v1/ws` (with the
-//! Origin and bearer-token checks done BEFORE upgrading), `/healthz` and
-//! `/metrics`.
+//! Origin and bearer-token checks done BEFORE upgrading), `/healthz`,
+//! `/metrics`, and with `--ui-dir` static files (the playground) elsewhere.
+mod static_files;
+
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
@@ -37,8 +39,15 @@ pub async fn handle(state: Arc<ServerState>, req: Request<Incoming>) -> Result<R
             r.headers_mut().insert(header::ALLOW, HeaderValue::from_static("GET"));
             r
         }
-        _ => json(StatusCode::NOT_FOUND, serde_json::json!({"error": "not found", "path": path}).to_string()),
+        (method, _) => match &state.config.ui_dir {
+            Some(dir) if method == Method::GET || method == Method::HEAD => static_files::serve(dir, path).await,
+            _ => not_found(path),
+        },
     })
+}
+
+fn not_found(path: &str) -> Response<Body> {
+    json(StatusCode::NOT_FOUND, serde_json::json!({"error": "not found", "path": path}).to_string())
 }
 
 fn json(status: StatusCode, body: String) -> Response<Body> {

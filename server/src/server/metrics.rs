@@ -37,6 +37,10 @@ pub struct Metrics {
     prefix_evictions: Counter<u64, AtomicU64>,
     prefix_entries: Gauge,
     prefix_bytes: Gauge,
+    spec_drafted: Counter<u64, AtomicU64>,
+    spec_accepted: Counter<u64, AtomicU64>,
+    spec_forwards: Counter<u64, AtomicU64>,
+    spec_tokens: Counter<u64, AtomicU64>,
 }
 
 impl Default for Metrics {
@@ -72,6 +76,10 @@ impl Metrics {
             prefix_evictions: Counter::default(),
             prefix_entries: Gauge::default(),
             prefix_bytes: Gauge::default(),
+            spec_drafted: Counter::default(),
+            spec_accepted: Counter::default(),
+            spec_forwards: Counter::default(),
+            spec_tokens: Counter::default(),
         };
         registry.register("sessions", "Sessions alive (attached or awaiting resume)", m.sessions.clone());
         registry.register("connections", "Open WebSocket connections", m.connections.clone());
@@ -95,6 +103,10 @@ impl Metrics {
         registry.register("prefix_cache_evictions", "Prefix-cache entries evicted under the byte budget", m.prefix_evictions.clone());
         registry.register("prefix_cache_entries", "Prefix-cache entries held", m.prefix_entries.clone());
         registry.register("prefix_cache_bytes", "KV bytes held by the prefix cache", m.prefix_bytes.clone());
+        registry.register("spec_drafted_tokens", "Draft tokens verified", m.spec_drafted.clone());
+        registry.register("spec_accepted_tokens", "Draft tokens accepted", m.spec_accepted.clone());
+        registry.register("spec_decode_forwards", "Decode forwards of speculating requests (per request row)", m.spec_forwards.clone());
+        registry.register("spec_decode_tokens", "Tokens those forwards produced (tokens per forward = this / forwards)", m.spec_tokens.clone());
         Metrics { registry, ..m }
     }
 
@@ -130,6 +142,10 @@ impl Metrics {
             catch_up(&self.prefix_evictions, s.prefix.evictions);
             self.prefix_entries.set(s.prefix.entries as i64);
             self.prefix_bytes.set(s.prefix.bytes as i64);
+            catch_up(&self.spec_drafted, s.drafted_tokens);
+            catch_up(&self.spec_accepted, s.accepted_draft_tokens);
+            catch_up(&self.spec_forwards, s.spec_decode_forwards);
+            catch_up(&self.spec_tokens, s.spec_decode_tokens);
         }
         let mut out = String::new();
         encode(&mut out, &self.registry).expect("writing to a String cannot fail");

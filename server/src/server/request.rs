@@ -4,13 +4,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use protocol::{
-    Delta, Done, ErrorCode, FimInput, FinishReason, GenerateInput, GenerateRequest, ProtocolError, ServerMessage, Timing,
+    Delta, Done, DraftSourceName, ErrorCode, FimInput, FinishReason, GenerateInput, GenerateRequest, ProtocolError, ServerMessage,
+    SpeculationOptions, SpeculativeStats, Timing,
     TokenLogprob as WireLogprob, TopLogprob, Usage,
 };
 use tokio::sync::mpsc;
 
 use super::session::{Frame, Session};
 use super::ServerState;
+use crate::engine::speculate::{DraftKind, SpecStats, Speculation};
 use crate::engine::{EngineError, EngineEvent, Finish, RequestId, Scope, SubmitRequest, TokenLogprob};
 use crate::sample::SamplingParams;
 use crate::stop::{StopMatcher, StopScan};
@@ -139,6 +141,41 @@ pub fn submit_request(state: &ServerState, session_id: &str, req: &GenerateReque
         prefill_chunk: req.chunk_size.map(|c| (c as usize).min(state.config.max_prefill_chunk)),
         cache_scope: Some(Scope::Session(session_id.to_string())),
         deadline: req.max_time_ms.map(|ms| received + Duration::from_millis(ms as u64)),
+        speculation: speculation_for(&state.config.speculation, req.speculation),
+    }
+}
+
+/// A request's speculation: its own choices over the server's defaults.
+fn speculation_for(default: &Speculation, asked: Option<SpeculationOptions>) -> Speculation {
+    let asked = asked.unwrap_or_default();
+    let kind = match asked.source {
+        None => default.kind.clone(),
+        Some(DraftSourceName::Off) => DraftKind::Off,
+        Some(DraftSourceName::Echo) => DraftKind::Echo,
+        Some(DraftSourceName::DraftModel) => DraftKind::Model,
+    };
+    Speculation { kind, max_draft: asked.max_draft.map_or(default.max_draft, usize::from) }
+}
+
+/// A draft-model request on a server without one is refused up front.
+fn check_speculation(state: &ServerState, req: &GenerateRequest) -> Result<(), ProtocolError> {
+    let wants_model = req.speculation.and_then(|s| s.source) == Some(DraftSourceName::DraftModel);
+    if wants_model && !state.config.has_draft_model {
+        return Err(ProtocolError::invalid_parameter(
+            "speculation.source \"draft_model\": this server has no draft model (start it with --draft-model)",
+        )
+        .with_request_id(req.request_id.clone()));
+    }
+    Ok(())
+}
+
+/// The wire form of a finished request's speculation counters.
+fn wire_speculative(s: &SpecStats) -> SpeculativeStats {
+    SpeculativeStats {
+        drafted: s.drafted,
+        accepted: s.accepted,
+        acceptance_by_position: s.acceptance_by_position(),
+        tokens_per_forward: s.tokens_per_forward(),
     }
 }
 
@@ -157,6 +194,7 @@ pub async fn start(
         return Err(with_id(ProtocolError::new(ErrorCode::Cancelled, "the server is shutting down and accepts no new requests")));
     }
     req.check_limits(&state.limits)?;
+    check_speculation(state, &req)?;
     if matches!(req.input, GenerateInput::Fim(_)) && state.fim.is_none() {
         return Err(with_id(fim_unsupported()));
     }
@@ -352,7 +390,7 @@ impl Forwarder {
                             },
                         }
                     };
-                    break Ok((reason, info.prompt_tokens, info.cached_tokens));
+                    break Ok((reason, info));
                 }
                 EngineEvent::Failed { message } => {
                     // The engine refuses at admission with a Failed event
@@ -377,7 +415,8 @@ impl Forwarder {
         };
         let total = self.received.elapsed();
         match outcome {
-            Ok((reason, prompt_tokens, cached_tokens)) => {
+            Ok((reason, info)) => {
+                let (prompt_tokens, cached_tokens) = (info.prompt_tokens, info.cached_tokens);
                 self.state.metrics.request_finished(reason);
                 if alive {
                     let done = Done {
@@ -394,6 +433,7 @@ impl Forwarder {
                             ttft_ms: first_token.map_or(ms(total), |t| ms(t - self.received)),
                             total_ms: ms(total),
                         },
+                        speculative: info.speculative.as_ref().map(wire_speculative),
                     };
                     self.push(Some(seq + 1), ServerMessage::Done(done), true).await;
                 }

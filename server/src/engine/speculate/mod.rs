@@ -1,0 +1,276 @@
+//! Speculative decode rows: draft tokens ride along with a running row's
+//! decode token and are verified in the same batched forward as every other
+//! row of the step.
+//!
+//! A row with pending token `t` and drafts `d1..dk` feeds `[t, d1..dk]` and
+//! asks for `k + 1` logits. Position `i`'s logits judge draft `d(i+1)`; the
+//! first rejected draft ends the run, and the target's own token at that
+//! position replaces it, so every verification emits `accepted + 1` tokens.
+//! The KV cache then rolls back exactly the rejected drafts (it only moves
+//! its length back: a zero-draft step has nothing to roll back).
+//!
+//! All draft sources here are deterministic (a point-mass proposal), which
+//! makes the acceptance rule simple and exact: greedy rows accept a draft
+//! when it equals the argmax; sampled rows accept it with probability p(d)
+//! and otherwise draw from p with d removed (standard speculative sampling
+//! with q = δ_d), so the output distribution is the target's.
+mod draft_model;
+mod forced;
+mod lookup;
+
+pub use draft_model::{draft_cache_keep, DraftModel, DraftModelSpec, DraftRow};
+pub use forced::ForcedDrafts;
+pub use lookup::PromptLookup;
+
+use crate::model::{KvCache, Transformer};
+
+/// Where a request's draft tokens come from.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub enum DraftKind {
+    /// No speculation.
+    #[default]
+    Off,
+    /// Prompt lookup ("echo"): continuations copied from earlier in the
+    /// prompt (FIM suffix and context files included) and the output so far.
+    Echo,
+    /// Tokens known in advance: a grammar's forced tokens, or a test's.
+    /// Entry `i` is proposed as generated token `i`.
+    Forced(Vec<u32>),
+    /// The engine's draft model (see [`DraftModel`]); no drafts when the
+    /// engine has none.
+    Model,
+}
+
+impl DraftKind {
+    pub fn name(&self) -> &'static str {
+        match self {
+            DraftKind::Off => "off",
+            DraftKind::Echo => "echo",
+            DraftKind::Forced(_) => "forced",
+            DraftKind::Model => "draft_model",
+        }
+    }
+}
+
+/// A request's speculation settings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Speculation {
+    pub kind: DraftKind,
+    /// Most draft tokens per verification.
+    pub max_draft: usize,
+}
+
+impl Default for Speculation {
+    fn default() -> Self {
+        Speculation { kind: DraftKind::Off, max_draft: DEFAULT_MAX_DRAFT }
+    }
+}
+
+pub const DEFAULT_MAX_DRAFT: usize = 12;
+
+/// Proposes tokens likely to follow a row's history. Implementations are
+/// cheap host-side code run on the engine thread while it plans a step.
+pub trait DraftSource: Send {
+    /// Up to `max` tokens after `history` (prompt, generated tokens and the
+    /// pending token, in order); `generated` of them are model output.
+    fn propose(&mut self, history: &[u32], generated: usize, max: usize) -> Vec<u32>;
+}
+
+/// Where one row's drafts come from.
+enum Source {
+    /// Proposed on the host while the step is planned.
+    Host(Box<dyn DraftSource>),
+    /// Proposed by the engine's draft model in a batched round before the
+    /// verification forward; the row's KV cache in that model.
+    Model(KvCache),
+}
+
+/// A row's drafts for one step.
+pub enum Proposal {
+    Ready(Vec<u32>),
+    /// This many tokens, from the draft model.
+    FromModel(usize),
+}
+
+/// A row's speculation: its draft source, adaptive depth and statistics.
+pub struct DraftState {
+    source: Source,
+    max_draft: usize,
+    /// Drafts to ask for next time: grows while drafts are accepted whole,
+    /// shrinks to just past the last accepted position otherwise, so rows
+    /// whose text does not repeat stop paying for long drafts.
+    depth: usize,
+    pub stats: SpecStats,
+}
+
+/// Per-request speculation counters.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SpecStats {
+    /// Draft tokens verified.
+    pub drafted: u64,
+    /// Draft tokens accepted.
+    pub accepted: u64,
+    /// Per draft position: how often a draft was offered there, and accepted.
+    pub offered_at: Vec<u64>,
+    pub accepted_at: Vec<u64>,
+    /// Decode forwards this row took part in (with or without drafts).
+    pub decode_forwards: u64,
+    /// Tokens those forwards produced.
+    pub decode_tokens: u64,
+}
+
+impl SpecStats {
+    /// Acceptance rate at each draft position.
+    pub fn acceptance_by_position(&self) -> Vec<f32> {
+        self.offered_at.iter().zip(&self.accepted_at).map(|(&o, &a)| if o == 0 { 0.0 } else { a as f32 / o as f32 }).collect()
+    }
+
+    /// Tokens produced per target forward of this row's decode.
+    pub fn tokens_per_forward(&self) -> f32 {
+        if self.decode_forwards == 0 {
+            0.0
+        } else {
+            self.decode_tokens as f32 / self.decode_forwards as f32
+        }
+    }
+}
+
+const START_DEPTH: usize = 4;
+
+impl DraftState {
+    /// `None` when the request does not speculate (or asks for a draft
+    /// model the engine does not have).
+    pub fn new(spec: &Speculation, draft_model: Option<&Transformer>) -> Option<DraftState> {
+        let max_draft = spec.max_draft.max(1);
+        // Guesses start shallow and earn depth; forced tokens are certain.
+        let (source, depth) = match &spec.kind {
+            DraftKind::Off => return None,
+            DraftKind::Echo => (Source::Host(Box::new(PromptLookup::default())), START_DEPTH.min(max_draft)),
+            DraftKind::Forced(tokens) => (Source::Host(Box::new(ForcedDrafts::new(tokens.clone()))), max_draft),
+            DraftKind::Model => (Source::Model(draft_model?.new_cache()), START_DEPTH.min(max_draft)),
+        };
+        Some(DraftState { source, max_draft, depth, stats: SpecStats::default() })
+    }
+
+    /// This step's drafts, at most `room` of them.
+    pub fn propose(&mut self, history: &[u32], generated: usize, room: usize) -> Proposal {
+        let max = self.depth.min(room);
+        match &mut self.source {
+            _ if max == 0 => Proposal::Ready(Vec::new()),
+            Source::Host(source) => {
+                let mut drafts = source.propose(history, generated, max);
+                drafts.truncate(max);
+                Proposal::Ready(drafts)
+            }
+            Source::Model(_) => Proposal::FromModel(max),
+        }
+    }
+
+    /// The row's KV cache in the draft model, if it drafts with one.
+    pub fn model_cache(&mut self) -> Option<&mut KvCache> {
+        match &mut self.source {
+            Source::Model(cache) => Some(cache),
+            Source::Host(_) => None,
+        }
+    }
+
+    /// After a verification of `drafted` drafts proposed after a history of
+    /// `history_len` tokens, of which `accepted` held and `emitted` tokens
+    /// came out: rolls the draft model's cache back, records, adapts depth.
+    pub fn verified(&mut self, history_len: usize, drafted: usize, accepted: usize, emitted: usize) {
+        if let (Source::Model(cache), true) = (&mut self.source, drafted > 0) {
+            cache.truncate(draft_cache_keep(history_len, drafted, accepted));
+        }
+        self.record(drafted, accepted, emitted);
+    }
+
+    /// Records a verification of `drafted` drafts of which the first
+    /// `accepted` held, producing `emitted` tokens, and adapts the depth.
+    fn record(&mut self, drafted: usize, accepted: usize, emitted: usize) {
+        let s = &mut self.stats;
+        s.decode_forwards += 1;
+        s.decode_tokens += emitted as u64;
+        if drafted == 0 {
+            return;
+        }
+        s.drafted += drafted as u64;
+        s.accepted += accepted as u64;
+        if s.offered_at.len() < drafted {
+            s.offered_at.resize(drafted, 0);
+            s.accepted_at.resize(drafted, 0);
+        }
+        for i in 0..drafted {
+            s.offered_at[i] += 1;
+            if i < accepted {
+                s.accepted_at[i] += 1;
+            }
+        }
+        self.depth = if accepted == drafted { (self.depth + 2).min(self.max_draft) } else { (accepted + 1).clamp(1, self.max_draft) };
+    }
+}
+
+/// Greedy verification: how many leading drafts equal the target's own
+/// choices. `targets[i]` is the argmax after the row's input position `i`
+/// (the pending token, then each draft), so draft `i` is judged by
+/// `targets[i]`; the tokens to emit are `targets[..=accepted]`.
+pub fn accept_greedy(drafts: &[u32], targets: &[u32]) -> usize {
+    drafts.iter().zip(targets).take_while(|(d, t)| d == t).count()
+}
+
+/// Sampled verification, from the device's readback laid out as
+/// `[accept flag per draft, residual sample per draft, bonus sample]` (see
+/// [`crate::sample::Sampler::verify`]): the tokens to emit and how many
+/// drafts were accepted.
+pub fn accept_sampled(drafts: &[u32], readback: &[i32]) -> (Vec<u32>, usize) {
+    let k = drafts.len();
+    debug_assert_eq!(readback.len(), 2 * k + 1);
+    let (flags, rest) = readback.split_at(k);
+    let (residual, bonus) = rest.split_at(k);
+    let accepted = flags.iter().take_while(|&&f| f != 0).count();
+    let mut emitted: Vec<u32> = drafts[..accepted].to_vec();
+    emitted.push(if accepted < k { residual[accepted] as u32 } else { bonus[0] as u32 });
+    (emitted, accepted)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_acceptance_stops_at_first_mismatch() {
+        assert_eq!(accept_greedy(&[5, 6, 7], &[5, 6, 9, 1]), 2);
+        assert_eq!(accept_greedy(&[5, 6, 7], &[5, 6, 7, 1]), 3);
+        assert_eq!(accept_greedy(&[5], &[4, 1]), 0);
+        assert_eq!(accept_greedy(&[], &[4]), 0);
+    }
+
+    #[test]
+    fn sampled_acceptance_takes_residual_or_bonus() {
+        // Two drafts, the second rejected: emit the first, then the residual draw.
+        assert_eq!(accept_sampled(&[5, 6], &[1, 0, 11, 12, 13]), (vec![5, 12], 1));
+        // All accepted: the bonus token follows.
+        assert_eq!(accept_sampled(&[5, 6], &[1, 1, 11, 12, 13]), (vec![5, 6, 13], 2));
+        // No drafts: just the bonus.
+        assert_eq!(accept_sampled(&[], &[9]), (vec![9], 0));
+    }
+
+    #[test]
+    fn depth_adapts() {
+        let mut s = DraftState::new(&Speculation { kind: DraftKind::Echo, max_draft: 8 }, None).unwrap();
+        assert_eq!(s.depth, 4);
+        s.record(4, 4, 5);
+        assert_eq!(s.depth, 6);
+        s.record(6, 6, 7);
+        s.record(8, 8, 9);
+        assert_eq!(s.depth, 8, "capped at max_draft");
+        s.record(8, 2, 3);
+        assert_eq!(s.depth, 3);
+        s.record(3, 0, 1);
+        assert_eq!(s.depth, 1);
+        assert_eq!(s.stats.drafted, 29);
+        assert_eq!(s.stats.accepted, 20);
+        assert_eq!(s.stats.acceptance_by_position()[0], 4.0 / 5.0);
+        assert_eq!(s.stats.decode_tokens, 25);
+        assert!((s.stats.tokens_per_forward() - 5.0).abs() < 1e-6);
+    }
+}
