@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up everything the tests need and runs all of them:
 # MLX + OpenBLAS (scripts/setup.sh), the two real test models (fetched and
-# hash-checked into ~/.cache/tether/models), then the Rust workspace tests.
+# hash-checked into ~/.cache/tether/models), then the Rust workspace tests,
+# then the TypeScript client's and the browser playground's tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TETHER_BIN="${CARGO_TARGET_DIR:-target}/release/tether"
@@ -16,3 +17,8 @@ done
 bench/peer/setup.sh
 # Release profile: the numerical tests run real models token by token.
 cargo test --release --locked --workspace
+# The TypeScript client and the playground (client-ts/) against real servers,
+# the playground in Debian's Chromium (installed by setup-node.sh if missing).
+scripts/setup-node.sh
+export TETHER_BIN="$(realpath "$TETHER_BIN")"
+(cd client-ts && npm ci --no-audit --no-fund && npm test)

@@ -1,0 +1,142 @@
+// The playground in Debian's Chromium, driven by playwright-core: type a
+// prompt and watch it stream, stop a run, and kill the socket mid-stream.
+import { after, before, test } from 'node:test';
+import assert from 'node:assert/strict';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { chromium } from 'playwright-core';
+import { URL_, reference, sleep } from './helpers.mjs';
+
+const CHROMIUM = process.env.TETHER_CHROMIUM ?? '/usr/bin/chromium';
+// Quiet, offline-friendly Chromium: no background fetches to a closed network.
+const ARGS = [
+  '--no-sandbox',
+  '--disable-gpu',
+  '--disable-quic',
+  '--no-first-run',
+  '--disable-background-networking',
+  '--disable-component-update',
+  '--disable-sync',
+];
+
+let context;
+let page;
+let profile;
+const pageErrors = [];
+
+before(async () => {
+  profile = mkdtempSync(join(tmpdir(), 'tether-chromium-'));
+  context = await chromium.launchPersistentContext(profile, { executablePath: CHROMIUM, headless: true, args: ARGS });
+  page = context.pages()[0] ?? (await context.newPage());
+  page.setDefaultTimeout(20_000);
+  page.on('pageerror', (e) => pageErrors.push(String(e)));
+  page.on('console', (m) => m.type() === 'error' && pageErrors.push(m.text()));
+  await page.goto(`${URL_}/`);
+  await page.waitForSelector('#state[data-state="open"]');
+});
+
+after(async () => {
+  await context?.close();
+  if (profile) rmSync(profile, { recursive: true, force: true });
+});
+
+/** Starts a fresh chat turn from the page's own controls. */
+async function ask(prompt, maxTokens) {
+  await page.click('#new-chat');
+  await page.fill('#max-tokens', String(maxTokens));
+  await page.fill('#temperature', '0');
+  await page.fill('#prompt', prompt);
+  await page.click('#send');
+}
+
+/** The last assistant message: its text and, once finished, how it ended. */
+function reply() {
+  return page.evaluate(() => {
+    const msgs = document.querySelectorAll('.msg.assistant');
+    const last = msgs[msgs.length - 1];
+    return { text: last?.querySelector('.text')?.textContent ?? '', finish: last?.dataset.finish ?? '' };
+  });
+}
+
+/** Polls the reply until it finished, recording the partial texts seen on the way. */
+async function watch(onPartial = () => {}) {
+  const partials = [];
+  for (const deadline = Date.now() + 30_000; Date.now() < deadline; await sleep(40)) {
+    const r = await reply();
+    if (r.finish) return { ...r, partials };
+    if (r.text && r.text !== partials[partials.length - 1]) {
+      partials.push(r.text);
+      await onPartial(r.text, partials.length);
+    }
+  }
+  throw new Error('the reply did not finish in 30 s');
+}
+
+const stat = (id) => page.textContent(`#stat-${id}`);
+
+test('type a prompt and watch the tokens stream in', async () => {
+  const prompt = 'Write a haiku about the sea.';
+  const expected = await reference({ messages: [{ role: 'user', content: prompt }], max_tokens: 40 });
+  await ask(prompt, 40);
+  assert.ok(await page.isDisabled('#send'), 'Send is disabled while streaming');
+  const r = await watch();
+  assert.ok(r.partials.length >= 3, `saw ${r.partials.length} partial texts before done`);
+  for (let i = 1; i < r.partials.length; i++) assert.ok(r.partials[i].startsWith(r.partials[i - 1]), 'text only grows');
+  assert.equal(r.text, expected.text);
+  assert.equal(r.finish, expected.finishReason);
+  assert.equal(await stat('status'), expected.finishReason);
+  assert.equal(await stat('completion'), String(expected.usage.completion_tokens));
+  assert.match(await stat('tps'), /^\d+(\.\d)?$/);
+  assert.match(await stat('cached'), /^\d+$/);
+  assert.ok(await page.isEnabled('#send'));
+});
+
+test('Stop cancels the stream', async () => {
+  await ask('Tell me a long story about a brave dragon.', 300);
+  let stoppedAt = 0;
+  const r = await watch(async (text) => {
+    if (!stoppedAt && text.length > 20) {
+      stoppedAt = Date.now();
+      await page.click('#stop');
+    }
+  });
+  assert.equal(r.finish, 'cancelled');
+  assert.ok(Date.now() - stoppedAt < 3000);
+  assert.equal(await stat('status'), 'cancelled');
+  assert.ok(Number(await stat('completion')) < 300);
+});
+
+test('killing the socket mid-stream: the stream resumes and completes with the uninterrupted text', async () => {
+  const prompt = 'List five animals that live in the ocean, one per line.';
+  const expected = await reference({ messages: [{ role: 'user', content: prompt }], max_tokens: 48 });
+  await ask(prompt, 48);
+  let dropped = false;
+  const r = await watch(async (_, n) => {
+    if (!dropped && n >= 3) {
+      dropped = await page.evaluate(() => {
+        const s = window.tetherPlayground.session;
+        s.dropConnectionForTesting();
+        return s.state === 'reconnecting';
+      });
+    }
+  });
+  assert.ok(dropped, 'the socket was dropped mid-stream');
+  assert.equal(r.text, expected.text);
+  assert.equal(r.finish, expected.finishReason);
+  assert.equal(await stat('resumes'), '1');
+  assert.equal(await page.getAttribute('#state', 'data-state'), 'open');
+  assert.equal(await page.evaluate(() => window.tetherPlayground.session.reconnects), 1);
+});
+
+test('the FIM box shows the typed error of a model without FIM', async () => {
+  assert.ok(await page.isVisible('#fim-hint'));
+  await page.click('#fim-run');
+  await page.waitForSelector('#fim-middle[data-finish="error"]', { state: 'attached' });
+  assert.match(await page.textContent('#fim-error'), /^fim_unsupported: /);
+  assert.equal(await stat('status'), 'fim_unsupported');
+});
+
+test('the page logged no errors', () => {
+  assert.deepEqual(pageErrors, []);
+});
