@@ -9,6 +9,10 @@
 # MODE=decode (default): single-stream prefill/decode beside mlx-lm.
 # MODE=streams: aggregate decode through Tether's engine at 1, 8 and 32
 # concurrent streams (continuous batching), one JSON line per measurement.
+# MODE=spec: the speculative-decoding benchmark (code-edit workload, 1 and 8
+# streams, speculation off vs echo) on real weights: SmolLM2-135M's GGUF,
+# reassembled from $KEEP/smol_part_* (random weights would make acceptance
+# meaningless).
 set -euo pipefail
 KEEP=${KEEP:-/root/keep}
 TETHER_BIN=${TETHER_BIN:-./tether}
@@ -27,6 +31,13 @@ if [ ! -f /opt/py/mlx/lib/libmlx.so ]; then
 fi
 export LD_LIBRARY_PATH=/opt/py/mlx/lib PYTHONPATH=/opt/py
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+
+if [ "${MODE:-decode}" = spec ]; then
+  smol=/opt/models/SmolLM2-135M-Instruct.Q4_1.gguf
+  [ -f "$smol" ] || cat "$KEEP"/smol_part_* > "$smol"
+  "$TETHER_BIN" bench --model "$smol" --device gpu --speculation-streams 1,8 2>>"$OUT/tether.log" | tee -a "$OUT/results.jsonl"
+  exit 0
+fi
 
 for m in qwen2.5-0.5b qwen2.5-1.5b; do
   [ -f /opt/models/$m-bf16/model.safetensors ] || "$PY" "$here/make_random_model.py" /opt/models/$m-bf16 $m "$KEEP"

@@ -4,7 +4,10 @@
 // float32 product it replaces), so 4-bit weights bought no decode speed on
 // CPU. Decode is a memory-bound matrix-vector product; this kernel reads each
 // quantized row once, expands codes to float in registers, and multiplies
-// them against up to kCpuQmmMaxRows activation rows, split over all cores.
+// them against the activation rows, split over all cores. With a few rows it
+// streams codes straight into FMAs; with more (batched decode, draft
+// verification) it expands a tile of weight rows once and runs a
+// register-blocked micro-kernel over all rows (rows_avx512_tiled).
 //
 // Math per output (m, n): sum_g [ s_ng * sum_j q_nj x_mj + b_ng * sum_j x_mj ]
 // with j over group g. The scale is folded into the codes before the FMA, and
@@ -126,6 +129,10 @@ struct Problem {
   int M, N, K, G, bits;
 };
 
+// From this many activation rows on, the tiled path (rows_avx512_tiled)
+// beats streaming codes through the per-row kernels.
+constexpr int kTiledMinRows = 4;
+
 // Portable version; also the reference the vector one is checked against.
 void rows_scalar(const Problem& p, int n0, int n1) {
   const int gs = p.K / p.G;
@@ -168,6 +175,20 @@ inline void expand_group(const uint8_t* wr, int g, __m512 s, __m512& qa, __m512&
     qa = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF))), s);
     qb = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s);
   }
+}
+
+// Adds sum_g b[g] * xs[g] (the bias term of one output) to the lanes of
+// `acc`, 16 groups per FMA. Scalar per-group code here cost more than the
+// products themselves once several activation rows share a weight row.
+__attribute__((target("avx512f,avx512bw")))
+inline __m512 add_bias_term(__m512 acc, const float* b, const float* xs, int G) {
+  int g = 0;
+  for (; g + 16 <= G; g += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(b + g), _mm512_loadu_ps(xs + g), acc);
+  if (g < G) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (G - g)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, b + g), _mm512_maskz_loadu_ps(m, xs + g), acc);
+  }
+  return acc;
 }
 
 template <int BITS>
@@ -213,11 +234,9 @@ void rows_avx512_g32(const Problem& p, int n0, int n1) {
         }
       }
       for (int m = 0; m < mc; ++m) {
-        float bias = 0.f;
-        const float* xs = p.xsum + static_cast<size_t>(m0 + m) * p.G;
-        for (int gg = 0; gg < p.G; ++gg) bias += br[gg] * xs[gg];
         __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
-        p.out[static_cast<size_t>(m0 + m) * p.N + n] = _mm512_reduce_add_ps(sum) + bias;
+        sum = add_bias_term(sum, br, p.xsum + static_cast<size_t>(m0 + m) * p.G, p.G);
+        p.out[static_cast<size_t>(m0 + m) * p.N + n] = _mm512_reduce_add_ps(sum);
       }
     }
   }
@@ -230,21 +249,132 @@ void rows_avx512_8bit_g16(const Problem& p, int n0, int n1) {
     const uint8_t* wr = p.w + static_cast<size_t>(n) * p.K;
     const float* sr = p.scales + static_cast<size_t>(n) * p.G;
     const float* br = p.biases + static_cast<size_t>(n) * p.G;
-    __m512 acc[kCpuQmmMaxRows];
-    float bias_acc[kCpuQmmMaxRows];
-    for (int m = 0; m < p.M; ++m) {
-      acc[m] = _mm512_setzero_ps();
-      bias_acc[m] = 0.f;
-    }
+    __m512 acc[kTiledMinRows];  // fewer rows than this only: more go tiled
+    for (int m = 0; m < p.M; ++m) acc[m] = _mm512_setzero_ps();
     for (int g = 0; g < p.G; ++g) {
       __m512 q = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + g * 16)))),
                                _mm512_set1_ps(sr[g]));
-      for (int m = 0; m < p.M; ++m) {
-        acc[m] = _mm512_fmadd_ps(q, _mm512_loadu_ps(p.x + static_cast<size_t>(m) * p.K + g * 16), acc[m]);
-        bias_acc[m] += br[g] * p.xsum[m * p.G + g];
+      for (int m = 0; m < p.M; ++m) acc[m] = _mm512_fmadd_ps(q, _mm512_loadu_ps(p.x + static_cast<size_t>(m) * p.K + g * 16), acc[m]);
+    }
+    for (int m = 0; m < p.M; ++m)
+      p.out[static_cast<size_t>(m) * p.N + n] = _mm512_reduce_add_ps(add_bias_term(acc[m], br, p.xsum + static_cast<size_t>(m) * p.G, p.G));
+  }
+}
+
+// Many activation rows (batched decode, draft verification, small
+// prefill chunks): the product turns compute-bound, and re-expanding codes
+// for every block of rows (as rows_avx512_g32 does) wastes most of the
+// instructions. Here each tile of kTileN weight rows is expanded ONCE into a
+// float buffer (scales applied, in the same element order as the permuted x
+// below), then a register-blocked micro-kernel multiplies it against the rows
+// of x, kTileN x MB dot products at a time: per 16-wide step it loads kTileN
+// weight vectors and MB activation vectors for kTileN * MB FMAs.
+constexpr int kTileN = 4;  // tile_dots spells out its four weight rows
+constexpr int kTileMaxM = 6;  // 4 x 6 accumulators + 4 weights + 1 x = 29 of 32 zmm
+
+// Row n of W as floats (code * scale), group by group. 4-bit groups come out
+// as [even elements | odd elements], matching the nibble layout; x is
+// permuted the same way (see permute_x_for_4bit), so dot products agree.
+__attribute__((target("avx512f,avx512bw")))
+void expand_row(const Problem& p, int n, float* dst) {
+  const int gs = p.K / p.G;
+  const float* sr = p.scales + static_cast<size_t>(n) * p.G;
+  if (p.bits == 4) {
+    const uint8_t* wr = p.w + static_cast<size_t>(n) * p.K / 2;
+    for (int g = 0; g < p.G; ++g) {
+      __m512 qa, qb;
+      expand_group<4>(wr, g, _mm512_set1_ps(sr[g]), qa, qb);
+      _mm512_storeu_ps(dst + g * 32, qa);
+      _mm512_storeu_ps(dst + g * 32 + 16, qb);
+    }
+  } else if (gs == 32) {
+    const uint8_t* wr = p.w + static_cast<size_t>(n) * p.K;
+    for (int g = 0; g < p.G; ++g) {
+      __m512 qa, qb;
+      expand_group<8>(wr, g, _mm512_set1_ps(sr[g]), qa, qb);
+      _mm512_storeu_ps(dst + g * 32, qa);
+      _mm512_storeu_ps(dst + g * 32 + 16, qb);
+    }
+  } else {  // 8-bit, groups of 16
+    const uint8_t* wr = p.w + static_cast<size_t>(n) * p.K;
+    for (int g = 0; g < p.G; ++g) {
+      __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + g * 16))));
+      _mm512_storeu_ps(dst + g * 16, _mm512_mul_ps(q, _mm512_set1_ps(sr[g])));
+    }
+  }
+}
+
+// out[i][j] = dot(w row i, x row j) over K (a multiple of 16), for kTileN
+// weight rows at w (stride K) and MB activation rows at x (stride K).
+// The loops over i and j are fully unrolled (GCC otherwise interchanges
+// them with the k loop and keeps the accumulators in memory).
+template <int MB>
+__attribute__((target("avx512f,avx512bw")))
+void tile_dots(const float* w, const float* x, int K, float out[kTileN][kTileMaxM]) {
+  __m512 acc[kTileN][MB];
+#pragma GCC unroll 4
+  for (int i = 0; i < kTileN; ++i)
+#pragma GCC unroll 6
+    for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
+  const float* w0 = w;
+  const float* w1 = w + K;
+  const float* w2 = w + 2 * static_cast<size_t>(K);
+  const float* w3 = w + 3 * static_cast<size_t>(K);
+  for (int k = 0; k < K; k += 16) {
+    const __m512 a = _mm512_loadu_ps(w0 + k), b = _mm512_loadu_ps(w1 + k), c = _mm512_loadu_ps(w2 + k), d = _mm512_loadu_ps(w3 + k);
+#pragma GCC unroll 6
+    for (int j = 0; j < MB; ++j) {
+      const __m512 xv = _mm512_loadu_ps(x + static_cast<size_t>(j) * K + k);
+      acc[0][j] = _mm512_fmadd_ps(a, xv, acc[0][j]);
+      acc[1][j] = _mm512_fmadd_ps(b, xv, acc[1][j]);
+      acc[2][j] = _mm512_fmadd_ps(c, xv, acc[2][j]);
+      acc[3][j] = _mm512_fmadd_ps(d, xv, acc[3][j]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < kTileN; ++i)
+#pragma GCC unroll 6
+    for (int j = 0; j < MB; ++j) out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+__attribute__((target("avx512f,avx512bw")))
+void tile_dots_any(int mb, const float* w, const float* x, int K, float out[kTileN][kTileMaxM]) {
+  switch (mb) {
+    case 1: tile_dots<1>(w, x, K, out); break;
+    case 2: tile_dots<2>(w, x, K, out); break;
+    case 3: tile_dots<3>(w, x, K, out); break;
+    case 4: tile_dots<4>(w, x, K, out); break;
+    case 5: tile_dots<5>(w, x, K, out); break;
+    default: tile_dots<6>(w, x, K, out); break;
+  }
+}
+
+// Weight rows [n0, n1) (n1 - n0 a multiple of kTileN, or the tail of N) of
+// the tiled product; `xp` is x in the expanded rows' element order.
+__attribute__((target("avx512f,avx512bw")))
+void rows_avx512_tiled(const Problem& p, const float* xp, int n0, int n1) {
+  thread_local std::vector<float> buf;
+  buf.resize(static_cast<size_t>(kTileN) * p.K);
+  float dots[kTileN][kTileMaxM];
+  for (int n = n0; n < n1; n += kTileN) {
+    const int nc = std::min(kTileN, n1 - n);
+    for (int i = 0; i < kTileN; ++i) {
+      float* dst = buf.data() + static_cast<size_t>(i) * p.K;
+      if (i < nc) expand_row(p, n + i, dst);
+      else std::fill(dst, dst + p.K, 0.f);  // tail rows: computed, never stored
+    }
+    for (int m0 = 0; m0 < p.M; m0 += kTileMaxM) {
+      const int mb = std::min(kTileMaxM, p.M - m0);
+      tile_dots_any(mb, buf.data(), xp + static_cast<size_t>(m0) * p.K, p.K, dots);
+      for (int i = 0; i < nc; ++i) {
+        const float* br = p.biases + static_cast<size_t>(n + i) * p.G;
+        for (int j = 0; j < mb; ++j) {
+          const float* xs = p.xsum + static_cast<size_t>(m0 + j) * p.G;
+          const float bias = _mm512_reduce_add_ps(add_bias_term(_mm512_setzero_ps(), br, xs, p.G));
+          p.out[static_cast<size_t>(m0 + j) * p.N + n + i] = dots[i][j] + bias;
+        }
       }
     }
-    for (int m = 0; m < p.M; ++m) p.out[static_cast<size_t>(m) * p.N + n] = _mm512_reduce_add_ps(acc[m]) + bias_acc[m];
   }
 }
 
@@ -255,7 +385,7 @@ bool has_avx512() {
 
 void run_problem(Problem p) {
   const int gs = p.K / p.G;
-  std::vector<float> xsum(static_cast<size_t>(p.M) * p.G), xeven, xodd;
+  std::vector<float> xsum(static_cast<size_t>(p.M) * p.G), xeven, xodd, xperm;
   for (int m = 0; m < p.M; ++m)
     for (int g = 0; g < p.G; ++g) {
       float s = 0.f;
@@ -263,11 +393,24 @@ void run_problem(Problem p) {
       xsum[m * p.G + g] = s;
     }
   p.xsum = xsum.data();
-  enum { kScalar, kG32, kG16 } path = kScalar;
+  enum { kScalar, kG32, kG16, kTiled } path = kScalar;
   if (has_avx512() && gs == 32) path = kG32;
   if (has_avx512() && gs == 16 && p.bits == 8) path = kG16;
-  bool vector = path == kG32;
-  if (vector && p.bits == 4) {
+  if (path != kScalar && p.M >= kTiledMinRows && (p.bits == 8 || gs == 32)) path = kTiled;
+  const float* xp = p.x;
+  if (path == kTiled && p.bits == 4) {
+    // Each group of 32 as [its 16 even elements | its 16 odd elements].
+    xperm.resize(static_cast<size_t>(p.M) * p.K);
+    for (int m = 0; m < p.M; ++m)
+      for (int g = 0; g < p.G; ++g)
+        for (int j = 0; j < 16; ++j) {
+          const size_t src = static_cast<size_t>(m) * p.K + g * 32;
+          xperm[src + j] = p.x[src + 2 * j];
+          xperm[src + 16 + j] = p.x[src + 2 * j + 1];
+        }
+    xp = xperm.data();
+  }
+  if (path == kG32 && p.bits == 4) {
     xeven.resize(static_cast<size_t>(p.M) * p.K / 2);
     xodd.resize(xeven.size());
     for (int m = 0; m < p.M; ++m)
@@ -278,8 +421,11 @@ void run_problem(Problem p) {
     p.xeven = xeven.data();
     p.xodd = xodd.data();
   }
+  // Chunks of weight rows: a multiple of the tile, large enough to amortise
+  // the hand-off, small enough to balance two cores on small products.
   RowPool::get().run(p.N, 64, [&](int a, int b) {
     switch (path) {
+      case kTiled: rows_avx512_tiled(p, xp, a, b); break;
       case kG32:
         if (p.bits == 8) rows_avx512_g32<8>(p, a, b);
         else rows_avx512_g32<4>(p, a, b);

@@ -137,7 +137,7 @@ fn cpu_quantized_matmul_matches_dequantized_product() {
     for bits in [4, 8] {
         let q = mlx::quantize(&w, 32, bits).unwrap();
         let dense = mlx::dequantize(&q, Dtype::F32).unwrap();
-        for m in [1usize, 3, 16] {
+        for m in [1usize, 3, 4, 5, 7, 16, 64] {
             let xs: Vec<f32> = (0..m * k).map(|i| ((i * 7919) % 313) as f32 / 313.0 - 0.5).collect();
             let x = Array::from_f32(&xs, &[m, k]).unwrap();
             let got = mlx::cpu_quantized_matmul(&x, &q).unwrap().to_vec_f32().unwrap();
@@ -145,7 +145,7 @@ fn cpu_quantized_matmul_matches_dequantized_product() {
             assert!(close(&got, &want, 1e-4), "bits {bits}, rows {m}");
         }
     }
-    let too_many = Array::zeros(&[17, k], Dtype::F32).unwrap();
+    let too_many = Array::zeros(&[mlx::cpu_quantized_matmul_max_rows() + 1, k], Dtype::F32).unwrap();
     let q = mlx::quantize(&w, 32, 4).unwrap();
     assert!(mlx::cpu_quantized_matmul(&too_many, &q).is_err());
 }
@@ -167,7 +167,7 @@ fn cpu_quantized_matmul_handles_8bit_groups_of_16() {
         group_size: g as i32,
         bits: 8,
     };
-    for m in [1usize, 5] {
+    for m in [1usize, 5, 9] {
         let xs: Vec<f32> = (0..m * k).map(|i| ((i * 13) % 29) as f32 / 29.0 - 0.4).collect();
         let x = Array::from_f32(&xs, &[m, k]).unwrap();
         let got = mlx::cpu_quantized_matmul(&x, &q).unwrap().to_vec_f32().unwrap();

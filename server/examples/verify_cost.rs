@@ -16,7 +16,7 @@ fn main() -> anyhow::Result<()> {
     mlx::set_default_device(mlx::Device::Cpu)?;
     let model = LoadedModel::load(&name, LoadOptions::for_device(mlx::Device::Cpu))?;
     let t = &model.transformer;
-    let prompt = tether::bench::prompt_tokens(&model, history + 64)?;
+    let prompt = tether::bench::prompt_tokens(&model, history + 256)?;
     let mut base = t.new_cache();
     t.forward(&prompt[..history], &mut base, 1)?.eval()?;
     let mut one = 0.0;

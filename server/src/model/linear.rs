@@ -4,7 +4,7 @@ use mlx::{Array, QuantizedWeights};
 
 /// Rows beyond which a CPU product expands the weights once for BLAS instead
 /// of streaming them through the decode kernel in chunks.
-const CPU_KERNEL_MAX_ROWS: usize = 64;
+const CPU_KERNEL_MAX_ROWS: usize = 128;
 
 /// `x @ W^T` for quantized `W`, by the fastest route for the device and
 /// the number of activation rows.
