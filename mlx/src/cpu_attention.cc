@@ -189,11 +189,13 @@ inline __m512 exp_nonpositive(__m512 x) {
 __attribute__((target("avx512f")))
 inline void transpose16(__m512 r[16]) {
   __m512 t[16], u[16];
+#pragma GCC unroll 16
   for (int i = 0; i < 8; ++i) {
     t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
     t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
   }
   // u[4i + k], 128-bit lane L: column 4L + k of rows 4i .. 4i + 3.
+#pragma GCC unroll 16
   for (int i = 0; i < 4; ++i) {
     const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
     const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
@@ -203,6 +205,7 @@ inline void transpose16(__m512 r[16]) {
     u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
   }
   // Output row 4L + k gathers lane L of u[k], u[4 + k], u[8 + k], u[12 + k].
+#pragma GCC unroll 16
   for (int k = 0; k < 4; ++k) {
     const __m512 even0 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88), odd0 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xDD);
     const __m512 even1 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88), odd1 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xDD);
@@ -219,9 +222,11 @@ void pack_keys_avx512(const CacheView& k, int j0, int kb, int dim, float* kt) {
   for (int jt = 0; jt < kKeyBlock; jt += 16) {
     for (int dt = 0; dt < dim; dt += 16) {
       __m512 r[16];
+#pragma GCC unroll 16
       for (int i = 0; i < 16; ++i)
         r[i] = jt + i < kb ? _mm512_loadu_ps(k.p + (j0 + jt + i) * k.pos + dt) : _mm512_setzero_ps();
       transpose16(r);
+#pragma GCC unroll 16
       for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kt + static_cast<size_t>(dt + i) * kKeyBlock + jt, r[i]);
     }
   }
@@ -233,12 +238,14 @@ template <int R>
 __attribute__((target("avx512f")))
 void scores_tile(const float* q, int dim, const float* kt, float* s) {
   __m512 acc[R][4];
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
     for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int d = 0; d < dim; ++d) {
     const float* kd = kt + static_cast<size_t>(d) * kKeyBlock;
     const __m512 k0 = _mm512_loadu_ps(kd), k1 = _mm512_loadu_ps(kd + 16), k2 = _mm512_loadu_ps(kd + 32), k3 = _mm512_loadu_ps(kd + 48);
-#pragma GCC unroll 4
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m512 qd = _mm512_set1_ps(q[static_cast<size_t>(r) * dim + d]);
       acc[r][0] = _mm512_fmadd_ps(qd, k0, acc[r][0]);
@@ -247,7 +254,9 @@ void scores_tile(const float* q, int dim, const float* kt, float* s) {
       acc[r][3] = _mm512_fmadd_ps(qd, k3, acc[r][3]);
     }
   }
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + static_cast<size_t>(r) * kKeyBlock + 16 * c, acc[r][c]);
 }
 
@@ -268,12 +277,14 @@ void scores_avx512(const float* q, int rows, int dim, const float* kt, float* s)
 __attribute__((target("avx512f")))
 float softmax_row_avx512(float* s, int lim, float* max, float* sum) {
   if (lim <= 0) {
+#pragma GCC unroll 16
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + 16 * c, _mm512_setzero_ps());
     return 1.f;
   }
   __mmask16 visible[4];
   __m512 v[4];
   __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+#pragma GCC unroll 16
   for (int c = 0; c < 4; ++c) {
     const int left = lim - 16 * c;
     visible[c] = left >= 16 ? 0xFFFF : left > 0 ? static_cast<__mmask16>((1u << left) - 1) : 0;
@@ -284,6 +295,7 @@ float softmax_row_avx512(float* s, int lim, float* max, float* sum) {
   const float alpha = std::exp(*max - m);  // 0 on a query's first block (max = -inf)
   const __m512 mv = _mm512_set1_ps(m);
   __m512 total = _mm512_setzero_ps();
+#pragma GCC unroll 16
   for (int c = 0; c < 4; ++c) {
     const __m512 e = _mm512_maskz_mov_ps(visible[c], exp_nonpositive(_mm512_sub_ps(v[c], mv)));
     _mm512_storeu_ps(s + 16 * c, e);
@@ -299,20 +311,26 @@ template <int R, int NC>
 __attribute__((target("avx512f")))
 void accumulate_tile(const float* p, int kb, const float* v, int64_t v_pos, int dim, const float* alpha, float* o) {
   __m512 acc[R][NC];
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     const __m512 a = _mm512_set1_ps(alpha[r]);
+#pragma GCC unroll 16
     for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + static_cast<size_t>(r) * dim + 16 * c), a);
   }
   for (int j = 0; j < kb; ++j) {
     __m512 vj[NC];
+#pragma GCC unroll 16
     for (int c = 0; c < NC; ++c) vj[c] = _mm512_loadu_ps(v + j * v_pos + 16 * c);
-#pragma GCC unroll 4
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m512 pj = _mm512_set1_ps(p[static_cast<size_t>(r) * kKeyBlock + j]);
+#pragma GCC unroll 16
       for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_fmadd_ps(pj, vj[c], acc[r][c]);
     }
   }
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + static_cast<size_t>(r) * dim + 16 * c, acc[r][c]);
 }
 
