@@ -122,6 +122,9 @@ struct BenchArgs {
     /// --prompt-tokens new tokens and generates --gen-tokens.
     #[arg(long, default_value_t = 0)]
     turns: usize,
+    /// With --turns: run only the session with the prefix cache on.
+    #[arg(long)]
+    cached_only: bool,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -221,7 +224,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Serve(args) => run_serve(args),
         Command::Bench(args) if args.turns > 0 => {
             let (engine, tokenizer) = start_engine(&args.model, EngineConfig::default())?;
-            for cache in [true, false] {
+            for cache in [true, false].into_iter().filter(|&c| c || !args.cached_only) {
                 for turn in tether::bench::run_agent_bench(&engine, &tokenizer, args.turns, args.prompt_tokens, args.gen_tokens, cache)? {
                     println!("{}", serde_json::to_string(&turn)?);
                 }
