@@ -480,17 +480,18 @@ class CpuAttention : public mx::UnaryPrimitive {
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : in) enc.set_input_array(a);
     enc.set_output_array(out);
-    enc.dispatch([in, rows = rows_, out_ptr = out.data<float>()]() {
-      const int dim = in[1].shape(3);
-      Attention a{token_view(in[0], dim), {}, out_ptr, 0, in[1].shape(1), dim, 1.f / std::sqrt(static_cast<float>(dim))};
-      a.n_heads = token_shape(in[0], dim, "q").second;
-      int start = 0;
-      for (size_t r = 0; r < rows.size(); ++r) {
-        a.rows.push_back({cache_view(in[1 + 2 * r]), cache_view(in[2 + 2 * r]), start, rows[r].n, rows[r].kv_len});
-        start += rows[r].n;
-      }
-      attend(a);
-    });
+    // Shapes were checked when the primitive was built; data pointers and
+    // strides are final now that the inputs are evaluated.
+    const int dim = in[1].shape(3);
+    Attention a{token_view(in[0], dim), {}, out.data<float>(), token_shape(in[0], dim, "q").second, in[1].shape(1), dim,
+                1.f / std::sqrt(static_cast<float>(dim))};
+    int start = 0;
+    for (size_t r = 0; r < rows_.size(); ++r) {
+      a.rows.push_back({cache_view(in[1 + 2 * r]), cache_view(in[2 + 2 * r]), start, rows_[r].n, rows_[r].kv_len});
+      start += rows_[r].n;
+    }
+    // The task holds the inputs, so the buffers `a` points into outlive it.
+    enc.dispatch([in, a = std::move(a)]() { attend(a); });
   }
 
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
