@@ -14,6 +14,9 @@ fn main() {
     println!("cargo:rerun-if-changed=src/shim.cc");
     println!("cargo:rerun-if-changed=src/cpu_qmm.h");
     println!("cargo:rerun-if-changed=src/cpu_qmm.cc");
+    println!("cargo:rerun-if-changed=src/cpu_attention.h");
+    println!("cargo:rerun-if-changed=src/cpu_attention.cc");
+    println!("cargo:rerun-if-changed=src/row_pool.h");
     println!("cargo:rerun-if-changed=src/ffi.rs");
 
     let dir = match std::env::var_os("MLX_DIR") {
@@ -36,12 +39,14 @@ fn main() {
     cxx_build::bridge("src/ffi.rs")
         .file("src/shim.cc")
         .file("src/cpu_qmm.cc")
+        .file("src/cpu_attention.cc")
         .include(&include)
         .std("c++20")
         .flag_if_supported("-Wno-unused-parameter")
         .flag_if_supported("-Wno-deprecated-declarations")
         // GCC 12 flags its own AVX-512 intrinsics headers (_mm512_undefined_*).
         .flag_if_supported("-Wno-maybe-uninitialized")
+        .flag_if_supported("-Wno-uninitialized")
         .opt_level(2)
         .compile("tether_mlx_shim");
 

@@ -22,7 +22,7 @@ pub(crate) fn unwrap_list(op: &'static str, list: &bridge::ArrayList) -> Result<
     (0..bridge::list_len(list)).map(|i| wrap(op, bridge::list_get(list, i))).collect()
 }
 
-fn make_list(op: &'static str, arrays: &[&Array]) -> Result<UniquePtr<bridge::ArrayList>> {
+pub(crate) fn make_list(op: &'static str, arrays: &[&Array]) -> Result<UniquePtr<bridge::ArrayList>> {
     let mut list = bridge::list_new().map_err(|e| Error::from_cxx(op, e))?;
     for a in arrays {
         bridge::list_push(list.pin_mut(), a.raw()).map_err(|e| Error::from_cxx(op, e))?;

@@ -1,7 +1,7 @@
 //! MLX's fused kernels (`mlx::core::fast`).
-use crate::array::wrap;
+use crate::array::{make_list, wrap};
 use crate::ffi::bridge;
-use crate::{Array, Result};
+use crate::{Array, Error, Result};
 
 /// RMS normalisation over the last axis, scaled by `weight`.
 pub fn rms_norm(x: &Array, weight: &Array, eps: f32) -> Result<Array> {
@@ -41,4 +41,47 @@ pub fn sdpa(q: &Array, k: &Array, v: &Array, scale: f32, mask: Mask<'_>) -> Resu
         Mask::Array(m) => bridge::sdpa_masked(q.raw(), k.raw(), v.raw(), scale, m.raw()),
     };
     wrap("scaled_dot_product_attention", r)
+}
+
+/// One sequence's share of [`cpu_attention`].
+#[derive(Clone, Copy)]
+pub struct AttentionRow<'a> {
+    /// `[1, kv_heads, capacity, head_dim]` float32: the row's cache, or a
+    /// view of its first positions.
+    pub keys: &'a Array,
+    pub values: &'a Array,
+    /// The row's query tokens; they follow the previous rows' tokens in `q`.
+    pub n: usize,
+    /// Valid cache positions. The row's queries sit at positions
+    /// `kv_len - n .. kv_len`, and query `i` attends keys `0 ..= kv_len - n + i`.
+    pub kv_len: usize,
+}
+
+fn to_i32(op: &'static str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| Error::new(op, format!("{v} does not fit in i32")))
+}
+
+/// Causal grouped-query attention of a whole batched step on the CPU, each
+/// row against its own cache, with scale `1/sqrt(head_dim)`. `q` holds the
+/// step's roped queries, `[1, T, n_heads * head_dim]` or
+/// `[T, n_heads, 1, head_dim]` (views are fine); rows tile its T tokens in
+/// order. Returns `[1, T, n_heads * head_dim]` float32 (lazy, CPU stream).
+pub fn cpu_attention(q: &Array, rows: &[AttentionRow<'_>]) -> Result<Array> {
+    const OP: &str = "cpu_attention";
+    let kv: Vec<&Array> = rows.iter().flat_map(|r| [r.keys, r.values]).collect();
+    let n = rows.iter().map(|r| to_i32(OP, r.n)).collect::<Result<Vec<_>>>()?;
+    let kv_len = rows.iter().map(|r| to_i32(OP, r.kv_len)).collect::<Result<Vec<_>>>()?;
+    let list = make_list(OP, &kv)?;
+    wrap(OP, bridge::cpu_attention(q.raw(), &list, &n, &kv_len))
+}
+
+/// Writes tokens `start .. start + n` of `fresh` (keys or values of a step,
+/// laid out like [`cpu_attention`]'s `q` with `kv_heads` heads) into `cache`
+/// (`[1, kv_heads, capacity, head_dim]` float32) at positions `pos .. pos + n`;
+/// returns the updated cache. Like `slice_update`, the write happens in place
+/// when `cache`'s buffer has no other holder at evaluation, and on a copy
+/// otherwise, so a shared (snapshotted) buffer is never modified.
+pub fn cpu_kv_write(cache: &Array, fresh: &Array, start: usize, n: usize, pos: usize) -> Result<Array> {
+    const OP: &str = "cpu_kv_write";
+    wrap(OP, bridge::cpu_kv_write(cache.raw(), fresh.raw(), to_i32(OP, start)?, to_i32(OP, n)?, to_i32(OP, pos)?))
 }

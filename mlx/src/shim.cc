@@ -3,6 +3,7 @@
 
 #include <stdexcept>
 
+#include "tether-mlx/src/cpu_attention.h"
 #include "tether-mlx/src/cpu_qmm.h"
 
 namespace mx = mlx::core;
@@ -217,6 +218,21 @@ std::unique_ptr<Array> sdpa(const Array& q, const Array& k, const Array& v, floa
 }
 std::unique_ptr<Array> sdpa_masked(const Array& q, const Array& k, const Array& v, float scale, const Array& mask) {
   return boxed(mx::fast::scaled_dot_product_attention(q, k, v, scale, "", mask));
+}
+std::unique_ptr<Array> cpu_attention(const Array& q, const ArrayList& kv, rust::Slice<const int32_t> n, rust::Slice<const int32_t> kv_len) {
+  if (n.size() != kv_len.size() || kv.items.size() != 2 * n.size())
+    throw std::invalid_argument("cpu_attention: need keys, values, n and kv_len for every row");
+  std::vector<mx::array> keys, values;
+  std::vector<AttentionRow> rows;
+  for (size_t r = 0; r < n.size(); ++r) {
+    keys.push_back(kv.items[2 * r]);
+    values.push_back(kv.items[2 * r + 1]);
+    rows.push_back({n[r], kv_len[r]});
+  }
+  return boxed(cpu_step_attention(q, keys, values, rows));
+}
+std::unique_ptr<Array> cpu_kv_write(const Array& cache, const Array& fresh, int32_t start, int32_t n, int32_t pos) {
+  return boxed(cpu_cache_write(cache, fresh, start, n, pos));
 }
 
 std::unique_ptr<Array> random_key(uint64_t seed) { return boxed(mx::random::key(seed)); }

@@ -106,6 +106,9 @@ std::unique_ptr<Array> rope(const Array& x, int32_t dims, bool traditional, floa
 std::unique_ptr<Array> rope_offsets(const Array& x, int32_t dims, bool traditional, float base, float scale, const Array& offsets);
 std::unique_ptr<Array> sdpa(const Array& q, const Array& k, const Array& v, float scale, rust::Str mask_mode);
 std::unique_ptr<Array> sdpa_masked(const Array& q, const Array& k, const Array& v, float scale, const Array& mask);
+// kv: each row's keys then values; n, kv_len: per row (see cpu_attention.h).
+std::unique_ptr<Array> cpu_attention(const Array& q, const ArrayList& kv, rust::Slice<const int32_t> n, rust::Slice<const int32_t> kv_len);
+std::unique_ptr<Array> cpu_kv_write(const Array& cache, const Array& fresh, int32_t start, int32_t n, int32_t pos);
 
 // ---- random
 std::unique_ptr<Array> random_key(uint64_t seed);

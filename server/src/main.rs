@@ -52,8 +52,10 @@ struct ServeArgs {
     #[command(flatten)]
     model: ModelArgs,
     /// Default draft source for requests that do not choose one: `echo`
-    /// (prompt lookup), `draft_model` (needs --draft-model) or `off`.
-    #[arg(long, default_value = "echo")]
+    /// (prompt lookup), `draft_model` (needs --draft-model), `off`, or
+    /// `auto`: echo on the CPU, off on a GPU (there every new verification
+    /// shape costs MLX a kernel build; see the README's Performance).
+    #[arg(long, default_value = "auto")]
     speculation: String,
     /// A small model sharing --model's tokenizer that drafts for it, for
     /// requests with `speculation.source: "draft_model"` (e.g.
@@ -150,6 +152,9 @@ struct BenchArgs {
     /// Also compare drafting with this model (same tokenizer as --model).
     #[arg(long)]
     draft_model: Option<String>,
+    /// With --turns: run only the session with the prefix cache on.
+    #[arg(long)]
+    cached_only: bool,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -257,7 +262,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Bench(args) if args.turns > 0 => {
             let (engine, tokenizer) = start_engine(&args.model, EngineConfig::default())?;
-            for cache in [true, false] {
+            for cache in [true, false].into_iter().filter(|&c| c || !args.cached_only) {
                 for turn in tether::bench::run_agent_bench(&engine, &tokenizer, args.turns, args.prompt_tokens, args.gen_tokens, cache)? {
                     println!("{}", serde_json::to_string(&turn)?);
                 }
@@ -307,14 +312,16 @@ fn draft_model_spec(target: &ModelArgs, draft: Option<&str>) -> anyhow::Result<O
     Ok(Some(tether::engine::speculate::DraftModelSpec { path: registry::resolve(name)?, options: load_options(target)? }))
 }
 
-fn speculation_arg(source: &str, max_draft: usize, has_draft_model: bool) -> anyhow::Result<tether::engine::speculate::Speculation> {
+fn speculation_arg(source: &str, max_draft: usize, has_draft_model: bool, device: mlx::Device) -> anyhow::Result<tether::engine::speculate::Speculation> {
     use tether::engine::speculate::{DraftKind, Speculation};
     let kind = match source {
+        "auto" if device == mlx::Device::Cpu => DraftKind::Echo,
+        "auto" => DraftKind::Off,
         "echo" => DraftKind::Echo,
         "off" => DraftKind::Off,
         "draft_model" if has_draft_model => DraftKind::Model,
         "draft_model" => anyhow::bail!("--speculation draft_model needs --draft-model"),
-        other => anyhow::bail!("--speculation must be `echo`, `draft_model` or `off`, got {other:?}"),
+        other => anyhow::bail!("--speculation must be `auto`, `echo`, `draft_model` or `off`, got {other:?}"),
     };
     anyhow::ensure!((1..=protocol::MAX_DRAFT_TOKENS as usize).contains(&max_draft), "--max-draft must be in [1, {}]", protocol::MAX_DRAFT_TOKENS);
     Ok(Speculation { kind, max_draft })
@@ -366,7 +373,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         host: args.host.clone(),
         port: args.port,
         model_name: Some(args.model.model.clone()),
-        speculation: speculation_arg(&args.speculation, args.max_draft, args.draft_model.is_some())?,
+        speculation: speculation_arg(&args.speculation, args.max_draft, args.draft_model.is_some(), pick_device(&args.model)?)?,
         has_draft_model: args.draft_model.is_some(),
         max_frame_bytes: args.max_frame_bytes,
         max_prompt_tokens: args.max_prompt_tokens,

@@ -98,6 +98,30 @@ impl KvCache {
         Ok(out)
     }
 
+    /// Like [`append`](Self::append) for the CPU's fused attention: writes
+    /// tokens `start .. start + n` of a whole step's keys and values
+    /// (`[1, T, kv_heads * head_dim]` or `[T, kv_heads, 1, head_dim]`, views
+    /// allowed) at the current length, and returns the updated buffers whole
+    /// (valid up to `len + n`). In place unless a snapshot shares the buffer.
+    pub fn write_step(&mut self, layer: usize, keys: &Array, values: &Array, start: usize, n: usize) -> mlx::Result<(Array, Array)> {
+        if self.len + n > self.capacity {
+            return Err(mlx::Error { op: "kv_cache", message: format!("append of {n} past capacity {}", self.capacity) });
+        }
+        let (old_k, old_v) = self.layers[layer].take().ok_or_else(|| mlx::Error { op: "kv_cache", message: "layer not reserved".into() })?;
+        let write = |old: &Array, fresh: &Array| mlx::fast::cpu_kv_write(old, fresh, start, n, self.len);
+        match write(&old_k, keys).and_then(|k| Ok((k, write(&old_v, values)?))) {
+            Ok((new_k, new_v)) => {
+                drop((old_k, old_v)); // the graph now holds the only reference: the write can be in place
+                self.layers[layer] = Some((new_k.clone(), new_v.clone()));
+                Ok((new_k, new_v))
+            }
+            Err(e) => {
+                self.layers[layer] = Some((old_k, old_v));
+                Err(e)
+            }
+        }
+    }
+
     /// Commits `n` appended tokens (after every layer has appended them).
     pub fn advance(&mut self, n: usize) {
         self.len += n;

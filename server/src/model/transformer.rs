@@ -1,6 +1,8 @@
 //! The decoder forward pass shared by llama and qwen2: RMSNorm, grouped-query
 //! attention with RoPE and a preallocated KV cache, SwiGLU feed-forward.
-use mlx::fast::{self, Mask};
+use std::sync::OnceLock;
+
+use mlx::fast::{self, AttentionRow, Mask};
 use mlx::{Array, Dtype};
 
 use super::config::ModelConfig;
@@ -114,25 +116,37 @@ impl Transformer {
         let q_width = hq * hd;
         let kv_width = hkv * hd;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
+        // The fused CPU path ropes every token of the step at once, each at its own position.
+        let positions = if self.use_fused_cpu_attention() {
+            let p: Vec<i32> = offsets.iter().zip(&lens).flat_map(|(&o, &n)| o..o + n as i32).collect();
+            Some(Array::from_i32(&p, &[p.len()])?)
+        } else {
+            None
+        };
 
         for (li, layer) in self.layers.iter().enumerate() {
             let x = fast::rms_norm(&h, &layer.attn_norm, c.rms_eps)?;
             let qkv = layer.qkv.forward(&x)?; // [1, T, (hq + 2 hkv) hd]
-            let mut outs = Vec::with_capacity(rows.len());
-            for (r, row) in rows.iter_mut().enumerate() {
-                let (s, n) = (starts[r], lens[r] as i32);
-                let heads = |start: i32, width: i32, count: i32| -> mlx::Result<Array> {
-                    qkv.slice(&[0, s, start], &[1, s + n, start + width])?.reshape(&[1, n, count, hd])?.transpose(&[0, 2, 1, 3])
-                };
-                let q = fast::rope(&heads(0, q_width, hq)?, hd, c.rope_traditional, c.rope_theta, 1.0, offsets[r])?;
-                let k = fast::rope(&heads(q_width, kv_width, hkv)?, hd, c.rope_traditional, c.rope_theta, 1.0, offsets[r])?;
-                let v = heads(q_width + kv_width, kv_width, hkv)?;
-                let (keys, values) = row.cache.append(li, &k, &v)?;
-                let mask = if n > 1 { Mask::Causal } else { Mask::None };
-                let attn = fast::sdpa(&q, &keys, &values, scale, mask)?;
-                outs.push(attn.transpose(&[0, 2, 1, 3])?.reshape(&[1, n, q_width])?);
-            }
-            let attn = if outs.len() == 1 { outs.pop().expect("one row") } else { mlx::concatenate(&outs.iter().collect::<Vec<_>>(), 1)? };
+            let attn = match &positions {
+                Some(positions) => self.attention_fused_cpu(li, &qkv, rows, &lens, positions)?,
+                None => {
+                    let mut outs = Vec::with_capacity(rows.len());
+                    for (r, row) in rows.iter_mut().enumerate() {
+                        let (s, n) = (starts[r], lens[r] as i32);
+                        let heads = |start: i32, width: i32, count: i32| -> mlx::Result<Array> {
+                            qkv.slice(&[0, s, start], &[1, s + n, start + width])?.reshape(&[1, n, count, hd])?.transpose(&[0, 2, 1, 3])
+                        };
+                        let q = fast::rope(&heads(0, q_width, hq)?, hd, c.rope_traditional, c.rope_theta, 1.0, offsets[r])?;
+                        let k = fast::rope(&heads(q_width, kv_width, hkv)?, hd, c.rope_traditional, c.rope_theta, 1.0, offsets[r])?;
+                        let v = heads(q_width + kv_width, kv_width, hkv)?;
+                        let (keys, values) = row.cache.append(li, &k, &v)?;
+                        let mask = if n > 1 { Mask::Causal } else { Mask::None };
+                        let attn = fast::sdpa(&q, &keys, &values, scale, mask)?;
+                        outs.push(attn.transpose(&[0, 2, 1, 3])?.reshape(&[1, n, q_width])?);
+                    }
+                    if outs.len() == 1 { outs.pop().expect("one row") } else { mlx::concatenate(&outs.iter().collect::<Vec<_>>(), 1)? }
+                }
+            };
             h = h.add(&layer.attn_out.forward(&attn)?)?;
 
             let x = fast::rms_norm(&h, &layer.ffn_norm, c.rms_eps)?;
@@ -168,6 +182,45 @@ impl Transformer {
             at += k;
         }
         Ok(out)
+    }
+}
+
+impl Transformer {
+    /// Whether attention runs through the fused CPU kernels: on the CPU, in
+    /// float32, unless `TETHER_CPU_ATTENTION=0` asks for MLX's per-row ops
+    /// (kept for comparison and as a fallback).
+    fn use_fused_cpu_attention(&self) -> bool {
+        static ENABLED: OnceLock<bool> = OnceLock::new();
+        let enabled = *ENABLED.get_or_init(|| std::env::var("TETHER_CPU_ATTENTION").map_or(true, |v| v != "0"));
+        enabled && self.dtype == Dtype::F32 && mlx::default_device() == mlx::Device::Cpu
+    }
+
+    /// Attention of one layer for the whole step on the CPU, in a handful of
+    /// ops however many rows there are: one rope over all tokens' queries and
+    /// keys (each token at its own position), two cache writes per row, and
+    /// one attention over every row's cache. Returns `[1, T, n_heads * head_dim]`.
+    fn attention_fused_cpu(&self, layer: usize, qkv: &Array, rows: &mut [RowInput<'_>], lens: &[usize], positions: &Array) -> mlx::Result<Array> {
+        let c = &self.config;
+        let (hq, hkv, hd) = (c.n_heads as i32, c.n_kv_heads as i32, c.head_dim as i32);
+        let total = positions.dim(0) as i32;
+        let qk = qkv.slice(&[0, 0, 0], &[1, total, (hq + hkv) * hd])?.reshape(&[total, hq + hkv, 1, hd])?;
+        let qk = fast::rope_offsets(&qk, hd, c.rope_traditional, c.rope_theta, 1.0, positions)?;
+        let q = qk.slice(&[0, 0, 0, 0], &[total, hq, 1, hd])?;
+        let k = qk.slice(&[0, hq, 0, 0], &[total, hq + hkv, 1, hd])?;
+        let v = qkv.slice(&[0, 0, (hq + hkv) * hd], &[1, total, (hq + 2 * hkv) * hd])?;
+        let mut buffers = Vec::with_capacity(rows.len());
+        let mut start = 0;
+        for (row, &n) in rows.iter_mut().zip(lens) {
+            buffers.push(row.cache.write_step(layer, &k, &v, start, n)?);
+            start += n;
+        }
+        let attention_rows: Vec<AttentionRow<'_>> = rows
+            .iter()
+            .zip(&buffers)
+            .zip(lens)
+            .map(|((row, (keys, values)), &n)| AttentionRow { keys, values, n, kv_len: row.cache.len() + n })
+            .collect();
+        fast::cpu_attention(&q, &attention_rows)
     }
 }
 

@@ -1,0 +1,92 @@
+//! Times the fused CPU attention against MLX's sdpa on the shapes that matter
+//! for Tether on CPU: a 300-token turn over a 3,600-token cached history, and
+//! a batched decode step of 32 sequences (MLX: one sdpa per sequence, with
+//! the slicing and transposes a batched step needs around it).
+//! Best of N, interleaved, since the machine is shared.
+//! Run: cargo run --release -p tether-mlx --example attention_bench
+use std::time::Instant;
+
+use mlx::fast::{self, AttentionRow, Mask};
+use mlx::Array;
+
+fn noise(n: usize, seed: u64) -> Vec<f32> {
+    let mut x = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    (0..n)
+        .map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (x >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn random(shape: &[usize], seed: u64) -> Array {
+    let a = Array::from_f32(&noise(shape.iter().product(), seed), shape).unwrap();
+    a.eval().unwrap();
+    a
+}
+
+/// Best wall time of `f` (built and evaluated) over `iters` runs, in ms.
+fn best_ms(iters: usize, f: &mut dyn FnMut() -> Array) -> f64 {
+    (0..iters)
+        .map(|_| {
+            let t = Instant::now();
+            f().eval().unwrap();
+            t.elapsed().as_secs_f64() * 1e3
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+/// `rows` of (n, kv_len): times MLX (per-row sdpa + layout ops + concat) and
+/// the fused kernel, alternating, and prints both and their ratio.
+fn compare(label: &str, heads: usize, kv_heads: usize, dim: usize, rows: &[(usize, usize)], iters: usize) {
+    let total: usize = rows.iter().map(|r| r.0).sum();
+    let width = (heads * dim) as i32;
+    let q = random(&[1, total, heads * dim], 1);
+    let caches: Vec<(Array, Array)> = rows
+        .iter()
+        .enumerate()
+        .map(|(r, &(_, len))| (random(&[1, kv_heads, len.next_multiple_of(256), dim], 2 + r as u64), random(&[1, kv_heads, len.next_multiple_of(256), dim], 900 + r as u64)))
+        .collect();
+    let scale = 1.0 / (dim as f32).sqrt();
+    let view = |a: &Array, len: usize| a.slice(&[0, 0, 0, 0], &[1, kv_heads as i32, len as i32, dim as i32]).unwrap();
+
+    let mut mlx_step = || {
+        let mut outs = Vec::new();
+        let mut s = 0i32;
+        for (&(n, len), (k, v)) in rows.iter().zip(&caches) {
+            let n = n as i32;
+            let qr = q.slice(&[0, s, 0], &[1, s + n, width]).unwrap().reshape(&[1, n, heads as i32, dim as i32]).unwrap().transpose(&[0, 2, 1, 3]).unwrap();
+            let o = fast::sdpa(&qr, &view(k, len), &view(v, len), scale, if n > 1 { Mask::Causal } else { Mask::None }).unwrap();
+            outs.push(o.transpose(&[0, 2, 1, 3]).unwrap().reshape(&[1, n, width]).unwrap());
+            s += n;
+        }
+        if outs.len() == 1 { outs.pop().unwrap() } else { mlx::concatenate(&outs.iter().collect::<Vec<_>>(), 1).unwrap() }
+    };
+    let mut fused = || {
+        let r: Vec<AttentionRow> = rows.iter().zip(&caches).map(|(&(n, kv_len), (k, v))| AttentionRow { keys: k, values: v, n, kv_len }).collect();
+        fast::cpu_attention(&q, &r).unwrap()
+    };
+    // Warm up both (allocator, thread pool).
+    mlx_step().eval().unwrap();
+    fused().eval().unwrap();
+    let (mut a, mut b) = (f64::INFINITY, f64::INFINITY);
+    for _ in 0..3 {
+        a = a.min(best_ms(iters, &mut mlx_step));
+        b = b.min(best_ms(iters, &mut fused));
+    }
+    println!("{label:<52} mlx sdpa {a:>9.2} ms   fused {b:>8.2} ms   x{:.1}", a / b);
+}
+
+fn main() {
+    mlx::set_default_device(mlx::Device::Cpu).unwrap();
+    for (name, heads, kv_heads) in [("smollm2 (9/3 heads)", 9, 3), ("qwen2.5-0.5b (14/2 heads)", 14, 2)] {
+        println!("-- {name}, head_dim 64, one layer");
+        compare("300 new tokens over 3,600 cached", heads, kv_heads, 64, &[(300, 3900)], 2);
+        compare("512-token prefill chunk from empty", heads, kv_heads, 64, &[(512, 512)], 3);
+        compare("decode, 1 row at 4,000", heads, kv_heads, 64, &[(1, 4000)], 20);
+        let decode32: Vec<(usize, usize)> = (0..32).map(|i| (1, 600 + 7 * i)).collect();
+        compare("decode, 32 rows at ~700", heads, kv_heads, 64, &decode32, 10);
+        let verify: Vec<(usize, usize)> = (0..8).map(|i| (5, 900 + 31 * i)).collect();
+        compare("draft verification, 8 rows of 5 at ~1,000", heads, kv_heads, 64, &verify, 10);
+    }
+}

@@ -1,0 +1,39 @@
+// CPU attention for a batched step over per-sequence KV caches, and the
+// cache write that feeds it.
+#pragma once
+
+#include <vector>
+
+#include "mlx/mlx.h"
+
+namespace tether_mlx {
+
+// One sequence's share of an attention step: its `n` query tokens follow the
+// previous rows' tokens in the flattened step, and sit at positions
+// kv_len - n .. kv_len - 1 of its cache, whose first kv_len positions are valid.
+struct AttentionRow {
+  int n;
+  int kv_len;
+};
+
+// Causal grouped-query attention of a whole step, float32, on the CPU.
+//   q: the step's roped queries, [1, T, n_heads * head_dim] or
+//      [T, n_heads, 1, head_dim], any strides.
+//   keys[r], values[r]: row r's cache, [1, kv_heads, capacity >= kv_len, head_dim].
+// Row r's query i attends keys 0 ..= kv_len - n + i with scale 1/sqrt(head_dim).
+// Rows tile the T tokens in order. Returns [1, T, n_heads * head_dim].
+mlx::core::array cpu_step_attention(
+    const mlx::core::array& q,
+    const std::vector<mlx::core::array>& keys,
+    const std::vector<mlx::core::array>& values,
+    const std::vector<AttentionRow>& rows);
+
+// Writes tokens start .. start + n of `fresh` (laid out like q above, with
+// kv_heads heads) into `cache` ([1, kv_heads, capacity, head_dim]) at
+// positions pos .. pos + n and returns the updated cache. The write is in
+// place when the cache's buffer is donatable (no other holder), as MLX's own
+// slice_update does; otherwise the buffer is copied first, so a shared
+// buffer (a copy-on-write snapshot) is never changed.
+mlx::core::array cpu_cache_write(const mlx::core::array& cache, const mlx::core::array& fresh, int start, int n, int pos);
+
+}  // namespace tether_mlx

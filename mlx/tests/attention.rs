@@ -1,0 +1,197 @@
+//! The fused CPU attention and cache write against MLX's own ops:
+//! `fast::sdpa` with a causal mask aligned to the cache's end, and
+//! `slice_update`.
+use std::sync::Mutex;
+
+use mlx::fast::{self, AttentionRow, Mask};
+use mlx::{Array, Dtype};
+
+/// MLX graph building is per thread and its memory counters are global.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    mlx::set_default_device(mlx::Device::Cpu).unwrap();
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Deterministic values in [-amp, amp).
+fn noise(n: usize, seed: u64, amp: f32) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((x >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * amp
+        })
+        .collect()
+}
+
+/// A `[1, heads, cap, dim]` cache with valid data in its first `len`
+/// positions and NaN after them, so any read past `len` shows in the output.
+fn cache(heads: usize, cap: usize, len: usize, dim: usize, seed: u64) -> Array {
+    let mut data = noise(heads * cap * dim, seed, 1.0);
+    for h in 0..heads {
+        for p in len..cap {
+            data[(h * cap + p) * dim..(h * cap + p + 1) * dim].fill(f32::NAN);
+        }
+    }
+    Array::from_f32(&data, &[1, heads, cap, dim]).unwrap()
+}
+
+struct Case {
+    heads: usize,
+    kv_heads: usize,
+    dim: usize,
+    /// (n, kv_len) per row.
+    rows: Vec<(usize, usize)>,
+}
+
+fn max_error(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    got.iter().zip(want).map(|(g, w)| if g.is_nan() || w.is_nan() { f32::INFINITY } else { (g - w).abs() / (1.0 + w.abs()) }).fold(0.0, f32::max)
+}
+
+/// Runs `case` through cpu_attention (queries given as `[1, T, H*D]`, as a
+/// strided view, and as `[T, H, 1, D]`) and compares each row to sdpa.
+fn check(case: &Case, seed: u64) {
+    let (hq, hkv, d) = (case.heads, case.kv_heads, case.dim);
+    let total: usize = case.rows.iter().map(|r| r.0).sum();
+    let width = hq * d;
+    // Queries with a wide range, so softmax is peaked and the running max moves.
+    let q = Array::from_f32(&noise(total * width, seed, 4.0), &[1, total, width]).unwrap();
+    let caches: Vec<(Array, Array)> = case
+        .rows
+        .iter()
+        .enumerate()
+        .map(|(r, &(_, len))| {
+            let cap = len + 3 + r * 17; // capacities past kv_len, not block multiples
+            (cache(hkv, cap, len, d, seed * 31 + r as u64), cache(hkv, cap, len, d, seed * 37 + r as u64))
+        })
+        .collect();
+    let rows: Vec<AttentionRow> = case.rows.iter().zip(&caches).map(|(&(n, kv_len), (k, v))| AttentionRow { keys: k, values: v, n, kv_len }).collect();
+
+    // The reference: sdpa per row over the first kv_len positions.
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut want = Vec::new();
+    let mut start = 0;
+    for (&(n, kv_len), (k, v)) in case.rows.iter().zip(&caches) {
+        let qr = q.slice(&[0, start as i32, 0], &[1, (start + n) as i32, width as i32]).unwrap().reshape(&[1, n as i32, hq as i32, d as i32]).unwrap().transpose(&[0, 2, 1, 3]).unwrap();
+        let view = |a: &Array| a.slice(&[0, 0, 0, 0], &[1, hkv as i32, kv_len as i32, d as i32]).unwrap();
+        let mask = if n > 1 { Mask::Causal } else { Mask::None };
+        let o = fast::sdpa(&qr, &view(k), &view(v), scale, mask).unwrap();
+        want.extend(o.transpose(&[0, 2, 1, 3]).unwrap().reshape(&[1, n as i32, width as i32]).unwrap().to_vec_f32().unwrap());
+        start += n;
+    }
+
+    let got = fast::cpu_attention(&q, &rows).unwrap();
+    assert_eq!(got.shape(), vec![1, total, width]);
+    let err = max_error(&got.to_vec_f32().unwrap(), &want);
+    assert!(err <= 2e-5, "heads {hq}/{hkv} dim {d} rows {:?}: max error {err}", case.rows);
+
+    // The same queries as a view inside a wider array (like q inside qkv).
+    let wide = Array::from_f32(&noise(total * (width + 48), seed + 1, 4.0), &[1, total, width + 48]).unwrap();
+    let wide = wide.slice_update(&q, &[0, 0, 8], &[1, total as i32, (8 + width) as i32]).unwrap();
+    let view = wide.slice(&[0, 0, 8], &[1, total as i32, (8 + width) as i32]).unwrap();
+    assert!(max_error(&fast::cpu_attention(&view, &rows).unwrap().to_vec_f32().unwrap(), &want) <= 2e-5, "strided q");
+
+    // And in the [T, H, 1, D] layout rope produces.
+    let q4 = q.reshape(&[total as i32, hq as i32, 1, d as i32]).unwrap();
+    assert!(max_error(&fast::cpu_attention(&q4, &rows).unwrap().to_vec_f32().unwrap(), &want) <= 2e-5, "[T, H, 1, D] q");
+}
+
+#[test]
+fn matches_sdpa_for_mixed_rows() {
+    let _s = serial();
+    // Decode rows (n = 1), draft verification (small n), prefill chunks over a
+    // history and from empty; lengths straddle the 64-key blocks.
+    let rows = vec![(1, 1), (1, 130), (5, 70), (37, 37), (100, 300), (3, 64), (64, 129)];
+    check(&Case { heads: 9, kv_heads: 3, dim: 64, rows: rows.clone() }, 1); // SmolLM2
+    check(&Case { heads: 14, kv_heads: 2, dim: 64, rows: rows.clone() }, 2); // Qwen2.5-0.5B
+    check(&Case { heads: 4, kv_heads: 4, dim: 128, rows: rows.clone() }, 3); // no grouping, wide heads
+    check(&Case { heads: 6, kv_heads: 2, dim: 48, rows: rows.clone() }, 4); // 16-wide vector remainder
+    check(&Case { heads: 4, kv_heads: 1, dim: 24, rows }, 5); // the portable path
+}
+
+#[test]
+fn matches_sdpa_for_a_long_prefill_chunk() {
+    let _s = serial();
+    // A 300-token turn over a 3,600-token history, and a 512-token chunk.
+    check(&Case { heads: 9, kv_heads: 3, dim: 64, rows: vec![(300, 3900)] }, 6);
+    check(&Case { heads: 14, kv_heads: 2, dim: 64, rows: vec![(512, 1500), (1, 2000)] }, 7);
+}
+
+#[test]
+fn rejects_inconsistent_rows() {
+    let _s = serial();
+    let q = Array::zeros(&[1, 4, 128], Dtype::F32).unwrap();
+    let k = Array::zeros(&[1, 1, 8, 64], Dtype::F32).unwrap();
+    let row = |n, kv_len| AttentionRow { keys: &k, values: &k, n, kv_len };
+    assert!(fast::cpu_attention(&q, &[row(4, 8)]).is_ok());
+    assert!(fast::cpu_attention(&q, &[row(3, 8)]).is_err(), "rows must cover q's tokens");
+    assert!(fast::cpu_attention(&q, &[row(4, 9)]).is_err(), "kv_len past the cache");
+    assert!(fast::cpu_attention(&q, &[row(4, 3)]).is_err(), "fewer keys than queries");
+    let q3 = Array::zeros(&[1, 4, 96], Dtype::F32).unwrap();
+    assert!(fast::cpu_attention(&q3, &[row(4, 8)]).is_err(), "width not a multiple of head_dim");
+}
+
+#[test]
+fn kv_write_matches_slice_update_and_respects_snapshots() {
+    let _s = serial();
+    let (heads, cap, dim, tokens) = (3, 40, 64, 7);
+    let fresh = Array::from_f32(&noise(tokens * heads * dim, 9, 1.0), &[1, tokens, heads * dim]).unwrap();
+    // Reference: tokens 2..6 written at positions 10..14 with slice_update.
+    let update = fresh.slice(&[0, 2, 0], &[1, 6, (heads * dim) as i32]).unwrap().reshape(&[1, 4, heads as i32, dim as i32]).unwrap().transpose(&[0, 2, 1, 3]).unwrap();
+    let base = Array::from_f32(&noise(heads * cap * dim, 10, 1.0), &[1, heads, cap, dim]).unwrap();
+    base.eval().unwrap();
+    let want = base.slice_update(&update, &[0, 0, 10, 0], &[1, heads as i32, 14, dim as i32]).unwrap().to_vec_f32().unwrap();
+    let before = base.to_vec_f32().unwrap();
+
+    // A snapshot shares the buffer: the write must go to a copy.
+    let snapshot = base.clone();
+    let written = fast::cpu_kv_write(&base, &fresh, 2, 4, 10).unwrap();
+    assert_eq!(written.to_vec_f32().unwrap(), want);
+    assert_eq!(snapshot.to_vec_f32().unwrap(), before, "a shared buffer was written in place");
+
+    // The sole holder's buffer is written in place: no second buffer appears.
+    drop(snapshot);
+    let big = Array::zeros(&[1, heads, 4096, dim], Dtype::F32).unwrap().add(&Array::scalar(1.0, Dtype::F32).unwrap()).unwrap();
+    big.eval().unwrap();
+    let active = mlx::memory::active();
+    let out = fast::cpu_kv_write(&big, &fresh, 0, tokens, 100).unwrap();
+    drop(big);
+    out.eval().unwrap();
+    let grown = mlx::memory::active().saturating_sub(active);
+    assert!(grown < heads * 4096 * dim * 4 / 2, "the write copied the cache ({grown} bytes more)");
+    let v = out.slice(&[0, 1, 100, 0], &[1, 2, 101, dim as i32]).unwrap().to_vec_f32().unwrap();
+    assert_eq!(v, fresh.slice(&[0, 0, dim as i32], &[1, 1, 2 * dim as i32]).unwrap().to_vec_f32().unwrap());
+    assert_eq!(out.slice(&[0, 2, 99, 0], &[1, 3, 100, 1]).unwrap().to_vec_f32().unwrap(), vec![1.0]);
+
+    // A broadcast zero buffer (a fresh cache) is materialized, then written.
+    let zeros = Array::zeros(&[1, heads, 16, dim], Dtype::F32).unwrap();
+    let out = fast::cpu_kv_write(&zeros, &fresh, 6, 1, 15).unwrap().to_vec_f32().unwrap();
+    assert_eq!(out[(2 * 16 + 15) * dim..(2 * 16 + 16) * dim], fresh.slice(&[0, 6, 2 * dim as i32], &[1, 7, 3 * dim as i32]).unwrap().to_vec_f32().unwrap()[..]);
+    assert!(out.chunks(dim).enumerate().filter(|(i, _)| i % 16 != 15).all(|(_, row)| row.iter().all(|&x| x == 0.0)));
+}
+
+#[test]
+fn rope_with_per_token_offsets_matches_per_row_rope() {
+    // The batched forward ropes all tokens of a step at once as [T, H, 1, D]
+    // with one position per token; MLX's rope takes one offset per leading index.
+    let _s = serial();
+    let (heads, dim) = (3, 64);
+    let rows = [(0usize, 4usize), (17, 1), (250, 3)]; // (offset, n)
+    let total: usize = rows.iter().map(|r| r.1).sum();
+    let x = Array::from_f32(&noise(total * heads * dim, 11, 1.0), &[1, total, heads * dim]).unwrap();
+    let positions: Vec<i32> = rows.iter().flat_map(|&(o, n)| (o..o + n).map(|p| p as i32)).collect();
+    let pos = Array::from_i32(&positions, &[total]).unwrap();
+    let all = fast::rope_offsets(&x.reshape(&[total as i32, heads as i32, 1, dim as i32]).unwrap(), dim as i32, false, 10000.0, 1.0, &pos).unwrap();
+    let got = all.reshape(&[1, total as i32, (heads * dim) as i32]).unwrap().to_vec_f32().unwrap();
+    let mut want = Vec::new();
+    let mut s = 0;
+    for &(offset, n) in &rows {
+        let xr = x.slice(&[0, s as i32, 0], &[1, (s + n) as i32, (heads * dim) as i32]).unwrap().reshape(&[1, n as i32, heads as i32, dim as i32]).unwrap().transpose(&[0, 2, 1, 3]).unwrap();
+        let r = fast::rope(&xr, dim as i32, false, 10000.0, 1.0, offset as i32).unwrap();
+        want.extend(r.transpose(&[0, 2, 1, 3]).unwrap().reshape(&[1, n as i32, (heads * dim) as i32]).unwrap().to_vec_f32().unwrap());
+        s += n;
+    }
+    assert!(max_error(&got, &want) <= 1e-6, "error {}", max_error(&got, &want));
+}
