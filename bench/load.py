@@ -36,9 +36,43 @@ Workloads:
           mlx-lm: one setting per server, given by --mlx-prefill-step (its
           --prefill-step-size): chunked if smaller than the long prompt.
 
+  agent   one agent conversation of --agent-turns turns (default 12), written as
+          raw ChatML text (the instruct model's own markup; both servers parse
+          its special tokens): turn 1 is a system line and a user message;
+          every later turn sends the whole history (every earlier user message
+          and assistant reply, verbatim) plus a new user message of
+          --agent-user-tokens tokens (default 310-340, varied text: bug reports,
+          tool output, code lines, from a seeded generator, the same on every
+          run), and generates --agent-max-tokens (32) greedy tokens; the reply
+          is appended to the history as text. So the history grows to about
+          4,300 tokens by turn 12 (SmolLM2-135M). Measured per turn:
+          TTFT (client side: request sent -> first streamed text), the server's
+          prompt and cached token counts, and hashes of the prompt and reply
+          texts (equal hashes = both engines saw the same history).
+          Raw prompts on both servers (Tether `prompt`, mlx-lm /v1/completions),
+          so no chat template differs; no logit_bias on either (a reply ends
+          where greedy decoding ends it, on both). Settings:
+            tether `cache`    one session for the whole conversation: its prefix
+                              cache is session-scoped, turn N resumes from turn
+                              N-1 (done.usage.cached_tokens);
+            tether `nocache`  the same conversation, a fresh session per turn
+                              (closed after it): nothing to reuse, the baseline;
+            mlx-lm `prompt-cache`  the server's prompt cache: it keeps the KV state
+                              of each finished request (prompt + reply tokens) in
+                              a trie and the next request resumes from the
+                              longest common prefix. /v1/completions, not
+                              /v1/chat/completions: a raw prompt is one segment,
+                              so the whole previous turn (reply included) is
+                              reused; the chat path re-renders the template and
+                              splits system/user segments, and its template
+                              would differ from Tether's raw prompt.
+          --report prints TTFT per turn side by side and, at the last turn, the
+          ratios tether cache / no-cache and tether / mlx-lm.
+
 usage (peer venv python: it has aiohttp and tokenizers):
   load.py --engine tether --url http://127.0.0.1:PORT --model-dir DIR --out R.jsonl [--label smollm2-135m]
   load.py --engine mlx-lm --url http://127.0.0.1:PORT --model-dir DIR --out R.jsonl --mlx-prefill-step 2048
+  load.py --engine tether --url ... --model-dir DIR --out R.jsonl --workloads agent
   load.py --report R.jsonl
 DIR is the HF folder (tokenizer.json; EOS ids from config.json, generation_config.json,
 tokenizer_config.json) used to size prompts in tokens; both engines get the same texts.
@@ -116,6 +150,72 @@ class Prompts:
         return self.tok.decode(ids) + tail
 
 
+class AgentConversation:
+    """The agent workload's user messages: varied text (bug reports, tool
+    output, code lines, requests) from a generator seeded per turn, so every
+    run and both engines get the same texts. Written in ChatML, the instruct
+    models' own format, as raw text (both servers parse the special tokens in
+    a raw prompt): turn 1 starts with a system line, every message is
+    "<|im_start|>user\n...<|im_end|>\n<|im_start|>assistant\n", and a later
+    turn first closes the previous reply with "<|im_end|>\n". Each turn's new
+    text is sized to a token count drawn from [lo, hi] (the markup included)."""
+
+    SYSTEM = "<|im_start|>system\nYou are a coding assistant. Answer briefly and precisely.<|im_end|>\n"
+    SUBJECTS = ["the parser", "the cache", "the scheduler", "the test suite", "the nightly build", "the tokenizer",
+                "the session store", "the socket reader", "the config loader", "the metrics endpoint", "the retry loop",
+                "the database migration", "the upload handler", "the rate limiter", "the log rotation job", "the CLI"]
+    VERBS = ["fails", "times out", "returns an empty list", "panics", "leaks memory", "logs a warning and goes on",
+             "skips the first item", "counts some rows twice", "blocks the event loop", "reads a stale value",
+             "hangs forever", "rejects valid input", "writes a truncated file", "retries without a backoff"]
+    WHEN = ["when the input is empty", "after a reconnect", "under load", "on the second call", "with a trailing newline",
+            "if the file is missing", "only on Linux", "when two requests race", "after the cache is cleared",
+            "with non-ASCII names", "right after a deploy", "when the queue is full"]
+    FILES = ["src/main.rs", "src/lib.rs", "server/session.rs", "engine/worker.rs", "api/handlers.py", "utils/io.py",
+             "tests/test_cache.py", "web/app.ts", "db/schema.sql", "cmd/root.go", "lib/queue.c", "scripts/deploy.sh"]
+    IDENTS = ["parse_header", "load_config", "retry_after", "flush_buffer", "open_session", "evict_oldest",
+              "read_chunk", "encode_frame", "schedule_step", "merge_ranges", "resolve_path", "drain_queue"]
+    VARS = ["buf", "offset", "count", "deadline", "entry", "path", "rows", "limit", "token", "state", "len", "batch"]
+
+    def __init__(self, prompts, lo, hi, seed=5):
+        import random
+
+        self.p, self.lo, self.hi, self.seed = prompts, lo, hi, seed
+        self.random = random
+
+    def _sentence(self, r):
+        k = r.randrange(7)
+        f, i, v, v2 = r.choice(self.FILES), r.choice(self.IDENTS), r.choice(self.VARS), r.choice(self.VARS)
+        if k == 0:
+            return f"I ran it again and {r.choice(self.SUBJECTS)} still {r.choice(self.VERBS)} {r.choice(self.WHEN)}."
+        if k == 1:
+            return (f"In {f}, line {r.randint(12, 980)}, `{i}` {r.choice(self.VERBS)} {r.choice(self.WHEN)}; "
+                    f"the log shows error {r.randint(100, 599)} after {r.randint(2, 9000)} ms.")
+        if k == 2:
+            return f"\n{f}:{r.randint(1, 700)}:{r.randint(1, 80)}: warning: unused variable `{v}` in `{i}`"
+        if k == 3:
+            return f"\n    let {v} = {i}(&{v2}, {r.randint(0, 4096)})?;"
+        if k == 4:
+            return f"Could you check whether `{i}` handles `{v}` = {r.randint(-5, 70000)} before it touches `{v2}`?"
+        if k == 5:
+            return (f"The test {r.choice(self.IDENTS)}_{r.randint(1, 60)} took {r.randint(1, 99)}.{r.randint(0, 9)} s "
+                    f"and {r.choice(['passed', 'failed', 'was skipped', 'flaked'])} on run {r.randint(1, 400)}.")
+        return f"Maybe {r.choice(self.SUBJECTS)} is to blame, since it changed in commit {r.getrandbits(28):07x}."
+
+    def user(self, turn):
+        """Turn `turn`'s new text (1-based), about n tokens, n drawn from [lo, hi]."""
+        r = self.random.Random(f"agent-{self.seed}-{turn}")
+        n = r.randint(self.lo, self.hi)
+        head = (self.SYSTEM if turn == 1 else "<|im_end|>\n") + "<|im_start|>user\n"
+        tail = "<|im_end|>\n<|im_start|>assistant\n"
+        budget = n - self.p.count(head) - self.p.count(tail)
+        body = ""
+        while self.p.count(body) < budget + 8:
+            x = self._sentence(r)
+            body += (" " if body and not x.startswith("\n") else "") + x
+        ids = self.p.tok.encode(body, add_special_tokens=False).ids[:budget]
+        return head + self.p.tok.decode(ids).strip() + tail
+
+
 def eos_ids(model_dir):
     ids = set()
 
@@ -152,6 +252,9 @@ class Stream:
         self.t_end = None
         self.completion_tokens = None  # server's usage count
         self.prompt_tokens = None
+        self.cached_tokens = None  # prompt tokens the server served from its cache
+        self.text = []  # streamed text pieces
+        self.server_ttft_ms = None
         self.finish = None
         self.error = None
 
@@ -216,12 +319,15 @@ class TetherClient:
                     continue
                 if t == "delta":
                     st.arrivals.append((now, len(msg.get("token_ids", []))))
+                    st.text.append(msg.get("text", ""))
                 elif t == "done":
                     st.t_end = now
                     st.finish = msg.get("finish_reason")
                     u = msg.get("usage", {})
                     st.completion_tokens = u.get("completion_tokens")
                     st.prompt_tokens = u.get("prompt_tokens")
+                    st.cached_tokens = u.get("cached_tokens")
+                    st.server_ttft_ms = (msg.get("timing") or {}).get("ttft_ms")
                     break
                 elif t == "error":
                     if msg.get("code") == "unknown_request":  # cancel raced with done
@@ -246,10 +352,10 @@ class TetherClient:
 class MlxLmClient:
     """One HTTP stream at a time against mlx_lm.server."""
 
-    def __init__(self, http, base, eos):
+    def __init__(self, http, base, eos, bias_eos=True):
         self.http = http
         self.url = base.rstrip("/") + "/v1/completions"
-        self.bias = {str(i): -100 for i in eos}
+        self.bias = {str(i): -100 for i in eos} if bias_eos else None
 
     async def open(self):
         pass
@@ -261,8 +367,9 @@ class MlxLmClient:
             "temperature": 0,
             "stream": True,
             "stream_options": {"include_usage": True},
-            "logit_bias": self.bias,
         }
+        if self.bias:
+            body["logit_bias"] = self.bias
         st.t_submit = time.perf_counter()
         resp = await self.http.post(self.url, json=body)
         closer = None
@@ -291,11 +398,13 @@ class MlxLmClient:
                 for ch in msg.get("choices") or []:
                     if ch.get("text"):
                         st.arrivals.append((now, 1))
+                        st.text.append(ch["text"])
                     if ch.get("finish_reason"):
                         st.finish = ch["finish_reason"]
                 if msg.get("usage"):
                     st.completion_tokens = msg["usage"].get("completion_tokens")
                     st.prompt_tokens = msg["usage"].get("prompt_tokens")
+                    st.cached_tokens = (msg["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
         except Exception as e:  # the stream closed on purpose, or failed
             if not (stop is not None and stop.is_set()):
                 st.error = f"{type(e).__name__}: {e}"
@@ -318,10 +427,10 @@ class Bench:
         if args.engine == "mlx-lm" and not self.eos:
             raise SystemExit(f"no EOS ids found in {args.model_dir}")
 
-    def client(self):
+    def client(self, bias_eos=True):
         if self.a.engine == "tether":
             return TetherClient(self.http, self.a.url)
-        return MlxLmClient(self.http, self.a.url, self.eos)
+        return MlxLmClient(self.http, self.a.url, self.eos, bias_eos)
 
     async def clients(self, n):
         cs = [self.client() for _ in range(n)]
@@ -330,6 +439,8 @@ class Bench:
 
     def base(self, workload, **kw):
         r = {"engine": self.a.engine, "model": self.a.label, "workload": workload}
+        if self.a.build:
+            r["build"] = self.a.build
         r.update(kw)
         return r
 
@@ -378,6 +489,60 @@ class Bench:
             errors=errors[:3],
         )
         return r
+
+    async def agent(self, setting):
+        """One conversation (see the header): a list of per-turn records."""
+        import hashlib
+
+        a = self.a
+        conv = AgentConversation(self.prompts, *a.agent_user_tokens)
+        sha = lambda t: hashlib.sha256(t.encode()).hexdigest()[:16]
+        per_turn_session = setting == "nocache"
+        cache = setting != "nocache"
+        history, out = "", []
+        shared = None
+        try:
+            for turn in range(1, a.agent_turns + 1):
+                history += conv.user(turn)
+                c = self.client(bias_eos=False) if per_turn_session or shared is None else shared
+                if per_turn_session or shared is None:
+                    await asyncio.wait_for(c.open(), 60)
+                    if not per_turn_session:
+                        shared = c
+                st = Stream(f"turn{turn}")
+                try:
+                    await asyncio.wait_for(c.stream(st, history, a.agent_max_tokens), a.workload_timeout)
+                finally:
+                    if per_turn_session:
+                        await c.close()
+                if st.error or not st.arrivals:
+                    raise RuntimeError(f"turn {turn}: {st.error or 'no tokens'}")
+                reply = "".join(st.text)
+                r = self.base(
+                    "agent",
+                    setting=setting,
+                    cache=cache,
+                    turn=turn,
+                    history_tokens=st.prompt_tokens,
+                    cached_tokens=st.cached_tokens,
+                    ttft_ms=(st.t_first - st.t_submit) * 1e3,
+                    server_ttft_ms=st.server_ttft_ms,
+                    completion_tokens=st.tokens(),
+                    finish=st.finish,
+                    total_ms=((st.t_end or st.arrivals[-1][0]) - st.t_submit) * 1e3,
+                    prompt_sha=sha(history),
+                    reply_sha=sha(reply),
+                    reply=reply,
+                    load_avg_1m=os.getloadavg()[0],  # the machine's load as the turn ended (shared CPUs: noise)
+                )
+                log(f"{a.engine} agent {setting} turn {turn}: history {st.prompt_tokens}, cached {st.cached_tokens}, "
+                    f"TTFT {r['ttft_ms'] / 1e3:.2f} s, {st.tokens()} tokens ({st.finish})")
+                out.append(r)
+                history += reply
+        finally:
+            if shared is not None:
+                await shared.close()
+        return out
 
     async def admit(self, setting, chunk_size, label):
         a = self.a
@@ -482,7 +647,9 @@ async def run(args):
         async def attempt(coro, **what):
             nonlocal failed
             try:
-                emit(await coro)
+                r = await coro
+                for x in r if isinstance(r, list) else [r]:
+                    emit(x)
             except Exception as e:  # a failed workload is recorded, the others still run
                 failed += 1
                 emit({"engine": args.engine, "model": args.label, **what, "errors": [f"{type(e).__name__}: {e}"]})
@@ -502,14 +669,106 @@ async def run(args):
             for name, chunk, label in settings:
                 log(f"{args.engine}: admit a {args.long_prompt_tokens}-token prompt under {args.admit_streams} streams, {name} ({label})")
                 await attempt(b.admit(name, chunk, label), workload="admit", streams=args.admit_streams, setting=name, chunk=label)
+        if "agent" in work:
+            # A prefill the size of one turn first (a different text, its own
+            # session), so turn 1 does not pay for first-use costs.
+            c = b.client(bias_eos=False)
+            await asyncio.wait_for(c.open(), 60)
+            try:
+                await asyncio.wait_for(c.stream(Stream("warmup-agent"), b.prompts.long(330), 4), args.warmup_timeout)
+            finally:
+                await c.close()
+            settings = args.tether_agent_settings.split(",") if args.engine == "tether" else ["prompt-cache"]
+            for setting in settings:
+                log(f"{args.engine}: agent, {args.agent_turns} turns, {setting}")
+                await attempt(b.agent(setting), workload="agent", setting=setting)
         if failed:
             raise SystemExit(f"{failed} workload(s) failed; see the errors in {args.out}")
 
 
 # ---------------------------------------------------------------- report
 
+def report_agent(rows):
+    """The agent workload per turn: TTFT of tether with its session cache, tether
+    with a fresh session per turn, and mlx-lm with its prompt cache (medians
+    over repeated runs), then the last turn's ratios; one table per model and
+    "build" (a label of the code measured, when the rows carry one). Rows of
+    `tether bench --turns` (in-process, no "workload" field) are summarized on
+    one line."""
+    inproc = [r for r in rows if "workload" not in r]
+    rows = [r for r in rows if r.get("workload") == "agent" and r.get("ttft_ms") is not None]
+    med = lambda xs: statistics.median(xs) if xs else None
+    s_ = lambda ms: "-" if ms is None else f"{ms / 1e3:.2f}"
+    groups = []
+    for r in rows:
+        if (r["model"], r.get("build")) not in groups:
+            groups.append((r["model"], r.get("build")))
+    for m, build in groups:
+        rs = [r for r in rows if r["model"] == m and r.get("build") == build]
+        by = {}
+        for r in rs:
+            by.setdefault((r["engine"], r["setting"], r["turn"]), []).append(r)
+
+        def get(engine, setting, turn):
+            c = by.get((engine, setting, turn))
+            if not c:
+                return None
+            return {**c[-1], "ttft_ms": med([x["ttft_ms"] for x in c]), "runs": len(c)}
+
+        turns = sorted({r["turn"] for r in rs})
+        runs = max(len(v) for v in by.values())
+        built = f" [{build}]" if build else ""
+        print(f"\n{m}{built}: agent conversation, time to first token per turn (s){f', median of {runs} runs' if runs > 1 else ''}")
+        print("  tether cache: one session (session-scoped prefix cache); tether no-cache: a fresh session per turn;")
+        print("  mlx-lm: mlx_lm.server /v1/completions with its prompt cache; raw prompts, the same texts")
+        print(f"{'turn':>4} {'history':>7} | {'cached':>6} {'cache':>7} {'no-cache':>8} {'off/on':>7} | {'cached':>6} {'mlx-lm':>7} | {'tether/mlx':>10}")
+        same, first_diff, count_diff = 0, None, []
+        for t in turns:
+            tc, tn, p = get("tether", "cache", t), get("tether", "nocache", t), get("mlx-lm", "prompt-cache", t)
+            any_ = tc or tn or p
+            hist = any_.get("history_tokens")
+            off_on = f"{tn['ttft_ms'] / tc['ttft_ms']:.1f}x" if tc and tn else "-"
+            vs = f"{tc['ttft_ms'] / p['ttft_ms']:.2f}x" if tc and p else "-"
+            if tc and p:
+                if tc.get("prompt_sha") == p.get("prompt_sha"):
+                    same += 1
+                elif first_diff is None:
+                    first_diff = t
+                if tc.get("history_tokens") != p.get("history_tokens"):
+                    count_diff.append(t)
+            print(
+                f"{t:>4} {hist if hist is not None else '-':>7} | {tc['cached_tokens'] if tc else '-':>6} "
+                f"{s_(tc and tc['ttft_ms']):>7} {s_(tn and tn['ttft_ms']):>8} {off_on:>7} | "
+                f"{p['cached_tokens'] if p and p.get('cached_tokens') is not None else '-':>6} {s_(p and p['ttft_ms']):>7} | {vs:>10}"
+            )
+        last = turns[-1]
+        tc, tn, p = get("tether", "cache", last), get("tether", "nocache", last), get("mlx-lm", "prompt-cache", last)
+        if tc and tn:
+            x = tn["ttft_ms"] / tc["ttft_ms"]
+            print(f"turn {last}: tether cache vs no-cache: {x:.1f}x faster (issue target >= 20x: {'met' if x >= 20 else 'not met'})")
+        if tc and p:
+            x = tc["ttft_ms"] / p["ttft_ms"]
+            print(f"turn {last}: tether / mlx-lm TTFT: {x:.2f}x (issue target <= 0.20x: {'met' if x <= 0.2 else 'not met'})")
+            if first_diff is None:
+                print(f"histories: the same text on both engines at every turn ({same} of {len(turns)})")
+            else:
+                print(f"histories: the same text on both engines up to turn {first_diff - 1}; the replies differ from turn {first_diff - 1} on")
+            if count_diff:
+                print(f"note: the servers counted different prompt tokens at turns {count_diff}")
+    if inproc:
+        t = max(r["turn"] for r in inproc)
+        on = [r["ttft_ms"] for r in inproc if r["turn"] == t and r.get("cache")]
+        off = [r["ttft_ms"] for r in inproc if r["turn"] == t and not r.get("cache")]
+        print(f"in-process `tether bench --turns` rows (4-bit weights, no build label): turn {t} TTFT {s_(med(on))} s cached, "
+              f"{s_(med(off))} s uncached")
+
+
 def report(path):
     rows = [json.loads(l) for l in open(path) if l.strip()]
+    agent = [r for r in rows if "turn" in r]
+    rows = [r for r in rows if "turn" not in r and "model" in r]
+    if agent:
+        report_agent(agent)
     models = []
     for r in rows:
         if r["model"] not in models:
@@ -594,6 +853,7 @@ def main():
     ap.add_argument("--model-dir", help="HF model folder: tokenizer.json (prompt sizing), EOS ids")
     ap.add_argument("--label", help="model name in the results (default: the folder's name)")
     ap.add_argument("--out", help="results file (JSON lines, appended)")
+    ap.add_argument("--build", help="label of the code measured, recorded in each row (load.sh: the git commit)")
     ap.add_argument("--workloads", default="decode,admit")
     ap.add_argument("--streams", default="1,8,32", help="decode workload: concurrent streams")
     ap.add_argument("--prompt-tokens", type=int, default=32)
@@ -604,6 +864,10 @@ def main():
     ap.add_argument("--long-prompt-tokens", type=int, default=2000)
     ap.add_argument("--long-max-tokens", type=int, default=4)
     ap.add_argument("--tether-settings", default="chunked,unchunked")
+    ap.add_argument("--agent-turns", type=int, default=12)
+    ap.add_argument("--agent-user-tokens", default="310:340", help="agent: new user tokens per turn, LO:HI")
+    ap.add_argument("--agent-max-tokens", type=int, default=32)
+    ap.add_argument("--tether-agent-settings", default="cache,nocache", help="agent: tether settings to run")
     ap.add_argument("--mlx-prefill-step", type=int, default=2048, help="the mlx-lm server's --prefill-step-size (a label)")
     ap.add_argument("--warmup-timeout", type=float, default=180)
     ap.add_argument("--workload-timeout", type=float, default=240, help="seconds one workload may take")
@@ -614,6 +878,8 @@ def main():
     for k in ("engine", "url", "model_dir", "out"):
         if not getattr(args, k):
             ap.error(f"--{k.replace('_', '-')} is required")
+    lo, _, hi = args.agent_user_tokens.partition(":")
+    args.agent_user_tokens = (int(lo), int(hi or lo))
     args.label = args.label or os.path.basename(os.path.normpath(args.model_dir))
     asyncio.run(run(args))
 

@@ -13,6 +13,14 @@
 #            request, capped by the server); mlx-lm with its default
 #            --prefill-step-size 2048 (unchunked for this prompt) and, on a second
 #            server, --prefill-step-size $MLX_CHUNK (chunked, like Tether's default).
+#   agent    (WORKLOAD=agent, instead of the two above) one 12-turn agent
+#            conversation whose history grows to ~4,300 tokens (each turn: ~310-340
+#            new user tokens plus the previous reply; 32 greedy tokens), TTFT per
+#            turn: Tether with its session prefix cache (one session) and without
+#            (a fresh session per turn), mlx-lm with its prompt cache
+#            (/v1/completions, default prefill step); ratios at turn 12.
+#            About 4 minutes on a quiet 2-core x86 CPU (Tether without the
+#            cache is most of it).
 # See bench/load.py's header for the exact definitions.
 #
 # One server at a time (never two: the CPU is shared), each on 127.0.0.1 and a
@@ -20,7 +28,9 @@
 # bounded in count and time. Defaults take about 5-6 minutes on a 2-core x86 CPU.
 #
 # usage: bench/load.sh
-# env:   MODELS="smollm2-135m"      known model names (space-separated)
+#        WORKLOAD=agent bench/load.sh
+# env:   WORKLOAD=serving           serving (decode + admit) or agent
+#        MODELS="smollm2-135m"      known model names (space-separated)
 #        TETHER_WEIGHTS=dense       dense (float32 on CPU, mlx-lm's precision) or quantized
 #        TETHER_DEVICE=cpu          --device for tether serve
 #        MLX_CHUNK=256              mlx-lm's chunked prefill step ("" skips that server)
@@ -28,6 +38,7 @@
 #                                   (e.g. "--streams 1,8 --max-tokens 128 --long-prompt-tokens 1000")
 #        REPS=1                     repeat everything (engines interleaved); the table shows medians
 #        OUT=DIR                    where results.jsonl and the server logs go (default: a temp dir)
+#        RESULTS=FILE               append the JSON lines here instead of $OUT/results.jsonl
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TETHER_BIN="${CARGO_TARGET_DIR:-target}/release/tether"
@@ -37,11 +48,17 @@ TETHER_WEIGHTS=${TETHER_WEIGHTS:-dense}
 TETHER_DEVICE=${TETHER_DEVICE:-cpu}
 MLX_CHUNK=${MLX_CHUNK-256}
 REPS=${REPS:-1}
+WORKLOAD=${WORKLOAD:-serving}
+case "$WORKLOAD" in
+  serving) TETHER_WORK=decode,admit; RUN_LIMIT=900 ;;
+  agent) TETHER_WORK=agent; MLX_CHUNK=""; RUN_LIMIT=2400 ;;
+  *) echo "WORKLOAD must be serving or agent, not '$WORKLOAD'" >&2; exit 2 ;;
+esac
 PEER="${TETHER_CACHE:-$HOME/.cache/tether}/peer"
 PY="$PEER/venv/bin/python"
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
-RESULTS="$OUT/results.jsonl"
+RESULTS=${RESULTS:-$OUT/results.jsonl}
 read -r -a EXTRA <<<"${LOAD_ARGS:-}"
 
 log() { printf '[load.sh] %s\n' "$*" >&2; }
@@ -77,15 +94,17 @@ free_port() {
 }
 
 cargo build --release --locked -p tether
+# The code measured: the commit, "+wt" when the working tree differs from it.
+BUILD="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD -- 2>/dev/null || echo +wt)"
 bench/peer/setup.sh $MODELS >&2
 
-echo "# load benchmark $(date -u +%FT%TZ): $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores; load average at start: $(cut -d' ' -f1-3 /proc/loadavg)" >"$OUT/header.txt"
+echo "# load benchmark ($WORKLOAD) $(date -u +%FT%TZ): $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores; load average at start: $(cut -d' ' -f1-3 /proc/loadavg)" >"$OUT/header.txt"
 
 for m in $MODELS; do
  for rep in $(seq "$REPS"); do
   log "$m: run $rep of $REPS"
   dir="$PEER/models/$m-f32"
-  common=(--model-dir "$dir" --label "$m" --out "$RESULTS" "${EXTRA[@]}")
+  common=(--model-dir "$dir" --label "$m" --out "$RESULTS" --build "$BUILD" "${EXTRA[@]}")
 
   # Tether
   tlog="$OUT/tether-$m.log"
@@ -101,10 +120,11 @@ for m in $MODELS; do
   [ -n "$port" ] || { log "tether serve did not start; log:"; tail -20 "$tlog" >&2; exit 1; }
   wait_http "http://127.0.0.1:$port/healthz" "$tlog" 60
   log "tether ($m, $TETHER_WEIGHTS weights) on :$port"
-  timeout 900 "$PY" bench/load.py --engine tether --url "http://127.0.0.1:$port" "${common[@]}" || log "tether run failed (rc $?)"
+  timeout "$RUN_LIMIT" "$PY" bench/load.py --engine tether --url "http://127.0.0.1:$port" --workloads "$TETHER_WORK" \
+    "${common[@]}" || log "tether run failed (rc $?)"
   stop_server
 
-  # mlx-lm, default prefill step (2048): decode + unchunked admission
+  # mlx-lm, default prefill step (2048): decode + unchunked admission (or the agent)
   steps=(2048)
   [ -n "$MLX_CHUNK" ] && steps+=("$MLX_CHUNK")
   for step in "${steps[@]}"; do
@@ -114,8 +134,8 @@ for m in $MODELS; do
     SERVER_PID=$!
     wait_http "http://127.0.0.1:$port/health" "$mlog" 180
     log "mlx-lm ($m, float32, prefill step $step) on :$port"
-    if [ "$step" = 2048 ]; then work=decode,admit; else work=admit; fi
-    timeout 900 "$PY" bench/load.py --engine mlx-lm --url "http://127.0.0.1:$port" --workloads "$work" \
+    if [ "$WORKLOAD" = agent ]; then work=agent; elif [ "$step" = 2048 ]; then work=decode,admit; else work=admit; fi
+    timeout "$RUN_LIMIT" "$PY" bench/load.py --engine mlx-lm --url "http://127.0.0.1:$port" --workloads "$work" \
       --mlx-prefill-step "$step" "${common[@]}" || log "mlx-lm run failed (rc $?)"
     stop_server
   done

@@ -2,12 +2,16 @@
 """Prints a side-by-side table from benchmark JSON lines (one per run, as
 `tether bench` and bench/peer/mlx_lm_decode.py print them): best decode run
 per (model, engine), prefill and decode tokens/s, sustained weight traffic,
-and decode speed as a ratio to mlx-lm's on the same model.
+and decode speed as a ratio to mlx-lm's on the same model. Agent-turn rows
+(`tether bench --turns`, or bench/load.py's agent workload: rows with a
+"turn") are printed as the per-turn TTFT table of `bench/load.py --report`.
 
 usage: report.py RESULTS.jsonl [--hbm-gb-s 4800]
 """
 import argparse
 import json
+import os
+import sys
 
 ap = argparse.ArgumentParser()
 ap.add_argument("results")
@@ -15,6 +19,15 @@ ap.add_argument("--hbm-gb-s", type=float, default=None, help="peak memory bandwi
 args = ap.parse_args()
 
 rows = [json.loads(line) for line in open(args.results) if line.strip()]
+agent = [r for r in rows if "turn" in r]
+rows = [r for r in rows if "decode_tok_s" in r]
+if agent:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from load import report_agent
+
+    report_agent(agent)
+if not rows:
+    sys.exit(0)
 best = {}
 for r in rows:
     key = (r["model"], r["engine"])

@@ -13,6 +13,10 @@
 # streams, speculation off vs echo) on real weights: SmolLM2-135M's GGUF,
 # reassembled from $KEEP/smol_part_* (random weights would make acceptance
 # meaningless).
+# MODE=agent: the 12-turn agent workload of bench/load.py (WORKLOAD=agent in
+# bench/load.sh) on the random Qwen2.5-1.5B-shaped bf16 checkpoint: `tether
+# serve` (session prefix cache on, and off) beside mlx_lm.server (its prompt
+# cache), one server at a time, time to first token per turn.
 set -euo pipefail
 KEEP=${KEEP:-/root/keep}
 TETHER_BIN=${TETHER_BIN:-./tether}
@@ -45,6 +49,24 @@ for m in qwen2.5-0.5b qwen2.5-1.5b; do
 done
 
 : > "$OUT/results.jsonl"
+if [ "${MODE:-decode}" = agent ]; then
+  dir=/opt/models/qwen2.5-1.5b-bf16
+  port_of() { sed -n 's#.*listening on http://127\.0\.0\.1:\([0-9]*\).*#\1#p' "$1" | head -1; }
+  "$TETHER_BIN" serve --model "$dir" --device gpu --host 127.0.0.1 --port 0 >"$OUT/tether-serve.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 240); do port=$(port_of "$OUT/tether-serve.log"); [ -n "$port" ] && break; sleep 0.5; done
+  "$PY" "$here/../load.py" --engine tether --url "http://127.0.0.1:$port" --workloads agent --model-dir "$dir" \
+    --label qwen2.5-1.5b-bf16 --out "$OUT/results.jsonl" --build gpu || echo "tether agent run failed" >&2
+  kill $pid; wait $pid 2>/dev/null || true
+  "$PY" -m mlx_lm server --model "$dir" --host 127.0.0.1 --port 8181 >"$OUT/mlx-lm-serve.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 360); do curl -sf -m 2 -o /dev/null http://127.0.0.1:8181/health && break; sleep 0.5; done
+  "$PY" "$here/../load.py" --engine mlx-lm --url http://127.0.0.1:8181 --workloads agent --model-dir "$dir" \
+    --label qwen2.5-1.5b-bf16 --out "$OUT/results.jsonl" --build gpu || echo "mlx-lm agent run failed" >&2
+  kill $pid; wait $pid 2>/dev/null || true
+  "$PY" "$here/../load.py" --report "$OUT/results.jsonl"
+  exit 0
+fi
 if [ "${MODE:-decode}" = streams ]; then
   for m in qwen2.5-0.5b qwen2.5-1.5b; do
     for fmt in bf16 4bit; do

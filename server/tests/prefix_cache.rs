@@ -1,11 +1,11 @@
 //! The prefix cache through the real engine: a session's second turn reuses
 //! its first turn's KV state, outputs stay identical, scopes are isolated,
-//! the byte budget holds, and dropping a scope frees its entries.
+//! the byte budget holds, dropping a scope frees its entries, and entries of
+//! detached (idle) sessions are evicted before those of live ones.
 mod common;
 
 use common::*;
 use tether::engine::{EngineConfig, EngineEvent, EngineHandle, FinishInfo, Scope, SubmitRequest};
-use tether::sample::SamplingParams;
 
 fn start(config: EngineConfig) -> EngineHandle {
     start_smollm2_engine(config)
@@ -86,4 +86,42 @@ async fn byte_budget_holds_by_evicting() {
     let stats = engine.stats().await.unwrap();
     assert!(stats.prefix.evictions >= 2, "{:?}", stats.prefix);
     assert_eq!(stats.prefix.entries, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_sessions_are_evicted_before_live_ones() {
+    // One entry is about 11.8 MB (see above): a 30 MiB budget holds two, not three.
+    let budget = 30 << 20;
+    let engine = start(EngineConfig { prefix_cache_bytes: budget, ..Default::default() });
+    let turn = first_turn();
+    let next = |out: &[u32]| {
+        let mut t = turn.clone();
+        t.extend(out);
+        t.extend([198, 504, 2988]);
+        t
+    };
+    // B's turn, then A's first and second turns: A is both the most recent
+    // and the most used, so by recency and frequency alone B would go first.
+    let (out_b, _) = run(&engine, &turn, 4, Some("b")).await;
+    let (out_a, _) = run(&engine, &turn, 4, Some("a")).await;
+    let a2 = next(&out_a);
+    let (_, fa) = run(&engine, &a2, 4, Some("a")).await;
+    assert!(fa.cached_tokens >= 48, "A's second turn should hit: {fa:?}");
+    let stats = engine.stats().await.unwrap();
+    assert_eq!((stats.prefix.entries, stats.prefix.evictions), (2, 0), "{:?}", stats.prefix);
+
+    // A's socket detaches; live C's turn needs room.
+    engine.set_scope_live(Scope::Session("a".into()), false);
+    let (out_c, _) = run(&engine, &turn, 4, Some("c")).await;
+    let stats = engine.stats().await.unwrap();
+    assert_eq!((stats.prefix.entries, stats.prefix.evictions), (2, 1), "{:?}", stats.prefix);
+    assert!(stats.prefix.bytes <= budget, "{:?}", stats.prefix);
+
+    // B and C (live) kept their histories; idle A lost its own.
+    let (_, fb) = run(&engine, &next(&out_b), 2, Some("b")).await;
+    assert!(fb.cached_tokens >= 48, "live B was evicted: {fb:?}");
+    let (_, fc) = run(&engine, &next(&out_c), 2, Some("c")).await;
+    assert!(fc.cached_tokens >= 48, "live C was not kept: {fc:?}");
+    let (_, fa) = run(&engine, &a2, 2, Some("a")).await;
+    assert_eq!(fa.cached_tokens, 0, "idle A should have been evicted first");
 }

@@ -146,7 +146,7 @@ async fn session_close_cancels_everything_at_once() {
     let mut c = server().await.client().await;
     let ready = c.open().await;
     c.generate("a", json!({"prompt": STORY, "max_tokens": 500})).await;
-    c.generate("b", json!({"prompt": COUNT, "max_tokens": 500})).await;
+    c.generate("b", json!({"prompt": COUNT, "speculation": {"source": "off"}, "max_tokens": 500})).await;
     c.deltas("a", 2).await;
     c.deltas("b", 2).await;
     assert_eq!(h.stats().await.running, 2);
@@ -166,7 +166,7 @@ async fn resume_replays_exactly_what_was_missed() {
     let srv = server().await;
     let mut c = srv.client().await;
     let ready = c.open().await;
-    c.generate("r", json!({"prompt": COUNT, "max_tokens": 24})).await;
+    c.generate("r", json!({"prompt": COUNT, "speculation": {"source": "off"}, "max_tokens": 24})).await;
     c.generate("quick", json!({"prompt": CAPITAL, "max_tokens": 4})).await;
     let first = c.deltas("r", 5).await;
     c.drop_connection();
@@ -216,7 +216,7 @@ async fn a_client_that_does_not_read_does_not_stall_another_session() {
     // `slow` now reads nothing while another session streams at full speed.
     let mut fast = srv.client().await;
     fast.open().await;
-    fast.generate("fast", json!({"prompt": COUNT, "max_tokens": 24})).await;
+    fast.generate("fast", json!({"prompt": COUNT, "speculation": {"source": "off"}, "max_tokens": 24})).await;
     let out = fast.collect("fast").await;
     assert_eq!(out.text(), h.greedy(COUNT, 24).1);
     let s = slow.collect("slow").await;
@@ -234,7 +234,7 @@ async fn graceful_shutdown_drains_in_flight_requests() {
     let mut c = srv.client().await;
     c.open().await;
     let mut idle = srv.client().await;
-    c.generate("r", json!({"prompt": COUNT, "max_tokens": 24})).await;
+    c.generate("r", json!({"prompt": COUNT, "speculation": {"source": "off"}, "max_tokens": 24})).await;
     let first = c.deltas("r", 1).await;
     let shutdown = srv.begin_shutdown(h);
     tokio::time::sleep(Duration::from_millis(100)).await;

@@ -37,7 +37,7 @@ async fn streaming_deltas_concatenate_to_the_greedy_text() {
     assert!(ready.session_id.len() >= 32 && ready.resume_token.len() >= 32);
 
     let sent = Instant::now();
-    c.generate("count-1", json!({"prompt": COUNT, "max_tokens": 24})).await;
+    c.generate("count-1", json!({"prompt": COUNT, "speculation": {"source": "off"}, "max_tokens": 24})).await;
     let first = c.deltas("count-1", 1).await;
     let first_at = sent.elapsed();
     let mut out = c.collect("count-1").await;
@@ -48,7 +48,8 @@ async fn streaming_deltas_concatenate_to_the_greedy_text() {
     let (ids, text) = h.greedy(COUNT, 24);
     assert_eq!(out.token_ids(), ids, "streamed tokens differ from greedy_tokens");
     assert_eq!(out.text(), text);
-    // Real streaming: one frame per generated token, the first well before the end.
+    // Real streaming: one frame per generated token (speculation is off here:
+    // accepted drafts arrive together), the first well before the end.
     assert_eq!(out.deltas.len(), 24);
     assert!(first_at < done_at, "first delta {first_at:?}, done {done_at:?}");
     let done = out.done();
@@ -83,7 +84,7 @@ async fn stop_sequence_cuts_the_text_and_logprobs_follow_tokens() {
     let h = harness();
     let mut c = server().await.client().await;
     c.open().await;
-    c.generate("stop.1", json!({"prompt": COUNT, "max_tokens": 24, "stop": [" 8,"], "logprobs": true, "top_logprobs": 2})).await;
+    c.generate("stop.1", json!({"prompt": COUNT, "speculation": {"source": "off"}, "max_tokens": 24, "stop": [" 8,"], "logprobs": true, "top_logprobs": 2})).await;
     let out = c.collect("stop.1").await;
     out.assert_contiguous();
     let (_, full) = h.greedy(COUNT, 24);
@@ -108,7 +109,7 @@ async fn stop_sequence_cuts_the_text_and_logprobs_follow_tokens() {
 async fn max_time_ms_ends_with_time_limit() {
     let mut c = server().await.client().await;
     c.open().await;
-    c.generate("t", json!({"prompt": COUNT, "max_tokens": 1000, "max_time_ms": 300})).await;
+    c.generate("t", json!({"prompt": COUNT, "speculation": {"source": "off"}, "max_tokens": 1000, "max_time_ms": 300})).await;
     let out = c.collect("t").await;
     out.assert_contiguous();
     let done = out.done();
@@ -122,7 +123,7 @@ async fn several_requests_in_one_session_interleave() {
     let h = harness();
     let mut c = server().await.client().await;
     c.open().await;
-    c.generate("a", json!({"prompt": COUNT, "max_tokens": 24})).await;
+    c.generate("a", json!({"prompt": COUNT, "speculation": {"source": "off"}, "max_tokens": 24})).await;
     c.generate("b", json!({"prompt": CAPITAL, "max_tokens": 8})).await;
     let b = c.collect("b").await;
     let a = c.collect("a").await;
@@ -143,7 +144,7 @@ async fn two_sessions_are_isolated() {
     assert_ne!(ra.session_id, rb.session_id);
     assert_ne!(ra.resume_token, rb.resume_token);
 
-    a.generate("shared-id", json!({"prompt": COUNT, "max_tokens": 24})).await;
+    a.generate("shared-id", json!({"prompt": COUNT, "speculation": {"source": "off"}, "max_tokens": 24})).await;
     let first = a.deltas("shared-id", 1).await.remove(0);
     // B cannot see or cancel A's request...
     b.send(&json!({"type": "cancel", "request_id": "shared-id"})).await;

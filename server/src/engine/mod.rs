@@ -159,6 +159,9 @@ pub(crate) enum Command {
     Stats { reply: tokio::sync::oneshot::Sender<EngineStats> },
     /// Drop a scope's prefix-cache entries (its session ended).
     DropScope { scope: Scope },
+    /// A scope's session attached (`live`) or detached: idle scopes' prefix
+    /// entries are evicted first.
+    SetScopeLive { scope: Scope, live: bool },
     /// Stop admitting; finish running requests; then exit.
     Shutdown,
 }
@@ -251,6 +254,13 @@ impl EngineHandle {
     /// Frees the prefix-cache entries of `scope` (call when a session ends).
     pub fn drop_scope(&self, scope: Scope) {
         let _ = self.tx.send(Command::DropScope { scope });
+    }
+
+    /// Tells the prefix cache whether `scope`'s session has a socket attached
+    /// (`live`) or is detached, awaiting a resume: entries of detached
+    /// sessions are evicted before those of live ones. Scopes start live.
+    pub fn set_scope_live(&self, scope: Scope, live: bool) {
+        let _ = self.tx.send(Command::SetScopeLive { scope, live });
     }
 
     pub async fn stats(&self) -> Option<EngineStats> {

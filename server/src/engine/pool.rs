@@ -7,7 +7,7 @@
 //! ends its own sessions' requests with errors; the others carry on.
 use std::sync::Arc;
 
-use super::{EngineHandle, EngineModelInfo, EngineStats};
+use super::{EngineHandle, EngineModelInfo, EngineStats, Scope};
 
 #[derive(Clone)]
 pub struct EnginePool {
@@ -35,6 +35,12 @@ impl EnginePool {
 
     pub fn for_session(&self, session_id: &str) -> &EngineHandle {
         &self.workers[self.worker_index(session_id)]
+    }
+
+    /// Tells the session's worker whether its socket is attached (`live`) or
+    /// detached: idle sessions' prefix-cache entries are evicted first.
+    pub fn set_session_live(&self, session_id: &str, live: bool) {
+        self.for_session(session_id).set_scope_live(Scope::Session(session_id.to_string()), live);
     }
 
     /// The model all workers serve.

@@ -15,7 +15,16 @@
 //! listener sends evicted ids down a channel; [`PrefixCache::maintain`]
 //! (called on the engine thread on a fixed step cadence) runs moka's pending
 //! work and drops the evicted entries' arrays.
-use std::collections::HashMap;
+//!
+//! Live sessions outrank idle ones: the edge tells the engine when a
+//! session's socket detaches (the session waits for a resume within its TTL)
+//! and when one re-attaches ([`PrefixCache::set_scope_live`]). When an insert
+//! would take the cache over its budget, entries of detached sessions are
+//! evicted first, oldest first, until the new entry fits; only then may
+//! moka's policy evict anything of a live session (or the shared scope).
+//! Closing or expiring a session drops all of its entries
+//! ([`PrefixCache::drop_scope`]). Scopes are live unless marked idle.
+use std::collections::{HashMap, HashSet};
 use std::hash::{Hash, Hasher};
 use std::sync::mpsc;
 
@@ -35,6 +44,8 @@ struct Entry {
     scope: Scope,
     tokens: Vec<u32>,
     cache: KvCache,
+    /// Its weight in the policy (KiB, rounded up), as moka counts it.
+    kib: u32,
     /// The index keys pointing at this entry, for removal.
     keys: Vec<u64>,
 }
@@ -60,6 +71,8 @@ pub struct PrefixCache {
     /// Chain hash of a block boundary -> the entry holding that prefix.
     index: HashMap<u64, EntryId>,
     next_id: EntryId,
+    /// Scopes whose session is detached (idle): their entries go first.
+    idle: HashSet<Scope>,
     stats: PrefixStats,
 }
 
@@ -81,7 +94,7 @@ impl PrefixCache {
                 }
             })
             .build();
-        PrefixCache { budget_bytes, block: block.max(1), namespace, policy, evicted, entries: HashMap::new(), index: HashMap::new(), next_id: 1, stats: PrefixStats::default() }
+        PrefixCache { budget_bytes, block: block.max(1), namespace, policy, evicted, entries: HashMap::new(), index: HashMap::new(), next_id: 1, idle: HashSet::new(), stats: PrefixStats::default() }
     }
 
     /// Chain hashes of each full block of `tokens` (block i covers tokens[..(i+1)*block]).
@@ -144,7 +157,17 @@ impl PrefixCache {
             self.index.insert(*k, id);
         }
         let kib = cache.nbytes().div_ceil(WEIGHT_UNIT).min(u32::MAX as usize) as u32;
-        self.entries.insert(id, Entry { scope, tokens, cache, keys });
+        // Make room from idle sessions first, so the policy only has to
+        // evict live entries when idle ones cannot free enough.
+        let capacity = (self.budget_bytes / WEIGHT_UNIT) as u64;
+        let mut held: u64 = self.entries.values().map(|e| u64::from(e.kib)).sum();
+        while held + u64::from(kib) > capacity {
+            let Some(victim) = self.oldest_idle() else { break };
+            held -= u64::from(self.entries[&victim].kib);
+            self.stats.evictions += 1;
+            self.remove(victim);
+        }
+        self.entries.insert(id, Entry { scope, tokens, cache, kib, keys });
         self.policy.insert(id, kib);
         if self.bytes() > self.budget_bytes {
             self.maintain();
@@ -155,8 +178,27 @@ impl PrefixCache {
         self.entries.values().map(|e| e.cache.nbytes()).sum()
     }
 
+    /// The oldest entry of an idle scope, if any.
+    fn oldest_idle(&self) -> Option<EntryId> {
+        if self.idle.is_empty() {
+            return None;
+        }
+        self.entries.iter().filter(|(_, e)| self.idle.contains(&e.scope)).map(|(id, _)| *id).min()
+    }
+
+    /// Marks `scope`'s session attached (`live`) or detached: entries of
+    /// detached sessions are evicted before any live one.
+    pub fn set_scope_live(&mut self, scope: &Scope, live: bool) {
+        if live {
+            self.idle.remove(scope);
+        } else if *scope != Scope::Shared {
+            self.idle.insert(scope.clone());
+        }
+    }
+
     /// Drops every entry of `scope` (a session closed or expired).
     pub fn drop_scope(&mut self, scope: &Scope) {
+        self.idle.remove(scope);
         let ids: Vec<EntryId> = self.entries.iter().filter(|(_, e)| e.scope == *scope).map(|(id, _)| *id).collect();
         for id in ids {
             self.remove(id);
@@ -185,9 +227,10 @@ impl PrefixCache {
             }
         }
         // The budget holds even if the policy has not caught up yet (or
-        // declined to admit an entry): drop the oldest entries beyond it.
+        // declined to admit an entry): drop the oldest entries beyond it,
+        // idle sessions' first.
         while self.bytes() > self.budget_bytes {
-            let Some(&oldest) = self.entries.keys().min() else { break };
+            let Some(oldest) = self.oldest_idle().or_else(|| self.entries.keys().min().copied()) else { break };
             self.stats.evictions += 1;
             self.remove(oldest);
         }

@@ -214,6 +214,7 @@ impl Engine {
                 let _ = reply.send(self.snapshot());
             }
             Command::DropScope { scope } => self.prefix.drop_scope(&scope),
+            Command::SetScopeLive { scope, live } => self.prefix.set_scope_live(&scope, live),
             Command::Shutdown => self.shutting_down = true,
         }
     }

@@ -27,7 +27,7 @@ use protocol::{ErrorCode, ProtocolError, ServerMessage};
 use subtle::ConstantTimeEq;
 use tokio::sync::{watch, Notify};
 
-use crate::engine::{EngineHandle, EnginePool, RequestId};
+use crate::engine::{EngineHandle, EnginePool, RequestId, Scope};
 
 /// Why the server closes a connection: an optional `error` frame, then a
 /// close frame.
@@ -271,6 +271,14 @@ impl Session {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Tells the engine whether a socket holds this session, so its
+    /// prefix-cache entries outrank (attached) or yield to (detached) others'.
+    /// Called under the session lock, so the engine sees the transitions in
+    /// the order they happened.
+    fn tell_engine_live(&self, live: bool) {
+        self.engine.set_scope_live(Scope::Session(self.id.clone()), live);
+    }
+
     fn cancel_in_engine(&self, ids: Vec<RequestId>) {
         for id in ids {
             self.engine.cancel(id);
@@ -294,6 +302,7 @@ impl Session {
         if !bool::from(g.token.as_bytes().ct_eq(token.as_bytes())) {
             return Err(ProtocolError::new(ErrorCode::InvalidResumeToken, "resume_token does not match the session"));
         }
+        let was_detached = g.attached.is_none();
         if let Some(old) = g.attached.take() {
             old.conn.close(CloseReason::taken_over());
         }
@@ -345,6 +354,9 @@ impl Session {
         let cursor = g.ring_base + g.ring.len() as u64;
         g.attached = Some(Attachment { conn, cursor });
         g.detached_at = None;
+        if was_detached {
+            self.tell_engine_live(true);
+        }
         let token = new_secret("rt_");
         g.token = token.clone();
         drop(g);
@@ -359,6 +371,7 @@ impl Session {
         if g.attached.as_ref().is_some_and(|a| a.conn.id == conn_id) {
             g.attached = None;
             g.detached_at = Some(Instant::now());
+            self.tell_engine_live(false);
         }
         drop(g);
         self.space.notify_waiters();
@@ -497,6 +510,7 @@ impl Session {
                 if let Some(a) = g.attached.take() {
                     a.conn.close(CloseReason::too_slow(self.limits.stall_timeout));
                     g.detached_at = Some(Instant::now());
+                    self.tell_engine_live(false);
                 }
             }
         }
