@@ -155,6 +155,10 @@ export interface GenerateRequest {
    */
   chunk_size?: number;
   speculation?: SpeculationOptions;
+  /**
+   * Prefix-cache scope this request's state is stored in: `session` (default) or `shared`.
+   */
+  cache?: 'session' | 'shared';
 }
 /**
  * One chat message; the server renders `messages` with the model's chat template.

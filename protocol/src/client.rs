@@ -321,6 +321,21 @@ pub struct GenerateRequest {
     pub chunk_size: Option<u32>,
     /// Speculative decoding for this request; `None` = the server's default.
     pub speculation: Option<SpeculationOptions>,
+    /// Where this request's finished state is cached; `None` = the session.
+    pub cache: Option<CacheScopeName>,
+}
+
+/// `generate.cache`: which prefix-cache scope a request's prompt and output
+/// are stored in. Every request reuses its session's entries and the shared
+/// ones, whichever match longer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum CacheScopeName {
+    /// Private to the session (the default): no other session ever sees it.
+    Session,
+    /// Reusable by every session on the server (e.g. pre-warm a common system
+    /// prompt with `max_tokens: 0`). Never send private text this way.
+    Shared,
 }
 
 /// Where draft tokens come from.
@@ -369,6 +384,7 @@ impl GenerateRequest {
             max_time_ms: None,
             chunk_size: None,
             speculation: None,
+            cache: None,
         }
     }
 
@@ -591,6 +607,9 @@ struct GenerateWire {
     /// Speculative decoding; omitted = the server's default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     speculation: Option<SpeculationOptions>,
+    /// Prefix-cache scope this request's state is stored in: `session` (default) or `shared`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    cache: Option<CacheScopeName>,
 }
 
 fn default_max_tokens() -> u32 {
@@ -653,6 +672,7 @@ impl TryFrom<GenerateWire> for GenerateRequest {
             max_time_ms: w.max_time_ms,
             chunk_size: w.chunk_size,
             speculation: w.speculation,
+            cache: w.cache,
         })
     }
 }
@@ -681,6 +701,7 @@ impl From<GenerateRequest> for GenerateWire {
             max_time_ms: r.max_time_ms,
             chunk_size: r.chunk_size,
             speculation: r.speculation,
+            cache: r.cache,
         }
     }
 }

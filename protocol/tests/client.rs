@@ -112,6 +112,7 @@ fn bad_cases() -> Vec<Case> {
         ("speculation max_draft 0", gen(json!({"speculation": {"max_draft": 0}})), InvalidParameter, &["speculation.max_draft must be in [1, 32], got 0"], Some("r1")),
         ("speculation max_draft 33", gen(json!({"speculation": {"max_draft": 33}})), InvalidParameter, &["speculation.max_draft must be in [1, 32], got 33"], Some("r1")),
         ("speculation unknown source", gen(json!({"speculation": {"source": "medusa"}})), InvalidField, &["`speculation.source`", "unknown variant `medusa`", "expected one of `off`, `echo`, `draft_model`"], Some("r1")),
+        ("cache unknown scope", gen(json!({"cache": "global"})), InvalidField, &["`cache`", "unknown variant `global`", "expected `session` or `shared`"], Some("r1")),
         ("speculation unknown field", gen(json!({"speculation": {"depth": 3}})), InvalidField, &["`speculation`", "unknown field `depth`"], Some("r1")),
         ("temperature -1", gen(json!({"temperature": -1})), InvalidParameter, &["temperature must be in [0, 2], got -1"], Some("r1")),
         ("temperature 3", gen(json!({"temperature": 3})), InvalidParameter, &["temperature must be in [0, 2], got 3"], Some("r1")),

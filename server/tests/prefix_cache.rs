@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use tether::engine::{EngineConfig, EngineEvent, EngineHandle, FinishInfo, Scope, SubmitRequest};
+use tether::engine::{EngineConfig, EngineHandle, FinishInfo, Scope, SubmitRequest};
 
 fn start(config: EngineConfig) -> EngineHandle {
     start_smollm2_engine(config)
@@ -13,17 +13,7 @@ fn start(config: EngineConfig) -> EngineHandle {
 
 async fn run(engine: &EngineHandle, prompt: &[u32], max_tokens: usize, scope: Option<&str>) -> (Vec<u32>, FinishInfo) {
     let req = SubmitRequest { cache_scope: scope.map(|s| Scope::Session(s.to_string())), ..SubmitRequest::new(prompt.to_vec(), max_tokens) };
-    let (_, mut rx) = engine.submit(req).unwrap();
-    let mut ids = Vec::new();
-    while let Some(ev) = rx.recv().await {
-        match ev {
-            EngineEvent::Tokens { ids: t, .. } => ids.extend(t),
-            EngineEvent::Finished(f) => return (ids, f),
-            EngineEvent::Failed { message } => panic!("{message}"),
-            EngineEvent::Started { .. } => {}
-        }
-    }
-    panic!("no final event")
+    run_request(engine, req).await
 }
 
 /// A 60-token first turn (the story prompt repeated).
@@ -124,4 +114,40 @@ async fn idle_sessions_are_evicted_before_live_ones() {
     assert!(fc.cached_tokens >= 48, "live C was not kept: {fc:?}");
     let (_, fa) = run(&engine, &a2, 2, Some("a")).await;
     assert_eq!(fa.cached_tokens, 0, "idle A should have been evicted first");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_entries_serve_every_session_and_private_ones_stay_private() {
+    let engine = start(EngineConfig::default());
+    // A common "system prompt", pre-warmed into the shared scope.
+    let system = first_turn()[..48].to_vec();
+    let shared = SubmitRequest { cache_scope: Some(Scope::Shared), ..SubmitRequest::new(system.clone(), 0) };
+    let (ids, f) = run_request(&engine, shared).await;
+    assert!(ids.is_empty() && f.completion_tokens == 0);
+
+    // Two sessions start with it: both reuse the shared blocks.
+    let mut a_turn = system.clone();
+    a_turn.extend(first_turn()[..20].iter().rev()); // 68 tokens: a's own history reaches block 4
+    let (a_out, fa) = run(&engine, &a_turn, 8, Some("a")).await;
+    assert_eq!(fa.cached_tokens, 48, "session a reuses the shared system prompt");
+    let mut b_turn = system.clone();
+    b_turn.extend([198, 31, 32, 33]);
+    let (_, fb) = run(&engine, &b_turn, 4, Some("b")).await;
+    assert_eq!(fb.cached_tokens, 48, "and so does session b");
+
+    // Session a's own history (system prompt + its turn) stays private:
+    // session b asking with a's exact history gets only the shared part.
+    let mut a_next = a_turn.clone();
+    a_next.extend(&a_out);
+    a_next.extend([198, 40]);
+    let (_, fa2) = run(&engine, &a_next, 2, Some("a")).await;
+    assert!(fa2.cached_tokens > 48, "a's second turn resumes its own history: {}", fa2.cached_tokens);
+    let (_, fb2) = run(&engine, &a_next, 2, Some("b")).await;
+    assert_eq!(fb2.cached_tokens, 48, "b must not see a's private entries");
+
+    // Closing sessions leaves the shared entry for the next one.
+    engine.drop_scope(Scope::Session("a".into()));
+    engine.drop_scope(Scope::Session("b".into()));
+    let (_, fc) = run(&engine, &b_turn, 2, Some("c")).await;
+    assert_eq!(fc.cached_tokens, 48);
 }

@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use tether::engine::speculate::{DraftKind, DraftModelSpec, SpecStats, Speculation};
-use tether::engine::{EngineConfig, EngineEvent, EngineHandle, Finish, FinishInfo, Scope, SubmitRequest};
+use tether::engine::{EngineConfig, EngineHandle, Finish, FinishInfo, Scope, SubmitRequest};
 use tether::generate::greedy_tokens;
 use tether::model::{load_transformer, LoadOptions};
 use tether::sample::SamplingParams;
@@ -17,17 +17,7 @@ fn speculating(prompt: Vec<u32>, max_tokens: usize, kind: DraftKind, max_draft: 
 }
 
 async fn run(engine: &EngineHandle, req: SubmitRequest) -> (Vec<u32>, FinishInfo) {
-    let (_, mut rx) = engine.submit(req).unwrap();
-    let mut ids = Vec::new();
-    while let Some(ev) = rx.recv().await {
-        match ev {
-            EngineEvent::Tokens { ids: t, .. } => ids.extend(t),
-            EngineEvent::Finished(f) => return (ids, f),
-            EngineEvent::Failed { message } => panic!("request failed: {message}"),
-            EngineEvent::Started { .. } => {}
-        }
-    }
-    panic!("no final event");
+    run_request(engine, req).await
 }
 
 /// Fixture prompts, each followed by a repeat of itself so that prompt

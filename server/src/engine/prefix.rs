@@ -1,5 +1,8 @@
 //! The prefix cache: KV state of finished turns, reused by later requests
-//! that start with the same tokens in the same scope.
+//! that start with the same tokens in the same scope. A request reads its
+//! own scope (its session's private history) and the shared scope (state a
+//! client put there on purpose, such as a common system prompt), taking the
+//! longer match; it writes only its own scope.
 //!
 //! Keys are hash chains over fixed-size token blocks: block `i`'s key hashes
 //! the scope, the namespace and every token up to the end of block `i`, so
@@ -111,28 +114,41 @@ impl PrefixCache {
             .collect()
     }
 
-    /// The longest cached prefix of `prompt` in `scope`, leaving at least one
-    /// prompt token to run (its logits start generation). Returns a
+    /// The longest cached prefix of `prompt` that a request of `scope` may
+    /// reuse: its own scope's entries or the shared ones, leaving at least
+    /// one prompt token to run (its logits start generation). Returns a
     /// copy-on-write snapshot of the KV state and the number of tokens it holds.
     pub fn lookup(&mut self, scope: &Scope, prompt: &[u32]) -> Option<(KvCache, usize)> {
+        let own = self.longest_match(scope, prompt);
+        let shared = if *scope == Scope::Shared { None } else { self.longest_match(&Scope::Shared, prompt) };
+        let best = match (own, shared) {
+            (Some(a), Some(b)) => Some(if b.1 > a.1 { b } else { a }),
+            (a, b) => a.or(b),
+        };
+        let Some((id, len)) = best else {
+            self.stats.misses += 1;
+            return None;
+        };
+        let mut cache = self.entries[&id].cache.clone();
+        cache.truncate(len);
+        self.policy.get(&id); // counts as an access for the eviction policy
+        self.stats.hits += 1;
+        self.stats.hit_tokens += len as u64;
+        Some((cache, len))
+    }
+
+    /// The entry holding the longest block-aligned prefix of `prompt` (all
+    /// but its last token) in `scope`, and that prefix's length.
+    fn longest_match(&self, scope: &Scope, prompt: &[u32]) -> Option<(EntryId, usize)> {
         let usable = prompt.len().saturating_sub(1);
         let keys = self.block_keys(scope, &prompt[..usable]);
-        for (i, key) in keys.iter().enumerate().rev() {
-            let Some(&id) = self.index.get(key) else { continue };
+        keys.iter().enumerate().rev().find_map(|(i, key)| {
+            let id = *self.index.get(key)?;
             let len = (i + 1) * self.block;
-            let Some(entry) = self.entries.get(&id) else { continue };
-            if entry.scope != *scope || entry.tokens.len() < len || entry.tokens[..len] != prompt[..len] {
-                continue; // a hash collision: never serve the wrong state
-            }
-            let mut cache = entry.cache.clone();
-            cache.truncate(len);
-            self.policy.get(&id); // counts as an access for the eviction policy
-            self.stats.hits += 1;
-            self.stats.hit_tokens += len as u64;
-            return Some((cache, len));
-        }
-        self.stats.misses += 1;
-        None
+            let entry = self.entries.get(&id)?;
+            // A hash collision must never serve the wrong state.
+            (entry.scope == *scope && entry.tokens.len() >= len && entry.tokens[..len] == prompt[..len]).then_some((id, len))
+        })
     }
 
     /// Stores the KV state of `tokens` (exactly the tokens `cache` holds).

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use protocol::{
-    Delta, Done, DraftSourceName, ErrorCode, FimInput, FinishReason, GenerateInput, GenerateRequest, ProtocolError, ServerMessage,
+    CacheScopeName, Delta, Done, DraftSourceName, ErrorCode, FimInput, FinishReason, GenerateInput, GenerateRequest, ProtocolError, ServerMessage,
     SpeculationOptions, SpeculativeStats, Timing,
     TokenLogprob as WireLogprob, TopLogprob, Usage,
 };
@@ -124,7 +124,8 @@ pub fn fim_unsupported() -> ProtocolError {
 
 /// The engine request for a validated, tokenized `generate`.
 /// The session's id scopes its prefix-cache entries: its next turn resumes
-/// from this one's KV state, and no other session ever sees it.
+/// from this one's KV state, and no other session ever sees it (unless the
+/// request asked for `cache: "shared"`, which stores it for every session).
 pub fn submit_request(state: &ServerState, session_id: &str, req: &GenerateRequest, prompt: Vec<u32>, received: Instant) -> SubmitRequest {
     SubmitRequest {
         prompt,
@@ -139,7 +140,10 @@ pub fn submit_request(state: &ServerState, session_id: &str, req: &GenerateReque
         stop_ids: state.tokenizer.eos_ids().to_vec(),
         logprobs: req.logprobs.then(|| req.top_logprobs.unwrap_or(0)),
         prefill_chunk: req.chunk_size.map(|c| (c as usize).min(state.config.max_prefill_chunk)),
-        cache_scope: Some(Scope::Session(session_id.to_string())),
+        cache_scope: Some(match req.cache {
+            Some(CacheScopeName::Shared) => Scope::Shared,
+            Some(CacheScopeName::Session) | None => Scope::Session(session_id.to_string()),
+        }),
         deadline: req.max_time_ms.map(|ms| received + Duration::from_millis(ms as u64)),
         speculation: speculation_for(&state.config.speculation, req.speculation),
     }
