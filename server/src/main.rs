@@ -152,6 +152,9 @@ struct BenchArgs {
     /// Also compare drafting with this model (same tokenizer as --model).
     #[arg(long)]
     draft_model: Option<String>,
+    /// Draft tokens (all rows together) one engine step may verify.
+    #[arg(long, default_value_t = EngineConfig::default().step_draft_budget)]
+    step_draft_budget: usize,
     /// With --turns: run only the session with the prefix cache on.
     #[arg(long)]
     cached_only: bool,
@@ -253,7 +256,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Generate(args) => run_generate(args),
         Command::Serve(args) => run_serve(args),
         Command::Bench(args) if !args.speculation_streams.is_empty() => {
-            let config = EngineConfig { draft_model: draft_model_spec(&args.model, args.draft_model.as_deref())?, ..EngineConfig::default() };
+            let config = EngineConfig {
+                draft_model: draft_model_spec(&args.model, args.draft_model.as_deref())?,
+                step_draft_budget: args.step_draft_budget,
+                ..EngineConfig::default()
+            };
             let mut sources = vec![DraftKind::Echo];
             sources.extend(config.draft_model.is_some().then_some(DraftKind::Model));
             let (engine, tokenizer) = start_engine(&args.model, config)?;
