@@ -356,8 +356,9 @@ impl Engine {
 
         // Each sampling row's draws, lazily: greedy rows take the argmax at
         // every position; sampled rows with drafts run speculative sampling.
+        // (index into `scheduled`, draws, logits kept for logprobs)
         let mut draws: Vec<(usize, mlx::Array, Option<mlx::Array>)> = Vec::new();
-        for (s, logits) in scheduled.iter().zip(logits) {
+        for (k, (s, logits)) in scheduled.iter().zip(logits).enumerate() {
             if !s.samples {
                 continue;
             }
@@ -368,7 +369,7 @@ impl Engine {
                 row.sampler.verify(&logits, &s.drafts)?
             };
             let keep = row.request.logprobs.is_some().then_some(logits);
-            draws.push((s.row, draw, keep));
+            draws.push((k, draw, keep));
         }
         let mut to_eval: Vec<&mlx::Array> = draws.iter().map(|(_, d, _)| d).collect();
         for s in &scheduled {
@@ -388,12 +389,12 @@ impl Engine {
         };
         let mut finished: Vec<(usize, Finish)> = Vec::new();
         let mut at = 0;
-        for ((i, _, logits), len) in draws.into_iter().zip(lens) {
+        for ((k, _, logits), len) in draws.into_iter().zip(lens) {
             let readback = &flat[at..at + len];
             at += len;
-            let s = scheduled.iter().find(|s| s.row == i).expect("drawn rows were scheduled");
-            if let Some(reason) = self.publish(i, s.decode, &s.drafts, readback, logits.as_ref())? {
-                finished.push((i, reason));
+            let s = &scheduled[k];
+            if let Some(reason) = self.publish(s.row, s.decode, &s.drafts, readback, logits.as_ref())? {
+                finished.push((s.row, reason));
             }
         }
         for (i, row) in self.running.iter().enumerate() {
