@@ -16,6 +16,9 @@ fn main() {
     println!("cargo:rerun-if-changed=src/cpu_qmm.cc");
     println!("cargo:rerun-if-changed=src/cpu_attention.h");
     println!("cargo:rerun-if-changed=src/cpu_attention.cc");
+    println!("cargo:rerun-if-changed=src/cpu_swiglu.h");
+    println!("cargo:rerun-if-changed=src/cpu_swiglu.cc");
+    println!("cargo:rerun-if-changed=src/simd_exp.h");
     println!("cargo:rerun-if-changed=src/row_pool.h");
     println!("cargo:rerun-if-changed=src/ffi.rs");
 
@@ -40,6 +43,7 @@ fn main() {
         .file("src/shim.cc")
         .file("src/cpu_qmm.cc")
         .file("src/cpu_attention.cc")
+        .file("src/cpu_swiglu.cc")
         .include(&include)
         .std("c++20")
         .flag_if_supported("-Wno-unused-parameter")

@@ -7,12 +7,18 @@
 # and a `tether` binary built against MLX 0.32.4 (TETHER_BIN).
 # Prints a table; full logs go to $OUT (or /tmp/tether-gpu-bench).
 # MODE=decode (default): single-stream prefill/decode beside mlx-lm.
-# MODE=streams: aggregate decode through Tether's engine at 1, 8 and 32
-# concurrent streams (continuous batching), one JSON line per measurement.
+# MODE=streams: aggregate decode through Tether's engine at 1 and 32
+# concurrent streams (continuous batching), with the decoding rows' KV
+# batched and per row, one JSON line per measurement.
+# MODE=serving: bench/load.py's decode (1, 8, 32 streams) and admit (ITL
+# while a 2,000-token prompt joins) workloads against `tether serve` and
+# mlx_lm.server on the 1.5B-shaped bf16 checkpoint.
 # MODE=spec: the speculative-decoding benchmark (code-edit workload, 1 and 8
 # streams, speculation off vs echo) on real weights: SmolLM2-135M's GGUF,
 # reassembled from $KEEP/smol_part_* (random weights would make acceptance
 # meaningless).
+# MODE=profile: engine step phases (host vs device) at 1 and 8 streams, and
+# the plain decode loop, with CUDA graphs on and off (SmolLM2-135M GGUF).
 # MODE=agent: the 12-turn agent workload of bench/load.py (WORKLOAD=agent in
 # bench/load.sh) on the random Qwen2.5-1.5B-shaped bf16 checkpoint: `tether
 # serve` (session prefix cache on, and off) beside mlx_lm.server (its prompt
@@ -36,6 +42,20 @@ fi
 export LD_LIBRARY_PATH=/opt/py/mlx/lib PYTHONPATH=/opt/py
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 
+if [ "${MODE:-decode}" = profile ]; then
+  # Where a step's time goes (host graph building vs device), through the
+  # engine at 1 and 8 streams and through the plain decode loop, with and
+  # without MLX's CUDA graphs, on SmolLM2-135M's GGUF.
+  smol=/opt/models/SmolLM2-135M-Instruct.Q4_1.gguf
+  [ -f "$smol" ] || cat "$KEEP"/smol_part_* > "$smol"
+  for graphs in 1 0; do
+    MLX_USE_CUDA_GRAPHS=$graphs "$TETHER_BIN" bench --model "$smol" --device gpu --prompt-tokens 512 --gen-tokens 256 2>>"$OUT/tether.log" \
+      | sed "s/^{/{\"cuda_graphs\":$graphs,/" | tee -a "$OUT/results.jsonl"
+    MLX_USE_CUDA_GRAPHS=$graphs "$TETHER_BIN" bench --model "$smol" --device gpu --streams 8 --prompt-tokens 512 --gen-tokens 256 2>>"$OUT/tether.log" \
+      | sed "s/^{/{\"cuda_graphs\":$graphs,/" | tee -a "$OUT/results.jsonl"
+  done
+  exit 0
+fi
 if [ "${MODE:-decode}" = spec ]; then
   smol=/opt/models/SmolLM2-135M-Instruct.Q4_1.gguf
   [ -f "$smol" ] || cat "$KEEP"/smol_part_* > "$smol"
@@ -43,36 +63,47 @@ if [ "${MODE:-decode}" = spec ]; then
   exit 0
 fi
 
-for m in qwen2.5-0.5b qwen2.5-1.5b; do
+# The agent workload needs only the 1.5B bf16 checkpoint; the other modes all four.
+MODELS=${MODELS:-qwen2.5-0.5b qwen2.5-1.5b}
+case "${MODE:-decode}" in agent|serving|streams) MODELS=qwen2.5-1.5b ;; esac
+LOAD_ARGS=${LOAD_ARGS:-}
+for m in $MODELS; do
   [ -f /opt/models/$m-bf16/model.safetensors ] || "$PY" "$here/make_random_model.py" /opt/models/$m-bf16 $m "$KEEP"
+  case "${MODE:-decode}" in agent|serving) continue ;; esac
   [ -f /opt/models/$m-4bit/config.json ] || "$PY" -m mlx_lm convert --hf-path /opt/models/$m-bf16 --mlx-path /opt/models/$m-4bit -q --q-bits 4 --q-group-size 64 >"$OUT/convert-$m.log" 2>&1
 done
 
 : > "$OUT/results.jsonl"
-if [ "${MODE:-decode}" = agent ]; then
+if [ "${MODE:-decode}" = agent ] || [ "${MODE:-decode}" = serving ]; then
+  # Real servers over the wire, one at a time: `tether serve` then
+  # mlx_lm.server on the same checkpoint, driven by bench/load.py.
+  workloads=agent
+  [ "$MODE" = serving ] && workloads=decode,admit
   dir=/opt/models/qwen2.5-1.5b-bf16
   port_of() { sed -n 's#.*listening on http://127\.0\.0\.1:\([0-9]*\).*#\1#p' "$1" | head -1; }
   "$TETHER_BIN" serve --model "$dir" --device gpu --host 127.0.0.1 --port 0 >"$OUT/tether-serve.log" 2>&1 &
   pid=$!
   for _ in $(seq 240); do port=$(port_of "$OUT/tether-serve.log"); [ -n "$port" ] && break; sleep 0.5; done
-  "$PY" "$here/../load.py" --engine tether --url "http://127.0.0.1:$port" --workloads agent --model-dir "$dir" \
-    --label qwen2.5-1.5b-bf16 --out "$OUT/results.jsonl" --build gpu || echo "tether agent run failed" >&2
+  "$PY" "$here/../load.py" --engine tether --url "http://127.0.0.1:$port" --workloads $workloads --model-dir "$dir" \
+    --label qwen2.5-1.5b-bf16 --out "$OUT/results.jsonl" --build gpu $LOAD_ARGS || echo "tether $MODE run failed" >&2
   kill $pid; wait $pid 2>/dev/null || true
   "$PY" -m mlx_lm server --model "$dir" --host 127.0.0.1 --port 8181 >"$OUT/mlx-lm-serve.log" 2>&1 &
   pid=$!
   for _ in $(seq 360); do curl -sf -m 2 -o /dev/null http://127.0.0.1:8181/health && break; sleep 0.5; done
-  "$PY" "$here/../load.py" --engine mlx-lm --url http://127.0.0.1:8181 --workloads agent --model-dir "$dir" \
-    --label qwen2.5-1.5b-bf16 --out "$OUT/results.jsonl" --build gpu || echo "mlx-lm agent run failed" >&2
+  "$PY" "$here/../load.py" --engine mlx-lm --url http://127.0.0.1:8181 --workloads $workloads --model-dir "$dir" \
+    --label qwen2.5-1.5b-bf16 --out "$OUT/results.jsonl" --build gpu $LOAD_ARGS || echo "mlx-lm $MODE run failed" >&2
   kill $pid; wait $pid 2>/dev/null || true
   "$PY" "$here/../load.py" --report "$OUT/results.jsonl"
   exit 0
 fi
 if [ "${MODE:-decode}" = streams ]; then
-  for m in qwen2.5-0.5b qwen2.5-1.5b; do
+  # 1 then 32 streams, decoding rows' KV batched (the GPU default) and per
+  # row (the previous layout), side by side.
+  for m in $MODELS; do
     for fmt in bf16 4bit; do
-      for n in 8 32; do
-        "$TETHER_BIN" bench --model /opt/models/$m-$fmt --device gpu --streams $n --prompt-tokens 128 --gen-tokens 256 2>>"$OUT/tether.log" \
-          | sed "s/\"model\":\"[^\"]*\"/\"model\":\"$m-$fmt\"/" | tee -a "$OUT/results.jsonl"
+      for layout in batched rows; do
+        "$TETHER_BIN" bench --model /opt/models/$m-$fmt --device gpu --streams 32 --prompt-tokens 128 --gen-tokens 256 --kv-layout $layout 2>>"$OUT/tether.log" \
+          | sed "s/\"model\":\"[^\"]*\"/\"model\":\"$m-$fmt\",\"kv_layout\":\"$layout\"/" | tee -a "$OUT/results.jsonl"
       done
     done
   done

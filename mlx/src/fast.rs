@@ -85,3 +85,10 @@ pub fn cpu_kv_write(cache: &Array, fresh: &Array, start: usize, n: usize, pos: u
     const OP: &str = "cpu_kv_write";
     wrap(OP, bridge::cpu_kv_write(cache.raw(), fresh.raw(), to_i32(OP, start)?, to_i32(OP, n)?, to_i32(OP, pos)?))
 }
+
+/// SwiGLU's activation on the CPU, `silu(gate) * up`, from the fused gate/up
+/// projection's output `[..., 2 * ff]` (gate first) in one vectorised pass;
+/// float32. Returns `[..., ff]` (lazy, CPU stream).
+pub fn cpu_swiglu(gate_up: &Array) -> Result<Array> {
+    wrap("cpu_swiglu", bridge::cpu_swiglu(gate_up.raw()))
+}

@@ -81,6 +81,7 @@ pub(crate) mod bridge {
         fn sdpa_masked(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Array) -> Result<UniquePtr<Array>>;
         fn cpu_attention(q: &Array, kv: &ArrayList, n: &[i32], kv_len: &[i32]) -> Result<UniquePtr<Array>>;
         fn cpu_kv_write(cache: &Array, fresh: &Array, start: i32, n: i32, pos: i32) -> Result<UniquePtr<Array>>;
+        fn cpu_swiglu(gate_up: &Array) -> Result<UniquePtr<Array>>;
 
         fn random_key(seed: u64) -> Result<UniquePtr<Array>>;
         fn random_split(key: &Array, num: i32) -> Result<UniquePtr<ArrayList>>;

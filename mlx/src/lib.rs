@@ -25,6 +25,29 @@ pub use dtype::Dtype;
 pub use error::{Error, Result};
 pub use safetensors::load_safetensors;
 
+/// MLX CUDA settings that suit a server, applied where the environment does
+/// not set them already. MLX reads them once, at the first GPU work, so call
+/// this first thing in `main`, before any thread is started (changing the
+/// environment while another thread reads it is a data race).
+///
+/// - `MLX_USE_CUDA_GRAPHS=0`: MLX records work into CUDA graphs and reuses
+///   an instantiated graph only when the next one has the same structure and
+///   can be updated in place. A serving step's structure changes with its
+///   rows, and quantized matmuls over several rows launch cluster kernels
+///   that make graphs non-updatable, so every commit re-instantiates: on an
+///   NVIDIA H200, 8 batched streams of SmolLM2 took 403 ms a step with graphs
+///   and 27 ms without (bench/results/gpu-h200-profile.jsonl).
+/// - `MLX_CUDA_USE_CUDNN_SDPA=0`: cuDNN's attention builds a graph for
+///   every new query/key shape it meets, and each new prompt, prompt chunk or
+///   draft count is a new shape; MLX's own kernels take any shape as is.
+pub fn apply_cuda_server_defaults() {
+    for (name, value) in [("MLX_USE_CUDA_GRAPHS", "0"), ("MLX_CUDA_USE_CUDNN_SDPA", "0")] {
+        if std::env::var_os(name).is_none() {
+            std::env::set_var(name, value);
+        }
+    }
+}
+
 /// Which device MLX runs new work on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Device {

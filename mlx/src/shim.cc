@@ -4,6 +4,7 @@
 #include <stdexcept>
 
 #include "tether-mlx/src/cpu_attention.h"
+#include "tether-mlx/src/cpu_swiglu.h"
 #include "tether-mlx/src/cpu_qmm.h"
 
 namespace mx = mlx::core;
@@ -234,6 +235,7 @@ std::unique_ptr<Array> cpu_attention(const Array& q, const ArrayList& kv, rust::
 std::unique_ptr<Array> cpu_kv_write(const Array& cache, const Array& fresh, int32_t start, int32_t n, int32_t pos) {
   return boxed(cpu_cache_write(cache, fresh, start, n, pos));
 }
+std::unique_ptr<Array> cpu_swiglu(const Array& gate_up) { return boxed(tether_mlx::swiglu_activation(gate_up)); }
 
 std::unique_ptr<Array> random_key(uint64_t seed) { return boxed(mx::random::key(seed)); }
 std::unique_ptr<ArrayList> random_split(const Array& key, int32_t num) {

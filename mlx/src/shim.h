@@ -109,6 +109,8 @@ std::unique_ptr<Array> sdpa_masked(const Array& q, const Array& k, const Array& 
 // kv: each row's keys then values; n, kv_len: per row (see cpu_attention.h).
 std::unique_ptr<Array> cpu_attention(const Array& q, const ArrayList& kv, rust::Slice<const int32_t> n, rust::Slice<const int32_t> kv_len);
 std::unique_ptr<Array> cpu_kv_write(const Array& cache, const Array& fresh, int32_t start, int32_t n, int32_t pos);
+// gate_up: [..., 2 ff] float32; see cpu_swiglu.h.
+std::unique_ptr<Array> cpu_swiglu(const Array& gate_up);
 
 // ---- random
 std::unique_ptr<Array> random_key(uint64_t seed);

@@ -180,3 +180,27 @@ fn cpu_quantized_matmul_handles_8bit_groups_of_16() {
         assert!(close(&got, &want, 1e-4), "rows {m}");
     }
 }
+
+#[test]
+fn cpu_swiglu_matches_silu_times_up() {
+    let _g = serial();
+    mlx::set_default_device(mlx::Device::Cpu).unwrap();
+    // 48 features (the AVX-512 path) and 13 (the scalar path), values far
+    // into both tails of the sigmoid.
+    for ff in [48usize, 13] {
+        let rows = 5;
+        let data: Vec<f32> = (0..rows * 2 * ff).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.9).collect();
+        let gate_up = Array::from_f32(&data, &[1, rows, 2 * ff]).unwrap();
+        let got = fast::cpu_swiglu(&gate_up).unwrap();
+        assert_eq!(got.shape(), vec![1, rows, ff]);
+        let gate = gate_up.slice(&[0, 0, 0], &[1, rows as i32, ff as i32]).unwrap();
+        let up = gate_up.slice(&[0, 0, ff as i32], &[1, rows as i32, 2 * ff as i32]).unwrap();
+        let want = gate.silu().unwrap().multiply(&up).unwrap().to_vec_f32().unwrap();
+        let got = got.to_vec_f32().unwrap();
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() <= 1e-6 * w.abs().max(1.0), "ff {ff}: {g} vs {w}");
+        }
+    }
+    // Bad input is an error, not a crash.
+    assert!(fast::cpu_swiglu(&Array::from_f32(&[1.0, 2.0, 3.0], &[1, 3]).unwrap()).is_err());
+}

@@ -64,6 +64,32 @@ pub fn run_decode_bench(model: &LoadedModel, prompt_len: usize, gen: usize) -> a
     })
 }
 
+/// Mean engine-thread milliseconds per step and phase over a run (see
+/// [`crate::engine::StepTimes`]): says whether a run was bound by the host
+/// recording graphs or by the device running them.
+#[derive(Debug, Default, Serialize)]
+pub struct StepProfile {
+    pub steps: u64,
+    pub build_ms: f64,
+    pub eval_ms: f64,
+    pub publish_ms: f64,
+}
+
+impl StepProfile {
+    /// The steps between two snapshots of one engine's statistics.
+    pub fn between(before: &crate::engine::EngineStats, after: &crate::engine::EngineStats) -> StepProfile {
+        let steps = after.steps.saturating_sub(before.steps);
+        let per_step = |a: u64, b: u64| if steps == 0 { 0.0 } else { a.saturating_sub(b) as f64 / steps as f64 / 1e3 };
+        let (a, b) = (&after.step_time, &before.step_time);
+        StepProfile {
+            steps,
+            build_ms: per_step(a.build_us, b.build_us),
+            eval_ms: per_step(a.eval_us, b.eval_us),
+            publish_ms: per_step(a.publish_us, b.publish_us),
+        }
+    }
+}
+
 #[derive(Debug, Serialize)]
 pub struct StreamsBench {
     pub engine: &'static str,
@@ -75,6 +101,7 @@ pub struct StreamsBench {
     /// All generated tokens over the wall time from submission to the last token.
     pub aggregate_tok_s: f64,
     pub mean_ttft_ms: f64,
+    pub step: StepProfile,
 }
 
 /// Aggregate decode throughput of `streams` concurrent requests through the
@@ -83,6 +110,7 @@ pub fn run_streams_bench(engine: &crate::engine::EngineHandle, name: &str, promp
     use crate::engine::{EngineEvent, SubmitRequest};
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
+        let before = engine.stats().await.unwrap_or_default();
         let start = std::time::Instant::now();
         let mut tasks = Vec::new();
         for s in 0..streams {
@@ -117,6 +145,7 @@ pub fn run_streams_bench(engine: &crate::engine::EngineHandle, name: &str, promp
             ttft_sum += ttft.as_secs_f64();
         }
         let wall = start.elapsed().as_secs_f64();
+        let after = engine.stats().await.unwrap_or_default();
         Ok(StreamsBench {
             engine: "tether",
             model: name.to_string(),
@@ -126,6 +155,7 @@ pub fn run_streams_bench(engine: &crate::engine::EngineHandle, name: &str, promp
             gen_tokens: gen,
             aggregate_tok_s: total as f64 / wall,
             mean_ttft_ms: ttft_sum / streams as f64 * 1e3,
+            step: StepProfile::between(&before, &after),
         })
     })
 }

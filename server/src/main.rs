@@ -158,6 +158,30 @@ struct BenchArgs {
     /// With --turns: run only the session with the prefix cache on.
     #[arg(long)]
     cached_only: bool,
+    /// Where decoding rows keep their KV caches.
+    #[arg(long, value_enum, default_value_t = KvLayoutArg::Auto)]
+    kv_layout: KvLayoutArg,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum KvLayoutArg {
+    /// Batched on a GPU, per row on the CPU.
+    Auto,
+    /// Each row its own cache (attention row by row, or the CPU's fused kernel).
+    Rows,
+    /// Slots of one shared buffer: one attention per layer for all decoding rows.
+    Batched,
+}
+
+impl KvLayoutArg {
+    fn layout(self) -> tether::engine::KvLayout {
+        use tether::engine::KvLayout;
+        match self {
+            KvLayoutArg::Auto => KvLayout::Auto,
+            KvLayoutArg::Rows => KvLayout::Rows,
+            KvLayoutArg::Batched => KvLayout::Batched,
+        }
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -215,6 +239,7 @@ struct GenerateArgs {
 }
 
 fn main() -> ExitCode {
+    mlx::apply_cuda_server_defaults();
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
@@ -259,6 +284,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let config = EngineConfig {
                 draft_model: draft_model_spec(&args.model, args.draft_model.as_deref())?,
                 step_draft_budget: args.step_draft_budget,
+                kv_layout: args.kv_layout.layout(),
                 ..EngineConfig::default()
             };
             let mut sources = vec![DraftKind::Echo];
@@ -268,7 +294,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             tether::spec_bench::run_all(&engine, &tokenizer, fim.as_ref(), &args.speculation_streams, &sources, args.max_draft)
         }
         Command::Bench(args) if args.turns > 0 => {
-            let (engine, tokenizer) = start_engine(&args.model, EngineConfig::default())?;
+            let (engine, tokenizer) = start_engine(&args.model, EngineConfig { kv_layout: args.kv_layout.layout(), ..EngineConfig::default() })?;
             for cache in [true, false].into_iter().filter(|&c| c || !args.cached_only) {
                 for turn in tether::bench::run_agent_bench(&engine, &tokenizer, args.turns, args.prompt_tokens, args.gen_tokens, cache)? {
                     println!("{}", serde_json::to_string(&turn)?);
@@ -277,7 +303,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Bench(args) if args.streams > 0 => {
-            let (engine, tokenizer) = start_engine(&args.model, EngineConfig::default())?;
+            let (engine, tokenizer) = start_engine(&args.model, EngineConfig { kv_layout: args.kv_layout.layout(), ..EngineConfig::default() })?;
             let prompt = tether::bench::prompt_tokens_with(&tokenizer, args.prompt_tokens)?;
             for streams in [1, args.streams] {
                 let r = tether::bench::run_streams_bench(&engine, &args.model.model, prompt.clone(), streams, args.gen_tokens)?;
@@ -356,12 +382,21 @@ struct EngineArgs {
     /// Bytes of KV state the prefix cache may hold, in MiB.
     #[arg(long, default_value_t = EngineConfig::default().prefix_cache_bytes >> 20)]
     prefix_cache_mib: usize,
+    /// Where decoding rows keep their KV caches.
+    #[arg(long, value_enum, default_value_t = KvLayoutArg::Auto)]
+    kv_layout: KvLayoutArg,
+    /// While streams decode, a step carries only as many prompt tokens as
+    /// keep it within this multiple of a decode-only step (measured); 1 or
+    /// less: prompt chunks are bounded by --prefill-chunk alone.
+    #[arg(long, default_value_t = EngineConfig::default().max_itl_inflation)]
+    max_itl_inflation: f64,
 }
 
 impl EngineArgs {
     fn config(&self) -> anyhow::Result<EngineConfig> {
         let d = EngineConfig::default();
         anyhow::ensure!(self.prefill_chunk >= 1 && self.step_token_budget >= 1 && self.max_running >= 1, "engine sizes must be at least 1");
+        anyhow::ensure!(self.max_itl_inflation.is_finite(), "--max-itl-inflation must be a number");
         Ok(EngineConfig {
             prefill_chunk: self.prefill_chunk,
             max_prefill_chunk: d.max_prefill_chunk.max(self.prefill_chunk),
@@ -369,6 +404,8 @@ impl EngineArgs {
             max_running: self.max_running,
             prefix_cache_bytes: self.prefix_cache_mib << 20,
             step_draft_budget: self.step_draft_budget,
+            kv_layout: self.kv_layout.layout(),
+            max_itl_inflation: self.max_itl_inflation,
             ..d
         })
     }

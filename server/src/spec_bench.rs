@@ -59,6 +59,7 @@ pub struct SpecRun {
     pub tokens_per_forward: f64,
     pub drafted: u64,
     pub accepted: u64,
+    pub step: crate::bench::StepProfile,
     #[serde(skip)]
     pub outputs: Vec<Vec<u32>>,
 }
@@ -109,6 +110,7 @@ pub fn prompts(tok: &TextTokenizer, fim: Option<&FimTokens>, workload: Workload,
 pub fn run(engine: &EngineHandle, tok: &TextTokenizer, workload: Workload, prompts: &[(Vec<u32>, usize)], speculation: Speculation) -> anyhow::Result<SpecRun> {
     let name = speculation.kind.name();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let before = rt.block_on(engine.stats()).unwrap_or_default();
     let start = std::time::Instant::now();
     let results: Vec<(Vec<u32>, Option<SpecStats>)> = rt.block_on(async {
         let mut tasks = Vec::new();
@@ -135,6 +137,7 @@ pub fn run(engine: &EngineHandle, tok: &TextTokenizer, workload: Workload, promp
         anyhow::Ok(out)
     })?;
     let wall_s = start.elapsed().as_secs_f64();
+    let after = rt.block_on(engine.stats()).unwrap_or_default();
     let completion_tokens: usize = results.iter().map(|(ids, _)| ids.len()).sum();
     let stats: Vec<&SpecStats> = results.iter().filter_map(|(_, s)| s.as_ref()).collect();
     let (forwards, decoded): (u64, u64) = stats.iter().fold((0, 0), |(f, t), s| (f + s.decode_forwards, t + s.decode_tokens));
@@ -150,6 +153,7 @@ pub fn run(engine: &EngineHandle, tok: &TextTokenizer, workload: Workload, promp
         tokens_per_forward: if forwards == 0 { 1.0 } else { decoded as f64 / forwards as f64 },
         drafted: stats.iter().map(|s| s.drafted).sum(),
         accepted: stats.iter().map(|s| s.accepted).sum(),
+        step: crate::bench::StepProfile::between(&before, &after),
         outputs: results.into_iter().map(|(ids, _)| ids).collect(),
     })
 }

@@ -5,10 +5,9 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use tether::engine::{EngineConfig, EngineEvent, EngineHandle, Finish, SubmitRequest};
+use tether::engine::{EngineConfig, EngineEvent, EngineHandle, Finish, KvLayout, SubmitRequest};
 use tether::generate::greedy_tokens;
 use tether::model::{load_transformer, LoadOptions};
-use tether::sample::SamplingParams;
 
 fn start(config: EngineConfig) -> EngineHandle {
     start_smollm2_engine(config)
@@ -38,6 +37,17 @@ fn prompts() -> Vec<Vec<u32>> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_requests_match_solo_greedy() {
+    concurrent_requests_match_solo_greedy_with(KvLayout::Rows).await;
+}
+
+/// The same with decoding rows in KV slots of one shared buffer (the GPU
+/// layout), run here on the CPU: rows join, leave and reuse slots mid-run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_match_solo_greedy_in_batched_kv() {
+    concurrent_requests_match_solo_greedy_with(KvLayout::Batched).await;
+}
+
+async fn concurrent_requests_match_solo_greedy_with(kv_layout: KvLayout) {
     let prompts = prompts();
     // The reference: each prompt alone through the plain loop, on this thread.
     mlx::set_default_device(mlx::Device::Cpu).unwrap();
@@ -46,20 +56,25 @@ async fn concurrent_requests_match_solo_greedy() {
     drop(model);
 
     // Small chunks and budget so prefills interleave with decodes across steps.
-    let engine = start(EngineConfig { prefill_chunk: 16, min_prefill_chunk: 1, step_token_budget: 24, ..Default::default() });
+    let engine = start(EngineConfig { prefill_chunk: 16, min_prefill_chunk: 1, step_token_budget: 24, kv_layout, ..Default::default() });
     let mut handles = Vec::new();
     for (i, p) in prompts.iter().enumerate() {
         let chunk = if i % 2 == 0 { Some(3) } else { None };
-        let (_, rx) = engine.submit(SubmitRequest { prefill_chunk: chunk, ..request(p.clone(), 12) }).unwrap();
+        // Uneven lengths, so rows finish (and free slots) while others run.
+        let (_, rx) = engine.submit(SubmitRequest { prefill_chunk: chunk, ..request(p.clone(), 12 - i % 3) }).unwrap();
         handles.push(tokio::spawn(collect(rx)));
         // Join some requests mid-way through the others.
         tokio::time::sleep(Duration::from_millis(30 * i as u64)).await;
     }
-    for (h, want) in handles.into_iter().zip(solo) {
+    for (i, (h, want)) in handles.into_iter().zip(solo.clone()).enumerate() {
         let (got, finish) = h.await.unwrap();
         assert_eq!(finish, Some(Finish::Length));
-        assert_eq!(got, want);
+        assert_eq!(got, want[..12 - i % 3], "request {i} ({kv_layout:?})");
     }
+    // A second wave reuses the slots the first one freed.
+    let (_, rx) = engine.submit(request(prompts[0].clone(), 12)).unwrap();
+    let (again, _) = collect(rx).await;
+    assert_eq!(again, solo[0]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use tether::engine::speculate::{DraftKind, DraftModelSpec, SpecStats, Speculation};
-use tether::engine::{EngineConfig, EngineHandle, Finish, FinishInfo, Scope, SubmitRequest};
+use tether::engine::{EngineConfig, EngineHandle, Finish, FinishInfo, KvLayout, Scope, SubmitRequest};
 use tether::generate::greedy_tokens;
 use tether::model::{load_transformer, LoadOptions};
 use tether::sample::SamplingParams;
@@ -50,9 +50,20 @@ fn spec(f: &FinishInfo) -> &SpecStats {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn echo_drafts_keep_greedy_output_alone_and_batched() {
+    echo_drafts_keep_greedy_output_with(KvLayout::Rows).await;
+}
+
+/// Verification in batched KV slots (the GPU layout): rows with different
+/// draft counts are padded to the longest in one forward.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echo_drafts_keep_greedy_output_in_batched_kv() {
+    echo_drafts_keep_greedy_output_with(KvLayout::Batched).await;
+}
+
+async fn echo_drafts_keep_greedy_output_with(kv_layout: KvLayout) {
     let prompts = prompts();
     let want = solo_greedy(&prompts, GEN);
-    let engine = start_smollm2_engine(EngineConfig { prefill_chunk: 32, min_prefill_chunk: 1, ..Default::default() });
+    let engine = start_smollm2_engine(EngineConfig { prefill_chunk: 32, min_prefill_chunk: 1, kv_layout, ..Default::default() });
 
     // Alone: one row per step.
     let mut accepted = 0;
@@ -86,10 +97,21 @@ async fn echo_drafts_keep_greedy_output_alone_and_batched() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wrong_draft_at_any_position_rolls_back_exactly() {
+    a_wrong_draft_rolls_back_exactly_with(KvLayout::Rows).await;
+}
+
+/// The same with the rows' caches in batched KV slots: a slot rolls back
+/// alone, and a finished slot's cache comes out whole for the next turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_draft_at_any_position_rolls_back_exactly_in_batched_kv() {
+    a_wrong_draft_rolls_back_exactly_with(KvLayout::Batched).await;
+}
+
+async fn a_wrong_draft_rolls_back_exactly_with(kv_layout: KvLayout) {
     let prompt = prompts().remove(0);
     let n = 20;
     let want = solo_greedy(std::slice::from_ref(&prompt), n).remove(0);
-    let engine = start_smollm2_engine(EngineConfig::default());
+    let engine = start_smollm2_engine(EngineConfig { kv_layout, ..Default::default() });
 
     // Forced drafts are the true continuation with generated token `wrong`
     // replaced. Forced drafts start at full depth, so the first verification

@@ -9,6 +9,8 @@
 mod pool;
 mod prefix;
 mod row;
+mod step_cost;
+mod warmup;
 pub mod speculate;
 mod worker;
 
@@ -21,7 +23,7 @@ use crate::sample::SamplingParams;
 
 pub use pool::EnginePool;
 pub use prefix::{PrefixStats, Scope};
-pub use worker::EngineConfig;
+pub use worker::{EngineConfig, KvLayout};
 
 /// An engine-assigned request id (unique per engine).
 pub type RequestId = u64;
@@ -128,6 +130,28 @@ pub struct EngineStats {
     /// Decode row-forwards of speculating rows, and the tokens they produced.
     pub spec_decode_forwards: u64,
     pub spec_decode_tokens: u64,
+    /// Where the engine thread's step time went, summed over all steps.
+    pub step_time: StepTimes,
+}
+
+/// Engine-thread time per phase of a step, in microseconds, summed over
+/// steps: `build` schedules the step and records its lazy graph (host
+/// work), `eval` runs it on the device and reads the sampled tokens back,
+/// `publish` accepts drafts and emits tokens. A step whose `build` rivals
+/// its `eval` is bound by the host, not the device.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepTimes {
+    pub build_us: u64,
+    pub eval_us: u64,
+    pub publish_us: u64,
+}
+
+impl StepTimes {
+    pub fn add(&mut self, other: &StepTimes) {
+        self.build_us += other.build_us;
+        self.eval_us += other.eval_us;
+        self.publish_us += other.publish_us;
+    }
 }
 
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]

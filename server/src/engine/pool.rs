@@ -73,6 +73,7 @@ impl EnginePool {
                     t.accepted_draft_tokens += s.accepted_draft_tokens;
                     t.spec_decode_forwards += s.spec_decode_forwards;
                     t.spec_decode_tokens += s.spec_decode_tokens;
+                    t.step_time.add(&s.step_time);
                 }
             }
         }

@@ -8,7 +8,11 @@ pub(super) struct Row {
     pub id: RequestId,
     pub request: SubmitRequest,
     pub events: tokio::sync::mpsc::Sender<EngineEvent>,
+    /// The row's KV cache, unless it is in the engine's batch (`slot`).
     pub cache: KvCache,
+    /// Its slot in the engine's [`crate::model::KvBatch`] while it decodes
+    /// there; `cache` is empty meanwhile.
+    pub slot: Option<usize>,
     pub sampler: Sampler,
     /// Prompt tokens already in the cache.
     pub prefilled: usize,
@@ -43,7 +47,7 @@ impl Row {
         let sampler = Sampler::new(request.sampling.clone())?;
         let tokens = request.prompt.clone();
         let draft = DraftState::new(&request.speculation, draft_model);
-        Ok(Row { id, request, events, cache, sampler, prefilled: 0, generated: 0, pending_token: None, tokens, cached_tokens: 0, draft })
+        Ok(Row { id, request, events, cache, slot: None, sampler, prefilled: 0, generated: 0, pending_token: None, tokens, cached_tokens: 0, draft })
     }
 
     pub fn prompt_remaining(&self) -> usize {

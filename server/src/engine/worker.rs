@@ -11,10 +11,11 @@ use std::time::Instant;
 
 use super::prefix::PrefixCache;
 use super::speculate::{self, DraftModel, DraftRow, Proposal};
+use super::step_cost::StepCost;
 use super::row::{logprobs_of, Row, Work};
 use super::{Command, EngineEvent, EngineModelInfo, EngineStats, Finish, RequestId, SubmitRequest};
 use crate::loaded::LoadedModel;
-use crate::model::{RowInput, Transformer};
+use crate::model::{BatchedRows, KvBatch, RowInput, Transformer};
 
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
@@ -45,6 +46,38 @@ pub struct EngineConfig {
     pub step_draft_budget: usize,
     /// A small model sharing the tokenizer, for requests that draft with one.
     pub draft_model: Option<speculate::DraftModelSpec>,
+    /// Where decoding rows keep their KV caches.
+    pub kv_layout: KvLayout,
+    /// While rows are decoding, a step carries only as many prompt tokens
+    /// as keep it within this multiple of a decode-only step (measured as
+    /// the engine runs, see [`super::step_cost`]), so a long prompt joining
+    /// does not stall the streams; at most 1 turns the limit off.
+    pub max_itl_inflation: f64,
+}
+
+/// Where decoding rows keep their KV caches (prefilling rows always use
+/// their own, see [`crate::model::KvCache`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvLayout {
+    /// Batched on a GPU, per row on the CPU.
+    Auto,
+    /// Each row its own cache, attention row by row: on the CPU the fused
+    /// attention kernel already covers every row in one op.
+    Rows,
+    /// Slots of one shared buffer, attention for all rows in one op per
+    /// layer ([`crate::model::KvBatch`]): a GPU step is bound by kernel
+    /// launches, and this keeps their count independent of the batch.
+    Batched,
+}
+
+impl KvLayout {
+    fn batched_on(self, device: mlx::Device) -> bool {
+        match self {
+            KvLayout::Auto => device == mlx::Device::Gpu,
+            KvLayout::Rows => false,
+            KvLayout::Batched => true,
+        }
+    }
 }
 
 impl Default for EngineConfig {
@@ -63,6 +96,8 @@ impl Default for EngineConfig {
             prefix_block_tokens: 16,
             step_draft_budget: 64,
             draft_model: None,
+            kv_layout: KvLayout::Auto,
+            max_itl_inflation: 1.5,
         }
     }
 }
@@ -76,6 +111,15 @@ struct Scheduled {
     decode: bool,
     /// Draft tokens fed after its pending token.
     drafts: Vec<u32>,
+    /// Where its logits come back.
+    logits_at: LogitsAt,
+}
+
+enum LogitsAt {
+    /// A slot of the batched rows.
+    Slot(usize),
+    /// An entry of the per-row inputs.
+    Row(usize),
 }
 
 struct Waiting {
@@ -99,6 +143,9 @@ struct Engine {
     rotate: usize,
     prefix: PrefixCache,
     draft: Option<DraftModel>,
+    /// Decoding rows' KV caches, when they are batched (see [`KvLayout`]).
+    batch: Option<KvBatch>,
+    step_cost: StepCost,
 }
 
 pub(super) fn run<F>(config: EngineConfig, load: F, rx: Receiver<Command>, info_tx: Sender<anyhow::Result<EngineModelInfo>>)
@@ -119,6 +166,13 @@ where
             return;
         }
     };
+    let batched = config.kv_layout.batched_on(mlx::default_device());
+    if mlx::default_device() == mlx::Device::Gpu {
+        if let Err(e) = super::warmup::warm_up(&model.transformer, batched) {
+            let _ = info_tx.send(Err(anyhow::anyhow!("warming up the model's kernels failed: {e}")));
+            return;
+        }
+    }
     let c = &model.transformer.config;
     let kv_bytes_per_token = c.kv_bytes_per_token(model.transformer.dtype.size());
     let info = EngineModelInfo {
@@ -138,9 +192,12 @@ where
         h.finish()
     };
     let prefix = PrefixCache::new(config.prefix_cache_bytes, config.prefix_block_tokens, namespace);
+    let batch = batched.then(|| model.transformer.new_kv_batch());
     let mut engine = Engine {
         prefix,
         draft,
+        batch,
+        step_cost: StepCost::default(),
         config,
         model: model.transformer,
         kv_bytes_per_token,
@@ -227,7 +284,7 @@ impl Engine {
 
     fn cancel(&mut self, id: RequestId) {
         if let Some(pos) = self.running.iter().position(|r| r.id == id) {
-            let row = self.running.remove(pos);
+            let row = self.take_row(pos, false);
             self.finish(row, Finish::Cancelled);
         } else if let Some(pos) = self.waiting.iter().position(|w| w.id == id) {
             let w = self.waiting.remove(pos).expect("position is valid");
@@ -300,6 +357,13 @@ impl Engine {
             budget -= n;
             plan.push((i, Work::Decode { drafts, model_depth }));
         }
+        // Prompt tokens ride along only as far as the decoding rows can
+        // afford (until the costs are measured, chunks alone bound them).
+        if !plan.is_empty() {
+            if let Some(allowance) = self.step_cost.prefill_allowance(self.config.max_itl_inflation) {
+                budget = budget.min(allowance.max(self.config.min_prefill_chunk));
+            }
+        }
         for &i in &order {
             let row = &self.running[i];
             let remaining = row.prompt_remaining();
@@ -323,6 +387,7 @@ impl Engine {
         if self.running.is_empty() {
             return Ok(());
         }
+        let started = Instant::now();
         let mut plan = self.plan();
         self.rotate = self.rotate.wrapping_add(1);
         if plan.is_empty() {
@@ -331,28 +396,56 @@ impl Engine {
         self.draft_with_model(&mut plan)?;
         // One forward for every scheduled row, then one eval.
         let mut work_of: Vec<Option<Work>> = (0..self.running.len()).map(|_| None).collect();
+        let (mut decode_rows, mut prefill_tokens) = (0, 0);
         for (i, work) in plan {
-            if let Work::Prefill { tokens } = work {
-                self.stats.prompt_tokens += tokens as u64;
+            match work {
+                Work::Prefill { tokens } => prefill_tokens += tokens,
+                Work::Decode { .. } => decode_rows += 1,
             }
             work_of[i] = Some(work);
         }
+        self.stats.prompt_tokens += prefill_tokens as u64;
         let mut inputs = Vec::new();
         let mut scheduled: Vec<Scheduled> = Vec::new();
+        let mut slot_tokens: Vec<Vec<i32>> = vec![Vec::new(); self.batch.as_ref().map_or(0, KvBatch::slots)];
         for (i, row) in self.running.iter_mut().enumerate() {
             let Some(work) = work_of[i].take() else { continue };
             let tokens: Vec<i32> = row.take_input(&work)?.into_iter().map(|t| t as i32).collect();
-            let ids = mlx::Array::from_i32(&tokens, &[1, tokens.len()])?;
             let samples = row.samples_after(&work);
             let (decode, drafts) = match work {
                 Work::Decode { drafts, .. } => (true, drafts),
                 Work::Prefill { .. } => (false, Vec::new()),
             };
-            inputs.push(RowInput { ids, cache: &mut row.cache, n_logits: 1 + drafts.len() });
-            scheduled.push(Scheduled { row: i, samples, decode, drafts });
+            let logits_at = match row.slot {
+                Some(slot) => {
+                    slot_tokens[slot] = tokens;
+                    LogitsAt::Slot(slot)
+                }
+                None => {
+                    let ids = mlx::Array::from_i32(&tokens, &[1, tokens.len()])?;
+                    inputs.push(RowInput { ids, cache: &mut row.cache, n_logits: 1 + drafts.len() });
+                    LogitsAt::Row(inputs.len() - 1)
+                }
+            };
+            scheduled.push(Scheduled { row: i, samples, decode, drafts, logits_at });
         }
-        let logits = self.model.forward_batch(&mut inputs)?;
+        let batched = match &mut self.batch {
+            Some(kv) if slot_tokens.iter().any(|t| !t.is_empty()) => Some(batched_rows(kv, &slot_tokens)?),
+            _ => None,
+        };
+        let ran_batched = batched.is_some();
+        let step_logits = self.model.forward_step(batched, &mut inputs)?;
         drop(inputs);
+        let mut slot_logits = step_logits.batched;
+        let mut row_logits: Vec<Option<mlx::Array>> = step_logits.rows.into_iter().map(Some).collect();
+        let logits: Vec<mlx::Array> = scheduled
+            .iter()
+            .map(|s| match s.logits_at {
+                LogitsAt::Slot(slot) => slot_logits[slot].take(),
+                LogitsAt::Row(k) => row_logits[k].take(),
+            })
+            .collect::<Option<_>>()
+            .ok_or_else(|| mlx::Error { op: "engine", message: "a scheduled row got no logits".into() })?;
 
         // Each sampling row's draws, lazily: greedy rows take the argmax at
         // every position; sampled rows with drafts run speculative sampling.
@@ -377,6 +470,10 @@ impl Engine {
                 to_eval.extend(self.running[s.row].cache.buffers());
             }
         }
+        if let (true, Some(kv)) = (ran_batched, &self.batch) {
+            to_eval.extend(kv.buffers());
+        }
+        let built = Instant::now();
         mlx::eval(&to_eval)?;
         self.stats.steps += 1;
 
@@ -387,6 +484,7 @@ impl Engine {
             1 => draws[0].1.to_vec_i32()?,
             _ => mlx::concatenate(&draws.iter().map(|(_, d, _)| d).collect::<Vec<_>>(), 0)?.to_vec_i32()?,
         };
+        let evaluated = Instant::now();
         let mut finished: Vec<(usize, Finish)> = Vec::new();
         let mut at = 0;
         for ((k, _, logits), len) in draws.into_iter().zip(lens) {
@@ -410,9 +508,17 @@ impl Engine {
         }
         finished.sort_by(|a, b| b.0.cmp(&a.0));
         for (i, reason) in finished {
-            let row = self.running.remove(i);
+            let keep_cache = reason != Finish::Cancelled && self.running[i].request.cache_scope.is_some();
+            let row = self.take_row(i, keep_cache);
             self.finish(row, reason);
         }
+        self.batch_new_decoders()?;
+        let micros = |from: Instant, to: Instant| to.duration_since(from).as_micros() as u64;
+        self.step_cost.record(decode_rows, prefill_tokens, started.elapsed().as_secs_f64());
+        let times = &mut self.stats.step_time;
+        times.build_us += micros(started, built);
+        times.eval_us += micros(built, evaluated);
+        times.publish_us += micros(evaluated, Instant::now());
         Ok(())
     }
 
@@ -464,7 +570,11 @@ impl Engine {
         };
         // The forward appended the pending token and every draft; keep the
         // accepted ones only.
-        row.cache.truncate(row.cache.len() - (drafts.len() - accepted));
+        let rejected = drafts.len() - accepted;
+        match (row.slot, &mut self.batch) {
+            (Some(slot), Some(kv)) => kv.truncate(slot, kv.len(slot) - rejected),
+            _ => row.cache.truncate(row.cache.len() - rejected),
+        }
         if let (Some(draft), true) = (&mut row.draft, decode) {
             draft.verified(row.tokens.len(), drafts.len(), accepted, emitted.len());
             self.stats.drafted_tokens += drafts.len() as u64;
@@ -507,12 +617,43 @@ impl Engine {
         Ok(finish)
     }
 
+    /// Removes row `i` from the running set. A row whose cache is batched
+    /// gets it back as its own when `keep_cache` (to store it in the prefix
+    /// cache); otherwise its slot is just freed.
+    fn take_row(&mut self, i: usize, keep_cache: bool) -> Row {
+        let mut row = self.running.remove(i);
+        if let (Some(slot), Some(kv)) = (row.slot.take(), &mut self.batch) {
+            if keep_cache {
+                match kv.release(slot) {
+                    Ok(cache) => row.cache = cache,
+                    // The turn still finishes; only its cache entry is lost.
+                    Err(_) => kv.forget(slot),
+                }
+            } else {
+                kv.forget(slot);
+            }
+        }
+        row
+    }
+
+    /// Rows that finished their prompt this step move their caches into
+    /// the batch, where they decode from the next step on.
+    fn batch_new_decoders(&mut self) -> mlx::Result<()> {
+        let Some(kv) = &mut self.batch else { return Ok(()) };
+        for row in self.running.iter_mut().filter(|r| r.slot.is_none() && r.pending_token.is_some() && r.prompt_remaining() == 0) {
+            let slot = kv.admit(&row.cache)?;
+            row.slot = Some(slot);
+            row.cache = self.model.new_cache();
+        }
+        Ok(())
+    }
+
     /// Rows whose receiver was dropped are cancelled.
     fn drop_finished_consumers(&mut self) {
         let mut i = 0;
         while i < self.running.len() {
             if self.running[i].consumer_gone() {
-                let row = self.running.remove(i);
+                let row = self.take_row(i, false);
                 drop(row); // nobody to tell; its KV cache is freed here
             } else {
                 i += 1;
@@ -550,6 +691,9 @@ impl Engine {
     }
 
     fn fail_all(&mut self, message: &str) {
+        if let Some(kv) = &mut self.batch {
+            *kv = self.model.new_kv_batch();
+        }
         for row in std::mem::take(&mut self.running) {
             let events = row.events.clone();
             drop(row);
@@ -561,7 +705,7 @@ impl Engine {
         EngineStats {
             running: self.running.len(),
             waiting: self.waiting.len(),
-            kv_bytes: self.running.iter().map(|r| r.cache.nbytes()).sum(),
+            kv_bytes: self.running.iter().map(|r| r.cache.nbytes()).sum::<usize>() + self.batch.as_ref().map_or(0, KvBatch::nbytes),
             active_memory: mlx::memory::active(),
             peak_memory: mlx::memory::peak(),
             cache_memory: mlx::memory::cache(),
@@ -571,3 +715,17 @@ impl Engine {
     }
 }
 
+
+/// The batched rows' part of a step: each slot's tokens (empty for slots
+/// not scheduled this step), padded to the longest.
+fn batched_rows<'a>(kv: &'a mut KvBatch, slot_tokens: &[Vec<i32>]) -> mlx::Result<BatchedRows<'a>> {
+    let n = slot_tokens.iter().map(Vec::len).max().unwrap_or(0).max(1);
+    let mut ids = Vec::with_capacity(slot_tokens.len() * n);
+    for tokens in slot_tokens {
+        ids.extend_from_slice(tokens);
+        // Padding: any valid id; its outputs are dropped and its cache writes land past the slot's length.
+        ids.extend(std::iter::repeat(0).take(n - tokens.len()));
+    }
+    let ids = mlx::Array::from_i32(&ids, &[slot_tokens.len(), n])?;
+    Ok(BatchedRows { kv, ids, real: slot_tokens.iter().map(Vec::len).collect() })
+}

@@ -122,6 +122,28 @@ impl KvCache {
         }
     }
 
+    /// Layer `layer`'s key and value buffers, if reserved.
+    pub fn layer(&self, layer: usize) -> Option<(&Array, &Array)> {
+        self.layers.get(layer)?.as_ref().map(|(k, v)| (k, v))
+    }
+
+    /// Replaces an empty cache's contents with copies of `layers`, each
+    /// `[1, kv_heads, len, head_dim]` (views allowed): the cache then owns
+    /// buffers of its own.
+    pub fn fill(&mut self, layers: &[(Array, Array)], len: usize) -> mlx::Result<()> {
+        if !self.is_empty() || layers.len() != self.layers.len() {
+            return Err(mlx::Error { op: "kv_cache", message: format!("fill of {} layers into a cache of {} holding {}", layers.len(), self.layers.len(), self.len) });
+        }
+        self.reserve(len)?;
+        let stop = [1, self.kv_heads as i32, len as i32, self.head_dim as i32];
+        for (slot, (k, v)) in self.layers.iter_mut().zip(layers) {
+            let (bk, bv) = slot.take().expect("reserved above");
+            *slot = Some((bk.slice_update(k, &[0, 0, 0, 0], &stop)?, bv.slice_update(v, &[0, 0, 0, 0], &stop)?));
+        }
+        self.len = len;
+        Ok(())
+    }
+
     /// Commits `n` appended tokens (after every layer has appended them).
     pub fn advance(&mut self, n: usize) {
         self.len += n;

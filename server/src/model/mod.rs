@@ -4,6 +4,7 @@
 //! both load into the same [`Transformer`].
 mod config;
 mod gguf_loader;
+mod kv_batch;
 mod kv_cache;
 mod linear;
 mod safetensors_loader;
@@ -13,9 +14,10 @@ mod weights;
 use std::path::Path;
 
 pub use config::{Architecture, ModelConfig};
+pub use kv_batch::KvBatch;
 pub use kv_cache::{KvCache, CAPACITY_STEP as KV_CAPACITY_STEP};
 pub use linear::{Linear, Weight};
-pub use transformer::{Layer, RowInput, Transformer};
+pub use transformer::{BatchedRows, Layer, RowInput, StepLogits, Transformer};
 pub use weights::WeightFormat;
 
 #[derive(Debug, thiserror::Error)]

@@ -6,6 +6,7 @@ use mlx::fast::{self, AttentionRow, Mask};
 use mlx::{Array, Dtype};
 
 use super::config::ModelConfig;
+use super::kv_batch::KvBatch;
 use super::kv_cache::KvCache;
 use super::linear::Linear;
 
@@ -42,6 +43,11 @@ pub struct Transformer {
 impl Transformer {
     pub fn new_cache(&self) -> KvCache {
         KvCache::new(self.config.n_layers, self.config.n_kv_heads, self.config.head_dim, self.dtype)
+    }
+
+    /// An empty batch of KV slots for this model's decoding rows.
+    pub fn new_kv_batch(&self) -> KvBatch {
+        KvBatch::new(self.config.n_layers, self.config.n_kv_heads, self.config.head_dim, self.dtype)
     }
 
     /// Bytes held by the weights.
@@ -93,23 +99,41 @@ impl Transformer {
     /// own cache at its own position. Returns each row's float32 logits
     /// `[n_logits, vocab]` for its last `n_logits` positions (lazy).
     pub fn forward_batch(&self, rows: &mut [RowInput<'_>]) -> mlx::Result<Vec<Array>> {
+        Ok(self.forward_step(None, rows)?.rows)
+    }
+
+    /// [`forward_batch`](Self::forward_batch) with, in front of the rows,
+    /// the decoding rows whose caches live in a [`KvBatch`]: their tokens
+    /// come first in the flattened batch, and each layer attends for all of
+    /// them at once (see [`attention_batched`](Self::attention_batched)).
+    pub fn forward_step(&self, mut batched: Option<BatchedRows<'_>>, rows: &mut [RowInput<'_>]) -> mlx::Result<StepLogits> {
         let c = &self.config;
         let lens: Vec<usize> = rows.iter().map(|r| r.ids.dim(-1)).collect();
-        if rows.is_empty() || rows.iter().zip(&lens).any(|(r, &n)| n == 0 || r.n_logits == 0 || r.n_logits > n) {
+        if (rows.is_empty() && batched.is_none()) || rows.iter().zip(&lens).any(|(r, &n)| n == 0 || r.n_logits == 0 || r.n_logits > n) {
             return Err(mlx::Error { op: "forward", message: format!("bad batch: token counts {lens:?}") });
         }
+        let batch_step = match &mut batched {
+            Some(b) => Some(BatchStep::prepare(b)?),
+            None => None,
+        };
+        let batch_tokens = batch_step.as_ref().map_or(0, |b| b.slots * b.n) as i32;
         let offsets: Vec<i32> = rows.iter().map(|r| r.cache.len() as i32).collect();
         for (r, &n) in rows.iter_mut().zip(&lens) {
             r.cache.reserve(n)?;
         }
-        // Start of each row's tokens in the flattened batch.
-        let starts: Vec<i32> = lens.iter().scan(0i32, |acc, &n| {
+        // Start of each row's tokens in the flattened batch, after the batched rows' tokens.
+        let starts: Vec<i32> = lens.iter().scan(batch_tokens, |acc, &n| {
             let s = *acc;
             *acc += n as i32;
             Some(s)
         }).collect();
-        let total: i32 = lens.iter().sum::<usize>() as i32;
-        let ids = if rows.len() == 1 { rows[0].ids.clone() } else { mlx::concatenate(&rows.iter().map(|r| &r.ids).collect::<Vec<_>>(), 1)? };
+        let total: i32 = batch_tokens + lens.iter().sum::<usize>() as i32;
+        let mut all_ids: Vec<Array> = Vec::with_capacity(rows.len() + 1);
+        if let Some(b) = &batched {
+            all_ids.push(b.ids.reshape(&[1, batch_tokens])?);
+        }
+        all_ids.extend(rows.iter().map(|r| r.ids.clone()));
+        let ids = if all_ids.len() == 1 { all_ids.pop().expect("one") } else { mlx::concatenate(&all_ids.iter().collect::<Vec<_>>(), 1)? };
         let mut h = self.embedding.take(&ids, 0)?; // [1, T, d]
 
         let (hq, hkv, hd) = (c.n_heads as i32, c.n_kv_heads as i32, c.head_dim as i32);
@@ -117,7 +141,7 @@ impl Transformer {
         let kv_width = hkv * hd;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         // The fused CPU path ropes every token of the step at once, each at its own position.
-        let positions = if self.use_fused_cpu_attention() {
+        let positions = if self.use_fused_cpu_kernels() && !rows.is_empty() {
             let p: Vec<i32> = offsets.iter().zip(&lens).flat_map(|(&o, &n)| o..o + n as i32).collect();
             Some(Array::from_i32(&p, &[p.len()])?)
         } else {
@@ -127,10 +151,17 @@ impl Transformer {
         for (li, layer) in self.layers.iter().enumerate() {
             let x = fast::rms_norm(&h, &layer.attn_norm, c.rms_eps)?;
             let qkv = layer.qkv.forward(&x)?; // [1, T, (hq + 2 hkv) hd]
-            let attn = match &positions {
-                Some(positions) => self.attention_fused_cpu(li, &qkv, rows, &lens, positions)?,
+            let mut parts: Vec<Array> = Vec::with_capacity(rows.len() + 1);
+            if let (Some(b), Some(step)) = (&mut batched, &batch_step) {
+                let mine = qkv.slice(&[0, 0, 0], &[1, batch_tokens, (hq + 2 * hkv) * hd])?;
+                parts.push(self.attention_batched(li, &mine, b.kv, step)?);
+            }
+            match &positions {
+                Some(positions) => {
+                    let mine = qkv.slice(&[0, batch_tokens, 0], &[1, total, (hq + 2 * hkv) * hd])?;
+                    parts.push(self.attention_fused_cpu(li, &mine, rows, &lens, positions)?);
+                }
                 None => {
-                    let mut outs = Vec::with_capacity(rows.len());
                     for (r, row) in rows.iter_mut().enumerate() {
                         let (s, n) = (starts[r], lens[r] as i32);
                         let heads = |start: i32, width: i32, count: i32| -> mlx::Result<Array> {
@@ -142,54 +173,119 @@ impl Transformer {
                         let (keys, values) = row.cache.append(li, &k, &v)?;
                         let mask = if n > 1 { Mask::Causal } else { Mask::None };
                         let attn = fast::sdpa(&q, &keys, &values, scale, mask)?;
-                        outs.push(attn.transpose(&[0, 2, 1, 3])?.reshape(&[1, n, q_width])?);
+                        parts.push(attn.transpose(&[0, 2, 1, 3])?.reshape(&[1, n, q_width])?);
                     }
-                    if outs.len() == 1 { outs.pop().expect("one row") } else { mlx::concatenate(&outs.iter().collect::<Vec<_>>(), 1)? }
                 }
-            };
+            }
+            let attn = if parts.len() == 1 { parts.pop().expect("one part") } else { mlx::concatenate(&parts.iter().collect::<Vec<_>>(), 1)? };
             h = h.add(&layer.attn_out.forward(&attn)?)?;
 
             let x = fast::rms_norm(&h, &layer.ffn_norm, c.rms_eps)?;
             let gu = layer.gate_up.forward(&x)?;
-            let ff = c.d_ff as i32;
-            let gate = gu.slice(&[0, 0, 0], &[1, total, ff])?;
-            let up = gu.slice(&[0, 0, ff], &[1, total, 2 * ff])?;
-            h = h.add(&layer.down.forward(&gate.silu()?.multiply(&up)?)?)?;
+            h = h.add(&layer.down.forward(&self.swiglu(&gu, total)?)?)?;
         }
         for (r, row) in rows.iter_mut().enumerate() {
             row.cache.advance(lens[r]);
         }
+        if let Some(b) = &mut batched {
+            b.kv.advance(&b.real);
+        }
 
-        // Only the positions whose logits are wanted go through the head.
+        // Only the positions whose logits are wanted go through the head:
+        // a batched slot's leading real tokens, a row's last n_logits.
         let d = c.d_model as i32;
-        let picks: Vec<Array> = rows
-            .iter()
-            .enumerate()
-            .map(|(r, row)| {
-                let end = starts[r] + lens[r] as i32;
-                h.slice(&[0, end - row.n_logits as i32, 0], &[1, end, d])
-            })
-            .collect::<mlx::Result<_>>()?;
+        let mut spans: Vec<(i32, i32)> = Vec::new();
+        if let (Some(b), Some(step)) = (&batched, &batch_step) {
+            spans.extend(b.real.iter().enumerate().map(|(s, &r)| ((s * step.n) as i32, r as i32)));
+        }
+        spans.extend(rows.iter().enumerate().map(|(r, row)| (starts[r] + lens[r] as i32 - row.n_logits as i32, row.n_logits as i32)));
+        let picks: Vec<Array> = spans.iter().filter(|(_, k)| *k > 0).map(|&(at, k)| h.slice(&[0, at, 0], &[1, at + k, d])).collect::<mlx::Result<_>>()?;
         let last = if picks.len() == 1 { picks[0].clone() } else { mlx::concatenate(&picks.iter().collect::<Vec<_>>(), 1)? };
         let last = fast::rms_norm(&last, &self.final_norm, c.rms_eps)?;
-        let logits = self.lm_head.forward(&last)?.astype(Dtype::F32)?; // [1, sum n_logits, vocab]
+        let logits = self.lm_head.forward(&last)?.astype(Dtype::F32)?; // [1, sum of wanted, vocab]
         let vocab = logits.dim(-1) as i32;
-        let mut out = Vec::with_capacity(rows.len());
         let mut at = 0i32;
-        for row in rows.iter() {
-            let k = row.n_logits as i32;
-            out.push(logits.slice(&[0, at, 0], &[1, at + k, vocab])?.reshape(&[k, vocab])?);
+        let mut split = spans.iter().map(|&(_, k)| {
+            if k == 0 {
+                return Ok(None);
+            }
+            let part = logits.slice(&[0, at, 0], &[1, at + k, vocab])?.reshape(&[k, vocab])?;
             at += k;
+            Ok(Some(part))
+        });
+        let batched_logits = match &batched {
+            Some(b) => (&mut split).take(b.real.len()).collect::<mlx::Result<Vec<_>>>()?,
+            None => Vec::new(),
+        };
+        let rows_logits = split.map(|l| l.map(|l| l.expect("rows always want logits"))).collect::<mlx::Result<Vec<_>>>()?;
+        Ok(StepLogits { batched: batched_logits, rows: rows_logits })
+    }
+}
+
+/// A step's shared inputs for the batched rows' attention.
+struct BatchStep {
+    slots: usize,
+    /// Tokens per slot.
+    n: usize,
+    /// int32 `[slots, 1, n, 1]`: where each slot's tokens are written.
+    positions: Array,
+    /// `[slots, 1, n, capacity]` additive.
+    mask: Array,
+    /// int32 `[slots]`: each slot's first position.
+    offsets: Array,
+}
+
+impl BatchStep {
+    fn prepare(b: &mut BatchedRows<'_>) -> mlx::Result<BatchStep> {
+        let (slots, n) = (b.kv.slots(), b.ids.dim(-1));
+        if slots == 0 || b.ids.shape() != [slots, n] || b.real.len() != slots || b.real.iter().any(|&r| r > n) {
+            return Err(mlx::Error { op: "forward", message: format!("bad batched rows: ids {:?} for {slots} slots, real {:?}", b.ids.shape(), b.real) });
         }
-        Ok(out)
+        b.kv.reserve(n)?;
+        Ok(BatchStep { slots, n, positions: b.kv.write_positions(n)?, mask: b.kv.step_mask(n)?, offsets: b.kv.offsets()? })
     }
 }
 
 impl Transformer {
-    /// Whether attention runs through the fused CPU kernels: on the CPU, in
-    /// float32, unless `TETHER_CPU_ATTENTION=0` asks for MLX's per-row ops
-    /// (kept for comparison and as a fallback).
-    fn use_fused_cpu_attention(&self) -> bool {
+    /// Attention of one layer for every slot of a [`KvBatch`] at once:
+    /// `qkv` is `[1, slots * n, ..]`, slot-major. One rope each for queries
+    /// and keys (each slot at its own offset), one scatter each into the key
+    /// and value buffers, one masked attention. Returns `[1, slots * n, n_heads * head_dim]`.
+    fn attention_batched(&self, layer: usize, qkv: &Array, kv: &mut KvBatch, step: &BatchStep) -> mlx::Result<Array> {
+        let c = &self.config;
+        let (hq, hkv, hd) = (c.n_heads as i32, c.n_kv_heads as i32, c.head_dim as i32);
+        let (slots, n) = (step.slots as i32, step.n as i32);
+        let x = qkv.reshape(&[slots, n, hq + 2 * hkv, hd])?;
+        let heads = |from: i32, to: i32| x.slice(&[0, 0, from, 0], &[slots, n, to, hd])?.transpose(&[0, 2, 1, 3]);
+        let rope = |a: &Array| fast::rope_offsets(a, hd, c.rope_traditional, c.rope_theta, 1.0, &step.offsets);
+        let q = rope(&heads(0, hq)?)?;
+        let k = rope(&heads(hq, hq + hkv)?)?;
+        let v = heads(hq + hkv, hq + 2 * hkv)?;
+        let (keys, values) = kv.write(layer, &k, &v, &step.positions)?;
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        let out = fast::sdpa(&q, &keys, &values, scale, Mask::Array(&step.mask))?; // [slots, hq, n, hd]
+        out.transpose(&[0, 2, 1, 3])?.reshape(&[1, slots * n, hq * hd])
+    }
+}
+
+impl Transformer {
+    /// `silu(gate) * up` of the fused gate/up projection's output
+    /// `[1, total, 2 d_ff]`: one vectorised pass on the CPU in float32 (the
+    /// same switch as the fused attention), MLX's ops elsewhere.
+    fn swiglu(&self, gate_up: &Array, total: i32) -> mlx::Result<Array> {
+        if self.use_fused_cpu_kernels() {
+            return fast::cpu_swiglu(gate_up);
+        }
+        let ff = self.config.d_ff as i32;
+        let gate = gate_up.slice(&[0, 0, 0], &[1, total, ff])?;
+        let up = gate_up.slice(&[0, 0, ff], &[1, total, 2 * ff])?;
+        gate.silu()?.multiply(&up)
+    }
+
+    /// Whether attention (and SwiGLU) run through the fused CPU kernels: on
+    /// the CPU, in float32, unless `TETHER_CPU_ATTENTION=0` asks for MLX's
+    /// ops (kept for comparison and as a fallback).
+    fn use_fused_cpu_kernels(&self) -> bool {
         static ENABLED: OnceLock<bool> = OnceLock::new();
         let enabled = *ENABLED.get_or_init(|| std::env::var("TETHER_CPU_ATTENTION").map_or(true, |v| v != "0"));
         enabled && self.dtype == Dtype::F32 && mlx::default_device() == mlx::Device::Cpu
@@ -222,6 +318,25 @@ impl Transformer {
             .collect();
         fast::cpu_attention(&q, &attention_rows)
     }
+}
+
+/// The decoding rows of a step that keep their caches in a [`KvBatch`].
+/// Every slot takes part with `n` tokens: a slot with fewer real tokens (or
+/// none: idle or free) is padded, and its padding is computed and dropped.
+pub struct BatchedRows<'a> {
+    pub kv: &'a mut KvBatch,
+    /// `[slots, n]` int32 token ids.
+    pub ids: Array,
+    /// Per slot, how many of its leading tokens are real: logits come back
+    /// for those, and the slot's length advances by as many.
+    pub real: Vec<usize>,
+}
+
+/// A step's float32 logits (lazy): per batched slot (`None` where it had no
+/// real tokens) `[real, vocab]`, and per row `[n_logits, vocab]`.
+pub struct StepLogits {
+    pub batched: Vec<Option<Array>>,
+    pub rows: Vec<Array>,
 }
 
 /// One sequence's share of a batched forward.

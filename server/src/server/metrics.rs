@@ -41,6 +41,7 @@ pub struct Metrics {
     spec_accepted: Counter<u64, AtomicU64>,
     spec_forwards: Counter<u64, AtomicU64>,
     spec_tokens: Counter<u64, AtomicU64>,
+    step_time: Family<Labels, Counter<u64, AtomicU64>>,
 }
 
 impl Default for Metrics {
@@ -80,6 +81,7 @@ impl Metrics {
             spec_accepted: Counter::default(),
             spec_forwards: Counter::default(),
             spec_tokens: Counter::default(),
+            step_time: Family::default(),
         };
         registry.register("sessions", "Sessions alive (attached or awaiting resume)", m.sessions.clone());
         registry.register("connections", "Open WebSocket connections", m.connections.clone());
@@ -107,6 +109,11 @@ impl Metrics {
         registry.register("spec_accepted_tokens", "Draft tokens accepted", m.spec_accepted.clone());
         registry.register("spec_decode_forwards", "Decode forwards of speculating requests (per request row)", m.spec_forwards.clone());
         registry.register("spec_decode_tokens", "Tokens those forwards produced (tokens per forward = this / forwards)", m.spec_tokens.clone());
+        registry.register(
+            "engine_step_microseconds",
+            "Engine-thread time per step phase: build (schedule, record the graph), eval (run it, read tokens back), publish",
+            m.step_time.clone(),
+        );
         Metrics { registry, ..m }
     }
 
@@ -146,6 +153,9 @@ impl Metrics {
             catch_up(&self.spec_accepted, s.accepted_draft_tokens);
             catch_up(&self.spec_forwards, s.spec_decode_forwards);
             catch_up(&self.spec_tokens, s.spec_decode_tokens);
+            for (phase, total) in [("build", s.step_time.build_us), ("eval", s.step_time.eval_us), ("publish", s.step_time.publish_us)] {
+                catch_up(&self.step_time.get_or_create(&[("phase", phase)]), total);
+            }
         }
         let mut out = String::new();
         encode(&mut out, &self.registry).expect("writing to a String cannot fail");

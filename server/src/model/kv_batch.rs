@@ -1,0 +1,213 @@
+//! The decoding rows' KV caches side by side, for GPUs.
+//!
+//! On a GPU a step is bound by how many kernels it launches, not by the bytes
+//! it reads. Attention row by row (each row its own cache, see [`KvCache`])
+//! costs a dozen kernels per row and layer; with 32 rows that is most of the
+//! step. Here every decoding row owns a slot of one per-layer buffer
+//! `[slots, kv_heads, capacity, head_dim]`, so a step writes all rows' new
+//! keys with one scatter and attends with one masked attention per layer,
+//! however many rows there are.
+//!
+//! Slots are allocated in powers of two and freed slots are reused, so the
+//! shapes a step sees change only when the slot count doubles or capacity
+//! grows by a block. Free and idle slots still flow through the forward
+//! (their token is padding, their writes land past their length and their
+//! outputs are dropped): cheaper on a GPU than changing shapes every step.
+//!
+//! A slot's valid positions are `..len`; anything written past it (padding,
+//! rejected drafts) is masked out and overwritten later, so rolling back is
+//! just lowering `len`.
+use mlx::{Array, Dtype};
+
+use super::kv_cache::{KvCache, CAPACITY_STEP};
+
+pub struct KvBatch {
+    /// Per layer (keys, values), `[slots, kv_heads, capacity, head_dim]`;
+    /// empty until the first row is admitted.
+    layers: Vec<(Array, Array)>,
+    /// Valid positions of each slot; `None` for a free slot.
+    lens: Vec<Option<usize>>,
+    capacity: usize,
+    n_layers: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    dtype: Dtype,
+}
+
+impl KvBatch {
+    pub fn new(n_layers: usize, kv_heads: usize, head_dim: usize, dtype: Dtype) -> KvBatch {
+        KvBatch { layers: Vec::new(), lens: Vec::new(), capacity: 0, n_layers, kv_heads, head_dim, dtype }
+    }
+
+    /// Slots, free ones included: the batch dimension of a step.
+    pub fn slots(&self) -> usize {
+        self.lens.len()
+    }
+
+    /// Valid positions of `slot` (0 for a free slot).
+    pub fn len(&self, slot: usize) -> usize {
+        self.lens[slot].unwrap_or(0)
+    }
+
+    pub fn occupied(&self) -> usize {
+        self.lens.iter().flatten().count()
+    }
+
+    /// Bytes reserved on the device.
+    pub fn nbytes(&self) -> usize {
+        self.layers.iter().map(|(k, v)| k.nbytes() + v.nbytes()).sum()
+    }
+
+    /// Moves a row's cache into a free slot (growing the slot count to the
+    /// next power of two when none is free) and returns the slot.
+    pub fn admit(&mut self, cache: &KvCache) -> mlx::Result<usize> {
+        let slot = match self.lens.iter().position(Option::is_none) {
+            Some(slot) => slot,
+            None => {
+                let slot = self.lens.len();
+                self.resize((slot * 2).max(1), self.capacity.max(CAPACITY_STEP))?;
+                slot
+            }
+        };
+        let len = cache.len();
+        self.ensure_capacity(len)?;
+        if len > 0 {
+            let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
+            let (s, n) = (slot as i32, len as i32);
+            for (layer, (k, v)) in self.layers.iter_mut().enumerate() {
+                let (ck, cv) = cache.layer(layer).ok_or_else(|| mlx::Error { op: "kv_batch", message: "admitting a cache with no buffers".into() })?;
+                let valid = |a: &Array| a.slice(&[0, 0, 0, 0], &[1, h, n, d]);
+                *k = k.slice_update(&valid(ck)?, &[s, 0, 0, 0], &[s + 1, h, n, d])?;
+                *v = v.slice_update(&valid(cv)?, &[s, 0, 0, 0], &[s + 1, h, n, d])?;
+            }
+        }
+        self.lens[slot] = Some(len);
+        Ok(slot)
+    }
+
+    /// Frees `slot` and returns its contents as a row cache of their own
+    /// (copied and evaluated now, so nothing keeps the shared buffers alive
+    /// and the next step can still write them in place).
+    pub fn release(&mut self, slot: usize) -> mlx::Result<KvCache> {
+        let len = self.len(slot);
+        let mut cache = KvCache::new(self.n_layers, self.kv_heads, self.head_dim, self.dtype);
+        if len > 0 {
+            let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
+            let (s, n) = (slot as i32, len as i32);
+            let layers = self
+                .layers
+                .iter()
+                .map(|(k, v)| Ok((k.slice(&[s, 0, 0, 0], &[s + 1, h, n, d])?, v.slice(&[s, 0, 0, 0], &[s + 1, h, n, d])?)))
+                .collect::<mlx::Result<Vec<_>>>()?;
+            cache.fill(&layers, len)?;
+            mlx::eval(&cache.buffers())?;
+        }
+        self.forget(slot);
+        Ok(cache)
+    }
+
+    /// Frees `slot`, dropping its contents.
+    pub fn forget(&mut self, slot: usize) {
+        self.lens[slot] = None;
+        if self.occupied() == 0 {
+            // Nothing decoding: give the memory back.
+            self.layers.clear();
+            self.lens.clear();
+            self.capacity = 0;
+        }
+    }
+
+    /// Keeps the first `len` positions of `slot`.
+    pub fn truncate(&mut self, slot: usize, len: usize) {
+        if let Some(l) = &mut self.lens[slot] {
+            *l = (*l).min(len);
+        }
+    }
+
+    /// Makes room for every slot to take `extra` more positions.
+    pub fn reserve(&mut self, extra: usize) -> mlx::Result<()> {
+        let longest = self.lens.iter().flatten().copied().max().unwrap_or(0);
+        self.ensure_capacity(longest + extra)
+    }
+
+    /// Writes one layer's keys and values of a step, `[slots, kv_heads, n,
+    /// head_dim]`, at each slot's current length (`positions`: int32
+    /// `[slots, 1, n, 1]`, from [`write_positions`](Self::write_positions))
+    /// and returns the updated buffers. [`reserve`](Self::reserve)`(n)` must
+    /// come first; [`advance`](Self::advance) commits after the last layer.
+    pub fn write(&mut self, layer: usize, keys: &Array, values: &Array, positions: &Array) -> mlx::Result<(Array, Array)> {
+        let (k, v) = self.layers.get_mut(layer).ok_or_else(|| mlx::Error { op: "kv_batch", message: "write to an empty batch".into() })?;
+        // Replacing the held arrays leaves the graph as the only holder of
+        // the old buffers, so MLX scatters into them in place.
+        *k = k.put_along_axis(positions, keys, 2)?;
+        *v = v.put_along_axis(positions, values, 2)?;
+        Ok((k.clone(), v.clone()))
+    }
+
+    /// Per slot, the positions a step of `n` tokens writes: `len .. len + n`.
+    pub fn write_positions(&self, n: usize) -> mlx::Result<Array> {
+        let pos: Vec<i32> = (0..self.slots()).flat_map(|s| (0..n).map(move |i| (self.len(s) + i) as i32)).collect();
+        Array::from_i32(&pos, &[self.slots(), 1, n, 1])
+    }
+
+    /// The additive attention mask of a step of `n` tokens per slot,
+    /// `[slots, 1, n, capacity]` in the cache dtype: query `i` of a slot sits
+    /// at `len + i` and sees keys up to there.
+    pub fn step_mask(&self, n: usize) -> mlx::Result<Array> {
+        let query = self.write_positions(n)?;
+        let keys = Array::arange(0.0, self.capacity as f64, 1.0, Dtype::I32)?.reshape(&[1, 1, 1, self.capacity as i32])?;
+        let zero = Array::scalar(0.0, self.dtype)?;
+        let blocked = Array::scalar(f32::NEG_INFINITY, self.dtype)?;
+        mlx::where_(&keys.less_equal(&query)?, &zero, &blocked)
+    }
+
+    /// Each slot's length as int32 `[slots]`: the rope offset of its first token.
+    pub fn offsets(&self) -> mlx::Result<Array> {
+        let lens: Vec<i32> = (0..self.slots()).map(|s| self.len(s) as i32).collect();
+        Array::from_i32(&lens, &[lens.len()])
+    }
+
+    /// Commits a step: slot `s` keeps `real[s]` of the positions written.
+    pub fn advance(&mut self, real: &[usize]) {
+        for (len, &n) in self.lens.iter_mut().zip(real) {
+            if let Some(l) = len {
+                *l += n;
+            }
+        }
+    }
+
+    /// The buffers, for evaluating them along with a step's outputs.
+    pub fn buffers(&self) -> Vec<&Array> {
+        self.layers.iter().flat_map(|(k, v)| [k, v]).collect()
+    }
+
+    fn ensure_capacity(&mut self, needed: usize) -> mlx::Result<()> {
+        if needed <= self.capacity {
+            return Ok(());
+        }
+        self.resize(self.lens.len(), needed.div_ceil(CAPACITY_STEP) * CAPACITY_STEP)
+    }
+
+    /// Reallocates every layer as `[slots, .., capacity, ..]`, keeping the
+    /// current contents (slots and capacity only grow).
+    fn resize(&mut self, slots: usize, capacity: usize) -> mlx::Result<()> {
+        let shape = [slots, self.kv_heads, capacity, self.head_dim];
+        let (old_slots, old_cap) = (self.lens.len() as i32, self.capacity as i32);
+        let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
+        let grow = |old: Option<&Array>| -> mlx::Result<Array> {
+            let fresh = Array::zeros(&shape, self.dtype)?;
+            match old {
+                Some(old) if old_slots > 0 && old_cap > 0 => fresh.slice_update(old, &[0, 0, 0, 0], &[old_slots, h, old_cap, d]),
+                _ => Ok(fresh),
+            }
+        };
+        self.layers = if self.layers.is_empty() {
+            (0..self.n_layers).map(|_| Ok((grow(None)?, grow(None)?))).collect::<mlx::Result<_>>()?
+        } else {
+            self.layers.iter().map(|(k, v)| Ok((grow(Some(k))?, grow(Some(v))?))).collect::<mlx::Result<_>>()?
+        };
+        self.lens.resize(slots, None);
+        self.capacity = capacity;
+        Ok(())
+    }
+}
