@@ -102,6 +102,10 @@ impl Default for EngineConfig {
     }
 }
 
+/// Prompts this short are prefilled whole even while streams decode (see
+/// [`Engine::plan`]).
+const SHORT_PROMPT_TOKENS: usize = 64;
+
 /// A row's part in this step.
 struct Scheduled {
     row: usize,
@@ -359,11 +363,14 @@ impl Engine {
         }
         // Prompt tokens ride along only as far as the decoding rows can
         // afford (until the costs are measured, chunks alone bound them).
-        if !plan.is_empty() {
-            if let Some(allowance) = self.step_cost.prefill_allowance(self.config.max_itl_inflation) {
-                budget = budget.min(allowance.max(self.config.min_prefill_chunk));
-            }
-        }
+        // Short prompts are exempt, though they use up the allowance: they
+        // finish in one step, so holding them back would cost their time
+        // to first token more than it spares the running streams (32
+        // streams started together would otherwise start one per step).
+        let mut allowance = match plan.is_empty() {
+            true => None,
+            false => self.step_cost.prefill_allowance(self.config.max_itl_inflation).map(|a| a.max(self.config.min_prefill_chunk)),
+        };
         for &i in &order {
             let row = &self.running[i];
             let remaining = row.prompt_remaining();
@@ -375,7 +382,16 @@ impl Engine {
                 .prefill_chunk
                 .unwrap_or(self.config.prefill_chunk)
                 .clamp(self.config.min_prefill_chunk, self.config.max_prefill_chunk);
-            let tokens = remaining.min(chunk).min(budget);
+            let mut tokens = remaining.min(chunk).min(budget);
+            if let Some(left) = &mut allowance {
+                if remaining > SHORT_PROMPT_TOKENS {
+                    tokens = tokens.min(*left);
+                }
+                *left = left.saturating_sub(tokens);
+            }
+            if tokens == 0 {
+                continue;
+            }
             plan.push((i, Work::Prefill { tokens }));
             budget -= tokens;
         }

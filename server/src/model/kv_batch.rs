@@ -211,3 +211,45 @@ impl KvBatch {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cache_of(len: usize, fill: f32) -> KvCache {
+        let mut cache = KvCache::new(2, 1, 4, Dtype::F32);
+        if len > 0 {
+            let layer = (Array::full(&[1, 1, len, 4], fill, Dtype::F32).unwrap(), Array::full(&[1, 1, len, 4], -fill, Dtype::F32).unwrap());
+            cache.fill(&[layer.clone(), layer], len).unwrap();
+        }
+        cache
+    }
+
+    #[test]
+    fn slots_double_are_reused_and_give_their_contents_back() {
+        mlx::set_default_device(mlx::Device::Cpu).unwrap();
+        let mut kv = KvBatch::new(2, 1, 4, Dtype::F32);
+        let slots: Vec<usize> = (0..3).map(|i| kv.admit(&cache_of(3 + i, i as f32 + 1.0)).unwrap()).collect();
+        assert_eq!(slots, vec![0, 1, 2]);
+        assert_eq!(kv.slots(), 4, "slot counts go 1, 2, 4");
+        assert_eq!((kv.len(1), kv.len(3)), (4, 0));
+
+        // A released slot's cache holds exactly its rows, and the slot is reused.
+        let out = kv.release(1).unwrap();
+        assert_eq!(out.len(), 4);
+        let (k, v) = out.layer(1).unwrap();
+        let k = k.slice(&[0, 0, 0, 0], &[1, 1, 4, 4]).unwrap().to_vec_f32().unwrap();
+        let v = v.slice(&[0, 0, 0, 0], &[1, 1, 4, 4]).unwrap().to_vec_f32().unwrap();
+        assert!(k.iter().all(|&x| x == 2.0) && v.iter().all(|&x| x == -2.0));
+        assert_eq!(kv.admit(&cache_of(2, 9.0)).unwrap(), 1);
+        assert_eq!(kv.occupied(), 3);
+
+        // Rolling back only lowers the length; the last row out frees everything.
+        kv.truncate(0, 1);
+        assert_eq!(kv.len(0), 1);
+        for slot in 0..3 {
+            kv.forget(slot);
+        }
+        assert_eq!((kv.slots(), kv.nbytes()), (0, 0));
+    }
+}
