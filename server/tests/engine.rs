@@ -117,3 +117,41 @@ async fn stop_ids_and_context_limit() {
     let too_long = request(vec![1; 10], engine.info().context_length);
     assert!(engine.submit(too_long).is_err());
 }
+
+/// Admission holds requests back while the KV they may grow to would pass
+/// the budget: with per-row caches the rows' sum; batched, slots (a power
+/// of two) as long as the longest row. A request that can never fit gets a
+/// clear error, and the engine carries on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_budget_bounds_running_rows_in_both_layouts() {
+    let probe = start(EngineConfig::default());
+    let block_bytes = probe.info().kv_bytes_per_token * tether::model::KV_CAPACITY_STEP;
+    probe.shutdown_and_join();
+    let prompt = prompts().remove(0);
+    // Each request fits one cache block; the budget holds three.
+    let max_tokens = 24;
+    assert!(prompt.len() + max_tokens <= tether::model::KV_CAPACITY_STEP);
+    for (kv_layout, limit) in [(KvLayout::Rows, 3), (KvLayout::Batched, 2)] {
+        let engine = start(EngineConfig { kv_budget_bytes: 3 * block_bytes, kv_layout, ..Default::default() });
+        let handles: Vec<_> = (0..4)
+            .map(|_| tokio::spawn(collect(engine.submit(request(prompt.clone(), max_tokens)).unwrap().1)))
+            .collect();
+        let mut most = 0;
+        while !handles.iter().all(|h| h.is_finished()) {
+            most = most.max(engine.stats().await.unwrap().running);
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        for h in handles {
+            assert_eq!(h.await.unwrap().1, Some(Finish::Length));
+        }
+        assert_eq!(most, limit, "{kv_layout:?}: rows running at once");
+
+        let (_, mut rx) = engine.submit(request(prompt.clone(), 3 * tether::model::KV_CAPACITY_STEP)).unwrap();
+        match rx.recv().await {
+            Some(EngineEvent::Failed { message }) => assert!(message.contains("budget"), "{message}"),
+            other => panic!("a request over the budget must fail, got {other:?}"),
+        }
+        let (again, _) = collect(engine.submit(request(prompt.clone(), 4)).unwrap().1).await;
+        assert_eq!(again.len(), 4);
+    }
+}

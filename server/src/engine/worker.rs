@@ -286,6 +286,20 @@ impl Engine {
         tokens * self.kv_bytes_per_token
     }
 
+    /// KV bytes `requests` can grow to together. Batched, every slot is as
+    /// long as the longest row and slots come in powers of two, so that is
+    /// what they may take, however short the other rows are.
+    fn kv_reservation<'r>(&self, requests: impl Iterator<Item = &'r SubmitRequest>) -> usize {
+        let (count, sum, longest) = requests.fold((0usize, 0usize, 0usize), |(n, sum, max), r| {
+            let bytes = self.reserved_bytes(r);
+            (n + 1, sum + bytes, max.max(bytes))
+        });
+        match self.batch {
+            Some(_) => longest * count.next_power_of_two(),
+            None => sum,
+        }
+    }
+
     fn cancel(&mut self, id: RequestId) {
         if let Some(pos) = self.running.iter().position(|r| r.id == id) {
             let row = self.take_row(pos, false);
@@ -313,8 +327,8 @@ impl Engine {
                 self.waiting.pop_front();
                 continue;
             }
-            let reserved: usize = self.running.iter().map(|r| self.reserved_bytes(&r.request)).sum();
-            if reserved + self.reserved_bytes(&front.request) > self.config.kv_budget_bytes {
+            let requests = self.running.iter().map(|r| &r.request).chain(std::iter::once(&front.request));
+            if self.kv_reservation(requests) > self.config.kv_budget_bytes {
                 break;
             }
             let w = self.waiting.pop_front().expect("front exists");
