@@ -6,6 +6,7 @@
 //! never waits on a consumer: a request whose channel is full is paused (not
 //! scheduled) until it drains. Tokenization and detokenization stay at the
 //! edge, so this thread does nothing but numerics and scheduling.
+mod config;
 mod pool;
 mod prefix;
 mod row;
@@ -23,7 +24,7 @@ use crate::sample::SamplingParams;
 
 pub use pool::EnginePool;
 pub use prefix::{PrefixStats, Scope};
-pub use worker::{EngineConfig, KvLayout};
+pub use config::{EngineConfig, KvLayout};
 
 /// An engine-assigned request id (unique per engine).
 pub type RequestId = u64;

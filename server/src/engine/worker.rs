@@ -13,94 +13,10 @@ use super::prefix::PrefixCache;
 use super::speculate::{self, DraftModel, DraftRow, Proposal};
 use super::step_cost::StepCost;
 use super::row::{logprobs_of, Row, Work};
+use super::config::EngineConfig;
 use super::{Command, EngineEvent, EngineModelInfo, EngineStats, Finish, RequestId, SubmitRequest};
 use crate::loaded::LoadedModel;
 use crate::model::{BatchedRows, KvBatch, RowInput, Transformer};
-
-#[derive(Clone, Debug)]
-pub struct EngineConfig {
-    /// Rows decoding or prefilling at once.
-    pub max_running: usize,
-    /// Requests waiting for a row; more are refused as overloaded.
-    pub max_waiting: usize,
-    /// Tokens (decode + prefill) per engine step.
-    pub step_token_budget: usize,
-    /// Default prompt tokens per prefill chunk, and the range a request may ask for.
-    pub prefill_chunk: usize,
-    pub min_prefill_chunk: usize,
-    pub max_prefill_chunk: usize,
-    /// Capacity of each request's event channel.
-    pub event_buffer: usize,
-    /// KV cache bytes all running rows may reserve together.
-    pub kv_budget_bytes: usize,
-    /// Run the prefix cache's maintenance and return MLX's cached buffers
-    /// to the system every this many steps.
-    pub reclaim_every_steps: u64,
-    /// KV bytes the prefix cache may hold.
-    pub prefix_cache_bytes: usize,
-    /// Tokens per prefix-cache block (the granularity of matches).
-    pub prefix_block_tokens: usize,
-    /// Draft tokens (all rows together) one step may verify, within the
-    /// step's token budget: drafts are speculative work and must not crowd
-    /// out prefill of waiting requests.
-    pub step_draft_budget: usize,
-    /// A small model sharing the tokenizer, for requests that draft with one.
-    pub draft_model: Option<speculate::DraftModelSpec>,
-    /// Where decoding rows keep their KV caches.
-    pub kv_layout: KvLayout,
-    /// While rows are decoding, a step carries only as many prompt tokens
-    /// as keep it within this multiple of a decode-only step (measured as
-    /// the engine runs, see [`super::step_cost`]), so a long prompt joining
-    /// does not stall the streams; at most 1 turns the limit off.
-    pub max_itl_inflation: f64,
-}
-
-/// Where decoding rows keep their KV caches (prefilling rows always use
-/// their own, see [`crate::model::KvCache`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum KvLayout {
-    /// Batched on a GPU, per row on the CPU.
-    Auto,
-    /// Each row its own cache, attention row by row: on the CPU the fused
-    /// attention kernel already covers every row in one op.
-    Rows,
-    /// Slots of one shared buffer, attention for all rows in one op per
-    /// layer ([`crate::model::KvBatch`]): a GPU step is bound by kernel
-    /// launches, and this keeps their count independent of the batch.
-    Batched,
-}
-
-impl KvLayout {
-    fn batched_on(self, device: mlx::Device) -> bool {
-        match self {
-            KvLayout::Auto => device == mlx::Device::Gpu,
-            KvLayout::Rows => false,
-            KvLayout::Batched => true,
-        }
-    }
-}
-
-impl Default for EngineConfig {
-    fn default() -> Self {
-        EngineConfig {
-            max_running: 32,
-            max_waiting: 256,
-            step_token_budget: 512,
-            prefill_chunk: 256,
-            min_prefill_chunk: 16,
-            max_prefill_chunk: 2048,
-            event_buffer: 64,
-            kv_budget_bytes: 4 << 30,
-            reclaim_every_steps: 256,
-            prefix_cache_bytes: 1 << 30,
-            prefix_block_tokens: 16,
-            step_draft_budget: 64,
-            draft_model: None,
-            kv_layout: KvLayout::Auto,
-            max_itl_inflation: 1.5,
-        }
-    }
-}
 
 /// Prompts this short are prefilled whole even while streams decode (see
 /// [`Engine::plan`]).
@@ -147,7 +63,7 @@ struct Engine {
     rotate: usize,
     prefix: PrefixCache,
     draft: Option<DraftModel>,
-    /// Decoding rows' KV caches, when they are batched (see [`KvLayout`]).
+    /// Decoding rows' KV caches, when they are batched (see [`super::KvLayout`]).
     batch: Option<KvBatch>,
     step_cost: StepCost,
 }
