@@ -218,8 +218,7 @@ impl Engine {
 
     fn cancel(&mut self, id: RequestId) {
         if let Some(pos) = self.running.iter().position(|r| r.id == id) {
-            let row = self.take_row(pos, false);
-            self.finish(row, Finish::Cancelled);
+            self.finish(pos, Finish::Cancelled);
         } else if let Some(pos) = self.waiting.iter().position(|w| w.id == id) {
             let w = self.waiting.remove(pos).expect("position is valid");
             let event = EngineEvent::Finished(super::FinishInfo {
@@ -454,9 +453,7 @@ impl Engine {
         }
         finished.sort_by(|a, b| b.0.cmp(&a.0));
         for (i, reason) in finished {
-            let keep_cache = reason != Finish::Cancelled && self.running[i].request.cache_scope.is_some();
-            let row = self.take_row(i, keep_cache);
-            self.finish(row, reason);
+            self.finish(i, reason);
         }
         self.batch_new_decoders()?;
         let micros = |from: Instant, to: Instant| to.duration_since(from).as_micros() as u64;
@@ -607,10 +604,12 @@ impl Engine {
         }
     }
 
-    fn finish(&mut self, row: Row, reason: Finish) {
+    /// Ends running row `i` with `reason` and tells its consumer.
+    fn finish(&mut self, i: usize, reason: Finish) {
+        let scope = self.running[i].request.cache_scope.clone().filter(|_| reason != Finish::Cancelled);
+        let row = self.take_row(i, scope.is_some());
         let event = row.final_event(reason);
         let events = row.events.clone();
-        let scope = row.request.cache_scope.clone().filter(|_| reason != Finish::Cancelled);
         if let Some(scope) = scope {
             // A finished turn's state goes back for the session's next turn;
             // a cancelled one is freed, as the client asked.

@@ -19,7 +19,7 @@
 //! just lowering `len`.
 use mlx::{Array, Dtype};
 
-use super::kv_cache::{KvCache, CAPACITY_STEP};
+use super::kv_cache::{zeros_keeping, KvCache, CAPACITY_STEP};
 
 pub struct KvBatch {
     /// Per layer (keys, values), `[slots, kv_heads, capacity, head_dim]`;
@@ -150,15 +150,14 @@ impl KvBatch {
         Array::from_i32(&pos, &[self.slots(), 1, n, 1])
     }
 
-    /// The additive attention mask of a step of `n` tokens per slot,
-    /// `[slots, 1, n, capacity]` in the cache dtype: query `i` of a slot sits
-    /// at `len + i` and sees keys up to there.
-    pub fn step_mask(&self, n: usize) -> mlx::Result<Array> {
-        let query = self.write_positions(n)?;
+    /// The additive attention mask of a step, `[slots, 1, n, capacity]` in
+    /// the cache dtype, from its [`write_positions`](Self::write_positions):
+    /// query `i` of a slot sits at `len + i` and sees keys up to there.
+    pub fn step_mask(&self, query: &Array) -> mlx::Result<Array> {
         let keys = Array::arange(0.0, self.capacity as f64, 1.0, Dtype::I32)?.reshape(&[1, 1, 1, self.capacity as i32])?;
         let zero = Array::scalar(0.0, self.dtype)?;
         let blocked = Array::scalar(f32::NEG_INFINITY, self.dtype)?;
-        mlx::where_(&keys.less_equal(&query)?, &zero, &blocked)
+        mlx::where_(&keys.less_equal(query)?, &zero, &blocked)
     }
 
     /// Each slot's length as int32 `[slots]`: the rope offset of its first token.
@@ -192,15 +191,8 @@ impl KvBatch {
     /// current contents (slots and capacity only grow).
     fn resize(&mut self, slots: usize, capacity: usize) -> mlx::Result<()> {
         let shape = [slots, self.kv_heads, capacity, self.head_dim];
-        let (old_slots, old_cap) = (self.lens.len() as i32, self.capacity as i32);
-        let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
-        let grow = |old: Option<&Array>| -> mlx::Result<Array> {
-            let fresh = Array::zeros(&shape, self.dtype)?;
-            match old {
-                Some(old) if old_slots > 0 && old_cap > 0 => fresh.slice_update(old, &[0, 0, 0, 0], &[old_slots, h, old_cap, d]),
-                _ => Ok(fresh),
-            }
-        };
+        let keep = [self.lens.len(), self.kv_heads, self.capacity, self.head_dim];
+        let grow = |old: Option<&Array>| zeros_keeping(&shape, self.dtype, old, keep);
         self.layers = if self.layers.is_empty() {
             (0..self.n_layers).map(|_| Ok((grow(None)?, grow(None)?))).collect::<mlx::Result<_>>()?
         } else {

@@ -11,6 +11,20 @@ use mlx::{Array, Dtype};
 /// Capacity grows in multiples of this many tokens.
 pub const CAPACITY_STEP: usize = 256;
 
+/// A zeroed 4-d buffer of `shape` holding a copy of `old`'s leading
+/// `keep` region (`[..keep[0], ..keep[1], ..]`), or nothing when there is
+/// no `old` or the region is empty: how KV buffers grow.
+pub(super) fn zeros_keeping(shape: &[usize; 4], dtype: Dtype, old: Option<&Array>, keep: [usize; 4]) -> mlx::Result<Array> {
+    let fresh = Array::zeros(shape, dtype)?;
+    match old {
+        Some(old) if keep.iter().all(|&k| k > 0) => {
+            let stop = keep.map(|k| k as i32);
+            fresh.slice_update(&old.slice(&[0; 4], &stop)?, &[0; 4], &stop)
+        }
+        _ => Ok(fresh),
+    }
+}
+
 /// Cloning shares every buffer (MLX arrays are reference-counted values): a
 /// clone is a copy-on-write snapshot, and the first write to either side
 /// copies that layer's buffer because it is no longer uniquely held.
@@ -56,17 +70,9 @@ impl KvCache {
         }
         let new_cap = needed.div_ceil(CAPACITY_STEP) * CAPACITY_STEP;
         let shape = [1, self.kv_heads, new_cap, self.head_dim];
+        let keep = [1, self.kv_heads, self.len, self.head_dim];
         for layer in &mut self.layers {
-            let fresh = |old: Option<&Array>| -> mlx::Result<Array> {
-                let buf = Array::zeros(&shape, self.dtype)?;
-                match old {
-                    Some(old) if self.len > 0 => {
-                        let kept = old.slice(&[0, 0, 0, 0], &[1, self.kv_heads as i32, self.len as i32, self.head_dim as i32])?;
-                        buf.slice_update(&kept, &[0, 0, 0, 0], &[1, self.kv_heads as i32, self.len as i32, self.head_dim as i32])
-                    }
-                    _ => Ok(buf),
-                }
-            };
+            let fresh = |old: Option<&Array>| zeros_keeping(&shape, self.dtype, old, keep);
             let (k, v) = match layer.take() {
                 Some((k, v)) => (fresh(Some(&k))?, fresh(Some(&v))?),
                 None => (fresh(None)?, fresh(None)?),

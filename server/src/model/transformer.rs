@@ -242,7 +242,9 @@ impl BatchStep {
             return Err(mlx::Error { op: "forward", message: format!("bad batched rows: ids {:?} for {slots} slots, real {:?}", b.ids.shape(), b.real) });
         }
         b.kv.reserve(n)?;
-        Ok(BatchStep { slots, n, positions: b.kv.write_positions(n)?, mask: b.kv.step_mask(n)?, offsets: b.kv.offsets()? })
+        let positions = b.kv.write_positions(n)?;
+        let mask = b.kv.step_mask(&positions)?;
+        Ok(BatchStep { slots, n, positions, mask, offsets: b.kv.offsets()? })
     }
 }
 
