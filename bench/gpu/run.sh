@@ -13,10 +13,14 @@
 # MODE=serving: bench/load.py's decode (1, 8, 32 streams) and admit (ITL
 # while a 2,000-token prompt joins) workloads against `tether serve` and
 # mlx_lm.server on the 1.5B-shaped bf16 checkpoint.
-# MODE=spec: the speculative-decoding benchmark (code-edit workload, 1 and 8
-# streams, speculation off vs echo) on real weights: SmolLM2-135M's GGUF,
-# reassembled from $KEEP/smol_part_* (random weights would make acceptance
-# meaningless).
+# MODE=spec: the speculative-decoding benchmark (code-edit and FIM
+# workloads, 1 and 8 streams, speculation off vs echo) on real weights, in
+# bfloat16 and float32: Qwen2.5-Coder-0.5B's GGUF reassembled from
+# $KEEP/qwen05_part_*, else SmolLM2-135M's from $KEEP/smol_part_* (edit
+# only; random weights would make acceptance meaningless).
+# SERVE_SWEEP (with MODE=serving or agent): Tether alone, one server per
+# `;`-separated set of extra `serve` flags, e.g.
+# SERVE_SWEEP="--max-itl-inflation 1 --prefill-chunk 32;--max-itl-inflation 1 --prefill-chunk 128".
 # MODE=profile: engine step phases (host vs device) at 1 and 8 streams, and
 # the plain decode loop, with CUDA graphs on and off (SmolLM2-135M GGUF).
 # MODE=agent: the 12-turn agent workload of bench/load.py (WORKLOAD=agent in
@@ -57,9 +61,21 @@ if [ "${MODE:-decode}" = profile ]; then
   exit 0
 fi
 if [ "${MODE:-decode}" = spec ]; then
-  smol=/opt/models/SmolLM2-135M-Instruct.Q4_1.gguf
-  [ -f "$smol" ] || cat "$KEEP"/smol_part_* > "$smol"
-  "$TETHER_BIN" bench --model "$smol" --device gpu --speculation-streams 1,8 2>>"$OUT/tether.log" | tee -a "$OUT/results.jsonl"
+  # Qwen2.5-Coder-0.5B (the CPU runs' model, with FIM tokens: edit and FIM
+  # workloads) when its parts are in $KEEP, else SmolLM2-135M (edit only).
+  # bfloat16 (the GPU default: speed) and float32 (outputs must match).
+  : > "$OUT/results.jsonl"
+  if ls "$KEEP"/qwen05_part_* >/dev/null 2>&1; then
+    model=/opt/models/Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf
+    [ -f "$model" ] || cat "$KEEP"/qwen05_part_* > "$model"
+  else
+    model=/opt/models/SmolLM2-135M-Instruct.Q4_1.gguf
+    [ -f "$model" ] || cat "$KEEP"/smol_part_* > "$model"
+  fi
+  for dtype in ${DTYPES:-bf16 f32}; do
+    "$TETHER_BIN" bench --model "$model" --device gpu --dtype "$dtype" --speculation-streams 1,8 --max-draft "${MAX_DRAFT:-15}" 2>>"$OUT/tether.log" \
+      | sed "s/^{/{\"model\":\"$(basename "$model" .gguf)\",\"dtype\":\"$dtype\",/" | tee -a "$OUT/results.jsonl"
+  done
   exit 0
 fi
 
@@ -81,12 +97,19 @@ if [ "${MODE:-decode}" = agent ] || [ "${MODE:-decode}" = serving ]; then
   [ "$MODE" = serving ] && workloads=decode,admit
   dir=/opt/models/qwen2.5-1.5b-bf16
   port_of() { sed -n 's#.*listening on http://127\.0\.0\.1:\([0-9]*\).*#\1#p' "$1" | head -1; }
-  "$TETHER_BIN" serve --model "$dir" --device gpu --host 127.0.0.1 --port 0 >"$OUT/tether-serve.log" 2>&1 &
-  pid=$!
-  for _ in $(seq 240); do port=$(port_of "$OUT/tether-serve.log"); [ -n "$port" ] && break; sleep 0.5; done
-  "$PY" "$here/../load.py" --engine tether --url "http://127.0.0.1:$port" --workloads $workloads --model-dir "$dir" \
-    --label qwen2.5-1.5b-bf16 --out "$OUT/results.jsonl" --build gpu $LOAD_ARGS || echo "tether $MODE run failed" >&2
-  kill $pid; wait $pid 2>/dev/null || true
+  # SERVE_SWEEP: one tether server per setting (extra `serve` flags, `;`-separated), tether only.
+  IFS=';' read -ra settings <<< "${SERVE_SWEEP:-}"
+  [ ${#settings[@]} -gt 0 ] || settings=("")
+  for setting in "${settings[@]}"; do
+    # shellcheck disable=SC2086
+    "$TETHER_BIN" serve --model "$dir" --device gpu --host 127.0.0.1 --port 0 $setting >"$OUT/tether-serve.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 240); do port=$(port_of "$OUT/tether-serve.log"); [ -n "$port" ] && break; sleep 0.5; done
+    "$PY" "$here/../load.py" --engine tether --url "http://127.0.0.1:$port" --workloads $workloads --model-dir "$dir" \
+      --label "qwen2.5-1.5b-bf16${setting:+ $setting}" --out "$OUT/results.jsonl" --build gpu $LOAD_ARGS || echo "tether $MODE run failed" >&2
+    kill $pid; wait $pid 2>/dev/null || true
+  done
+  [ -z "${SERVE_SWEEP:-}" ] || { "$PY" "$here/../load.py" --report "$OUT/results.jsonl"; exit 0; }
   "$PY" -m mlx_lm server --model "$dir" --host 127.0.0.1 --port 8181 >"$OUT/mlx-lm-serve.log" 2>&1 &
   pid=$!
   for _ in $(seq 360); do curl -sf -m 2 -o /dev/null http://127.0.0.1:8181/health && break; sleep 0.5; done

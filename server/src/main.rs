@@ -53,8 +53,10 @@ struct ServeArgs {
     model: ModelArgs,
     /// Default draft source for requests that do not choose one: `echo`
     /// (prompt lookup), `draft_model` (needs --draft-model), `off`, or
-    /// `auto`: echo on the CPU, off on a GPU (there every new verification
-    /// shape costs MLX a kernel build; see the README's Performance).
+    /// `auto`: echo on the CPU, off on a GPU, where requests opt in: in
+    /// bfloat16 a verification forward rounds differently from one-token
+    /// decoding, so outputs can differ from speculation off, and prompt
+    /// lookup gains little outside edits (see the README's Performance).
     #[arg(long, default_value = "auto")]
     speculation: String,
     /// A small model sharing --model's tokenizer that drafts for it, for
@@ -204,6 +206,20 @@ struct ModelArgs {
     /// Default: quantized.
     #[arg(long)]
     weights: Option<String>,
+    /// Activations, KV cache and dense weights: float32 (the CPU's default)
+    /// or bfloat16/float16 (the GPU's default is bfloat16). float32 on a GPU
+    /// makes batched and speculative outputs match one-token decoding.
+    #[arg(long, value_enum, default_value = "auto")]
+    dtype: DtypeArg,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum DtypeArg {
+    /// float32 on the CPU, bfloat16 on a GPU.
+    Auto,
+    F32,
+    Bf16,
+    F16,
 }
 
 #[derive(Args)]
@@ -323,6 +339,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 fn load_options(args: &ModelArgs) -> anyhow::Result<LoadOptions> {
     let device = pick_device(args)?;
     let mut opts = LoadOptions::for_device(device);
+    match args.dtype {
+        DtypeArg::Auto => {}
+        DtypeArg::F32 => opts.dtype = mlx::Dtype::F32,
+        DtypeArg::Bf16 => opts.dtype = mlx::Dtype::BF16,
+        DtypeArg::F16 => opts.dtype = mlx::Dtype::F16,
+    }
     if let Some(w) = &args.weights {
         opts.weights = WeightFormat::parse(w).ok_or_else(|| anyhow::anyhow!("--weights must be `dense` or `quantized`, got {w:?}"))?;
     }

@@ -73,6 +73,12 @@ pub struct SpecComparison {
     pub speedup: f64,
     pub tokens_per_forward: f64,
     pub outputs_equal: bool,
+    /// Streams whose output matched speculation off token for token.
+    pub equal_streams: usize,
+    /// Where the earliest mismatch came, in generated tokens (None: none
+    /// did). In bfloat16 a verification forward of several tokens rounds
+    /// differently from one-token decoding, so near-ties can flip.
+    pub first_mismatch_at: Option<usize>,
 }
 
 /// The prompts of `streams` concurrent requests of `workload`.
@@ -158,6 +164,11 @@ pub fn run(engine: &EngineHandle, tok: &TextTokenizer, workload: Workload, promp
     })
 }
 
+/// The index of the first token where `a` and `b` differ, if they do.
+fn first_mismatch(a: &[u32], b: &[u32]) -> Option<usize> {
+    (a != b).then(|| a.iter().zip(b).take_while(|(x, y)| x == y).count())
+}
+
 /// Off, then each of `sources`, for each workload and stream count; prints
 /// one JSON line per run and per comparison with off.
 pub fn run_all(
@@ -184,6 +195,8 @@ pub fn run_all(
                     speedup: off.wall_s / on.wall_s,
                     tokens_per_forward: on.tokens_per_forward,
                     outputs_equal: off.outputs == on.outputs,
+                    equal_streams: off.outputs.iter().zip(&on.outputs).filter(|(a, b)| a == b).count(),
+                    first_mismatch_at: off.outputs.iter().zip(&on.outputs).filter_map(|(a, b)| first_mismatch(a, b)).min(),
                 };
                 println!("{}", serde_json::to_string(&cmp)?);
             }

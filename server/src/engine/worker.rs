@@ -66,6 +66,8 @@ struct Engine {
     /// Decoding rows' KV caches, when they are batched (see [`super::KvLayout`]).
     batch: Option<KvBatch>,
     step_cost: StepCost,
+    /// `TETHER_TRACE_STEPS=1`: log every step's rows, tokens and time.
+    trace_steps: bool,
 }
 
 pub(super) fn run<F>(config: EngineConfig, load: F, rx: Receiver<Command>, info_tx: Sender<anyhow::Result<EngineModelInfo>>)
@@ -118,6 +120,7 @@ where
         draft,
         batch,
         step_cost: StepCost::default(),
+        trace_steps: std::env::var("TETHER_TRACE_STEPS").is_ok_and(|v| v == "1"),
         config,
         model: model.transformer,
         kv_bytes_per_token,
@@ -298,7 +301,7 @@ impl Engine {
         // streams started together would otherwise start one per step).
         let mut allowance = match plan.is_empty() {
             true => None,
-            false => self.step_cost.prefill_allowance(self.config.max_itl_inflation).map(|a| a.max(self.config.min_prefill_chunk)),
+            false => self.step_cost.prefill_allowance(self.config.max_itl_inflation, self.config.min_prefill_chunk),
         };
         for &i in &order {
             let row = &self.running[i];
@@ -457,7 +460,13 @@ impl Engine {
         }
         self.batch_new_decoders()?;
         let micros = |from: Instant, to: Instant| to.duration_since(from).as_micros() as u64;
-        self.step_cost.record(decode_rows, prefill_tokens, started.elapsed().as_secs_f64());
+        let seconds = started.elapsed().as_secs_f64();
+        self.step_cost.record(decode_rows, prefill_tokens, seconds, self.config.max_itl_inflation);
+        if self.trace_steps {
+            // One line per step, for tuning the prefill allowance on a new machine.
+            let next = self.step_cost.prefill_allowance(self.config.max_itl_inflation, self.config.min_prefill_chunk);
+            eprintln!("[step] decode_rows={decode_rows} prefill_tokens={prefill_tokens} ms={:.2} next_allowance={next:?}", seconds * 1e3);
+        }
         let times = &mut self.stats.step_time;
         times.build_us += micros(started, built);
         times.eval_us += micros(built, evaluated);
