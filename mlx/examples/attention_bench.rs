@@ -4,8 +4,9 @@
 //! the slicing and transposes a batched step needs around it).
 //! Best of N, interleaved, since the machine is shared.
 //! Run: cargo run --release -p tether-mlx --example attention_bench
-use std::time::Instant;
+mod common;
 
+use common::best_ms;
 use mlx::fast::{self, AttentionRow, Mask};
 use mlx::Array;
 
@@ -25,16 +26,6 @@ fn random(shape: &[usize], seed: u64) -> Array {
     a
 }
 
-/// Best wall time of `f` (built and evaluated) over `iters` runs, in ms.
-fn best_ms(iters: usize, f: &mut dyn FnMut() -> Array) -> f64 {
-    (0..iters)
-        .map(|_| {
-            let t = Instant::now();
-            f().eval().unwrap();
-            t.elapsed().as_secs_f64() * 1e3
-        })
-        .fold(f64::INFINITY, f64::min)
-}
 
 /// `rows` of (n, kv_len): times MLX (per-row sdpa + layout ops + concat) and
 /// the fused kernel, alternating, and prints both and their ratio.

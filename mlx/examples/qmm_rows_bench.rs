@@ -4,20 +4,11 @@
 //! compute-bound tiled path is from the machine's GEMM. Prints GFLOP/s.
 //! Best of N, interleaved, since the machine is shared.
 //! Run: cargo run --release -p tether-mlx --example qmm_rows_bench
-use std::time::Instant;
+mod common;
 
+use common::best_ms;
 use mlx::{Array, Dtype};
 
-fn best_ms(iters: usize, f: &mut dyn FnMut() -> Array) -> f64 {
-    f().eval().unwrap();
-    (0..iters)
-        .map(|_| {
-            let t = Instant::now();
-            f().eval().unwrap();
-            t.elapsed().as_secs_f64() * 1e3
-        })
-        .fold(f64::INFINITY, f64::min)
-}
 
 fn main() {
     mlx::set_default_device(mlx::Device::Cpu).unwrap();
