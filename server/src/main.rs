@@ -157,6 +157,9 @@ struct BenchArgs {
     /// Draft tokens (all rows together) one engine step may verify.
     #[arg(long, default_value_t = EngineConfig::default().step_draft_budget)]
     step_draft_budget: usize,
+    /// Default prompt tokens per prefill chunk (the server's --prefill-chunk).
+    #[arg(long, default_value_t = EngineConfig::default().prefill_chunk)]
+    prefill_chunk: usize,
     /// With --turns: run only the session with the prefix cache on.
     #[arg(long)]
     cached_only: bool,
@@ -297,12 +300,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Generate(args) => run_generate(args),
         Command::Serve(args) => run_serve(args),
         Command::Bench(args) if !args.speculation_streams.is_empty() => {
-            let config = EngineConfig {
-                draft_model: draft_model_spec(&args.model, args.draft_model.as_deref())?,
-                step_draft_budget: args.step_draft_budget,
-                kv_layout: args.kv_layout.layout(),
-                ..EngineConfig::default()
-            };
+            let config = EngineConfig { draft_model: draft_model_spec(&args.model, args.draft_model.as_deref())?, ..bench_engine_config(&args) };
             let mut sources = vec![DraftKind::Echo];
             sources.extend(config.draft_model.is_some().then_some(DraftKind::Model));
             let (engine, tokenizer) = start_engine(&args.model, config)?;
@@ -310,7 +308,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             tether::spec_bench::run_all(&engine, &tokenizer, fim.as_ref(), &args.speculation_streams, &sources, args.max_draft)
         }
         Command::Bench(args) if args.turns > 0 => {
-            let (engine, tokenizer) = start_engine(&args.model, EngineConfig { kv_layout: args.kv_layout.layout(), ..EngineConfig::default() })?;
+            let (engine, tokenizer) = start_engine(&args.model, bench_engine_config(&args))?;
             for cache in [true, false].into_iter().filter(|&c| c || !args.cached_only) {
                 for turn in tether::bench::run_agent_bench(&engine, &tokenizer, args.turns, args.prompt_tokens, args.gen_tokens, cache)? {
                     println!("{}", serde_json::to_string(&turn)?);
@@ -319,7 +317,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Bench(args) if args.streams > 0 => {
-            let (engine, tokenizer) = start_engine(&args.model, EngineConfig { kv_layout: args.kv_layout.layout(), ..EngineConfig::default() })?;
+            let (engine, tokenizer) = start_engine(&args.model, bench_engine_config(&args))?;
             let prompt = tether::bench::prompt_tokens_with(&tokenizer, args.prompt_tokens)?;
             for streams in [1, args.streams] {
                 let r = tether::bench::run_streams_bench(&engine, &args.model.model, prompt.clone(), streams, args.gen_tokens)?;
@@ -333,6 +331,17 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             println!("{}", serde_json::to_string(&result)?);
             Ok(())
         }
+    }
+}
+
+/// The engine a benchmark runs: the server's defaults but for what the
+/// benchmark's flags set.
+fn bench_engine_config(args: &BenchArgs) -> EngineConfig {
+    EngineConfig {
+        step_draft_budget: args.step_draft_budget,
+        kv_layout: args.kv_layout.layout(),
+        prefill_chunk: args.prefill_chunk,
+        ..EngineConfig::default()
     }
 }
 
