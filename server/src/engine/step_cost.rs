@@ -27,8 +27,12 @@ const GROW_BELOW: f64 = 0.75;
 /// throw away what was learned.
 const MOST_SHRINK: f64 = 0.5;
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct StepCost {
+    /// Target time of a mixed step over a decode-only step; at most 1: no limit.
+    inflation: f64,
+    /// Fewest prompt tokens a mixed step carries, so a prompt always moves.
+    floor: usize,
     /// Decayed average of decode-only steps' seconds.
     decode_s: Option<f64>,
     /// Seconds per prompt token of the latest prefill-only step, whole
@@ -41,18 +45,22 @@ pub(super) struct StepCost {
 }
 
 impl StepCost {
+    pub fn new(inflation: f64, floor: usize) -> StepCost {
+        StepCost { inflation, floor, decode_s: None, prefill_only_token_s: None, allowance: None }
+    }
+
     /// Records a step that ran `decode_rows` decoding rows and
     /// `prefill_tokens` prompt tokens in `seconds`, steering the allowance
     /// toward steps of `inflation` times a decode-only step.
-    pub fn record(&mut self, decode_rows: usize, prefill_tokens: usize, seconds: f64, inflation: f64) {
+    pub fn record(&mut self, decode_rows: usize, prefill_tokens: usize, seconds: f64) {
         let tokens = prefill_tokens as f64;
         match (decode_rows, prefill_tokens, self.decode_s) {
             (0, 0, _) => {}
             (_, 0, d) => self.decode_s = Some(d.map_or(seconds, |d| DECAY * d + (1.0 - DECAY) * seconds)),
             (0, _, _) => self.prefill_only_token_s = Some(seconds / tokens),
             (_, _, Some(decode)) => {
-                let target = inflation * decode;
-                let current = self.allowance.or_else(|| self.first_guess(inflation)).unwrap_or(tokens);
+                let target = self.inflation * decode;
+                let current = self.allowance.or_else(|| self.first_guess()).unwrap_or(tokens);
                 self.allowance = Some(if seconds <= target {
                     // Grow only from steps the allowance limited (a short
                     // last chunk says nothing about larger ones) that left
@@ -72,19 +80,19 @@ impl StepCost {
 
     /// Before any mixed step: the margin over a decode step, spent at the
     /// per-token cost of a prefill-only step.
-    fn first_guess(&self, inflation: f64) -> Option<f64> {
-        Some((inflation - 1.0).max(0.0) * self.decode_s? / self.prefill_only_token_s?)
+    fn first_guess(&self) -> Option<f64> {
+        Some((self.inflation - 1.0).max(0.0) * self.decode_s? / self.prefill_only_token_s?)
     }
 
     /// Prompt tokens the next step with decoding rows may carry (at least
-    /// `floor`); `None` while nothing has been measured, or when
-    /// `inflation` is not above 1 (no limit).
-    pub fn prefill_allowance(&self, inflation: f64, floor: usize) -> Option<usize> {
-        if inflation <= 1.0 {
+    /// the floor); `None` while nothing has been measured, or when the
+    /// inflation is not above 1 (no limit).
+    pub fn prefill_allowance(&self) -> Option<usize> {
+        if self.inflation <= 1.0 {
             return None;
         }
-        let tokens = self.allowance.or_else(|| self.first_guess(inflation))?;
-        Some((tokens.floor().min(usize::MAX as f64 / 4.0) as usize).max(floor))
+        let tokens = self.allowance.or_else(|| self.first_guess())?;
+        Some((tokens.floor().min(usize::MAX as f64 / 4.0) as usize).max(self.floor))
     }
 }
 
@@ -94,21 +102,21 @@ mod tests {
 
     /// Drives the engine's loop against a machine whose mixed steps take
     /// `decode + fixed + per_token * tokens` seconds; returns the allowances chosen.
-    fn drive(cost: &mut StepCost, decode: f64, fixed: f64, per_token: f64, inflation: f64, steps: usize) -> Vec<usize> {
+    fn drive(cost: &mut StepCost, decode: f64, fixed: f64, per_token: f64, steps: usize) -> Vec<usize> {
         let mut chosen = Vec::new();
         for _ in 0..steps {
-            let t = cost.prefill_allowance(inflation, 16).unwrap();
+            let t = cost.prefill_allowance().unwrap();
             chosen.push(t);
-            cost.record(8, t, decode + fixed + per_token * t as f64, inflation);
-            cost.record(8, 0, decode, inflation);
+            cost.record(8, t, decode + fixed + per_token * t as f64);
+            cost.record(8, 0, decode);
         }
         chosen
     }
 
     fn started(decode: f64, per_token: f64, inflation: f64) -> StepCost {
-        let mut cost = StepCost::default();
-        cost.record(8, 0, decode, inflation);
-        cost.record(0, 64, 0.02 + 64.0 * per_token, inflation); // a first prompt, alone
+        let mut cost = StepCost::new(inflation, 16);
+        cost.record(8, 0, decode);
+        cost.record(0, 64, 0.02 + 64.0 * per_token); // a first prompt, alone
         cost
     }
 
@@ -119,14 +127,17 @@ mod tests {
 
     #[test]
     fn nothing_measured_means_no_allowance() {
-        let mut cost = StepCost::default();
-        assert_eq!(cost.prefill_allowance(2.0, 16), None);
-        cost.record(0, 64, 0.1, 2.0);
-        assert_eq!(cost.prefill_allowance(2.0, 16), None, "no decode step timed yet");
-        cost.record(8, 0, 0.08, 2.0);
+        let mut cost = StepCost::new(2.0, 16);
+        assert_eq!(cost.prefill_allowance(), None);
+        cost.record(0, 64, 0.1);
+        assert_eq!(cost.prefill_allowance(), None, "no decode step timed yet");
+        cost.record(8, 0, 0.08);
         // 80 ms of margin at 1.6 ms a token (the prompt's whole step).
-        assert_eq!(cost.prefill_allowance(2.0, 16), Some(51));
-        assert_eq!(cost.prefill_allowance(1.0, 16), None, "1x means no limit");
+        assert_eq!(cost.prefill_allowance(), Some(51));
+        let mut unlimited = StepCost::new(1.0, 16);
+        unlimited.record(0, 64, 0.1);
+        unlimited.record(8, 0, 0.08);
+        assert_eq!(unlimited.prefill_allowance(), None, "1x means no limit");
     }
 
     #[test]
@@ -134,7 +145,7 @@ mod tests {
         // A CPU-like machine: 80 ms decode steps, 0.5 ms per prompt token.
         // Twice a decode step leaves 80 ms for prompt tokens: 160 of them.
         let mut cost = started(0.080, 0.0005, 2.0);
-        let chosen = drive(&mut cost, 0.080, 0.0, 0.0005, 2.0, 60);
+        let chosen = drive(&mut cost, 0.080, 0.0, 0.0005, 60);
         let t = settled(&chosen);
         assert!((120..=200).contains(&t), "{chosen:?}");
     }
@@ -146,7 +157,7 @@ mod tests {
         // left for tokens: ~110 of them, ~60 with room to spare (a per-token-
         // only model reading 16-token chunks would allow 16).
         let mut cost = started(0.0095, 0.0003, 1.5);
-        let chosen = drive(&mut cost, 0.0095, 0.002, 0.000025, 1.5, 40);
+        let chosen = drive(&mut cost, 0.0095, 0.002, 0.000025, 40);
         let t = settled(&chosen);
         assert!((55..=140).contains(&t), "{chosen:?}");
     }
@@ -154,12 +165,12 @@ mod tests {
     #[test]
     fn a_one_off_slow_step_costs_one_shrink() {
         let mut cost = started(0.0095, 0.0003, 1.5);
-        drive(&mut cost, 0.0095, 0.002, 0.000025, 1.5, 40);
-        let before = cost.prefill_allowance(1.5, 16).unwrap();
-        cost.record(8, before, 0.083, 1.5); // new shapes: 83 ms once
-        let after = cost.prefill_allowance(1.5, 16).unwrap();
+        drive(&mut cost, 0.0095, 0.002, 0.000025, 40);
+        let before = cost.prefill_allowance().unwrap();
+        cost.record(8, before, 0.083); // new shapes: 83 ms once
+        let after = cost.prefill_allowance().unwrap();
         assert!(after * 2 >= before - 1, "{before} -> {after}");
-        let chosen = drive(&mut cost, 0.0095, 0.002, 0.000025, 1.5, 10);
+        let chosen = drive(&mut cost, 0.0095, 0.002, 0.000025, 10);
         assert!(settled(&chosen) >= 55, "{chosen:?}");
     }
 
@@ -176,10 +187,10 @@ mod tests {
         };
         let mut chosen = Vec::new();
         for _ in 0..300 {
-            let t = cost.prefill_allowance(1.5, 16).unwrap();
+            let t = cost.prefill_allowance().unwrap();
             chosen.push(t);
-            cost.record(8, t, (0.090 + 0.0034 * t as f64) * noise(), 1.5);
-            cost.record(8, 0, 0.090 * noise(), 1.5);
+            cost.record(8, t, (0.090 + 0.0034 * t as f64) * noise());
+            cost.record(8, 0, 0.090 * noise());
         }
         let big = chosen.iter().filter(|&&t| t > 24).count();
         assert!(big <= 3, "{big} chunks over 24 tokens: {chosen:?}");
@@ -190,7 +201,7 @@ mod tests {
         // A fixed cost above the whole margin: no chunk size meets 1.5x, so
         // chunks stay at the minimum and the prompt still moves.
         let mut cost = started(0.0095, 0.0003, 1.5);
-        let chosen = drive(&mut cost, 0.0095, 0.007, 0.000025, 1.5, 30);
+        let chosen = drive(&mut cost, 0.0095, 0.007, 0.000025, 30);
         assert_eq!(settled(&chosen), 16, "{chosen:?}");
     }
 }

@@ -119,7 +119,7 @@ where
         prefix,
         draft,
         batch,
-        step_cost: StepCost::default(),
+        step_cost: StepCost::new(config.max_itl_inflation, config.min_prefill_chunk),
         trace_steps: std::env::var("TETHER_TRACE_STEPS").is_ok_and(|v| v == "1"),
         config,
         model: model.transformer,
@@ -301,7 +301,7 @@ impl Engine {
         // streams started together would otherwise start one per step).
         let mut allowance = match plan.is_empty() {
             true => None,
-            false => self.step_cost.prefill_allowance(self.config.max_itl_inflation, self.config.min_prefill_chunk),
+            false => self.step_cost.prefill_allowance(),
         };
         for &i in &order {
             let row = &self.running[i];
@@ -461,10 +461,10 @@ impl Engine {
         self.batch_new_decoders()?;
         let micros = |from: Instant, to: Instant| to.duration_since(from).as_micros() as u64;
         let seconds = started.elapsed().as_secs_f64();
-        self.step_cost.record(decode_rows, prefill_tokens, seconds, self.config.max_itl_inflation);
+        self.step_cost.record(decode_rows, prefill_tokens, seconds);
         if self.trace_steps {
             // One line per step, for tuning the prefill allowance on a new machine.
-            let next = self.step_cost.prefill_allowance(self.config.max_itl_inflation, self.config.min_prefill_chunk);
+            let next = self.step_cost.prefill_allowance();
             eprintln!("[step] decode_rows={decode_rows} prefill_tokens={prefill_tokens} ms={:.2} next_allowance={next:?}", seconds * 1e3);
         }
         let times = &mut self.stats.step_time;
