@@ -211,7 +211,8 @@ struct ModelArgs {
     weights: Option<String>,
     /// Activations, KV cache and dense weights: float32 (the CPU's default)
     /// or bfloat16/float16 (the GPU's default is bfloat16). float32 on a GPU
-    /// makes batched and speculative outputs match one-token decoding.
+    /// brings batched and speculative outputs much closer to one-token
+    /// decoding (the GPU's kernels still vary with the rows in a step).
     #[arg(long, value_enum, default_value = "auto")]
     dtype: DtypeArg,
 }

@@ -76,8 +76,9 @@ pub struct SpecComparison {
     /// Streams whose output matched speculation off token for token.
     pub equal_streams: usize,
     /// Where the earliest mismatch came, in generated tokens (None: none
-    /// did). In bfloat16 a verification forward of several tokens rounds
-    /// differently from one-token decoding, so near-ties can flip.
+    /// did). On a GPU a verification forward of several tokens can round
+    /// differently from one-token decoding (its kernels vary with the row
+    /// count), so near-ties can flip; on the CPU outputs match.
     pub first_mismatch_at: Option<usize>,
 }
 

@@ -120,7 +120,7 @@ mod tests {
         cost
     }
 
-    /// The largest allowance of the last few steps, and the step time it gives.
+    /// The largest allowance of the last few steps.
     fn settled(chosen: &[usize]) -> usize {
         *chosen.iter().rev().take(4).max().unwrap()
     }
