@@ -33,6 +33,7 @@
 #        MODELS="smollm2-135m"      known model names (space-separated)
 #        TETHER_WEIGHTS=dense       dense (float32 on CPU, mlx-lm's precision) or quantized
 #        TETHER_DEVICE=cpu          --device for tether serve
+#        TETHER_ARGS="..."          extra `tether serve` flags (e.g. "--min-prefill-chunk 8")
 #        MLX_CHUNK=256              mlx-lm's chunked prefill step ("" skips that server)
 #        LOAD_ARGS="..."            extra bench/load.py arguments, for both engines
 #                                   (e.g. "--streams 1,8 --max-tokens 128 --long-prompt-tokens 1000")
@@ -60,6 +61,7 @@ OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 RESULTS=${RESULTS:-$OUT/results.jsonl}
 read -r -a EXTRA <<<"${LOAD_ARGS:-}"
+read -r -a SERVE_EXTRA <<<"${TETHER_ARGS:-}"
 
 log() { printf '[load.sh] %s\n' "$*" >&2; }
 
@@ -108,7 +110,7 @@ for m in $MODELS; do
 
   # Tether
   tlog="$OUT/tether-$m.log"
-  "$TETHER_BIN" serve --model "$m" --device "$TETHER_DEVICE" --weights "$TETHER_WEIGHTS" --host 127.0.0.1 --port 0 >"$tlog" 2>&1 &
+  "$TETHER_BIN" serve --model "$m" --device "$TETHER_DEVICE" --weights "$TETHER_WEIGHTS" --host 127.0.0.1 --port 0 "${SERVE_EXTRA[@]}" >"$tlog" 2>&1 &
   SERVER_PID=$!
   port=""
   for _ in $(seq 240); do
@@ -144,6 +146,6 @@ done
 
 echo "# load average at end: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$OUT/header.txt"
 cat "$OUT/header.txt"
-echo "# tether: --weights $TETHER_WEIGHTS --device $TETHER_DEVICE; mlx-lm $("$PY" -c 'import importlib.metadata as m; print(m.version("mlx-lm"), "on mlx", m.version("mlx"))') float32"
+echo "# tether: --weights $TETHER_WEIGHTS --device $TETHER_DEVICE ${TETHER_ARGS:-}; mlx-lm $("$PY" -c 'import importlib.metadata as m; print(m.version("mlx-lm"), "on mlx", m.version("mlx"))') float32"
 "$PY" bench/load.py --report "$RESULTS"
 echo "raw results: $RESULTS"

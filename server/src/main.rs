@@ -402,6 +402,11 @@ struct EngineArgs {
     /// Prompt tokens per prefill chunk (a request may ask for its own `chunk_size`).
     #[arg(long, default_value_t = EngineConfig::default().prefill_chunk)]
     prefill_chunk: usize,
+    /// Fewest prompt tokens a step carries while streams decode (and the
+    /// smallest `chunk_size` a request may ask for): a long prompt always
+    /// moves, even where this many tokens cost more than --max-itl-inflation allows.
+    #[arg(long, default_value_t = EngineConfig::default().min_prefill_chunk)]
+    min_prefill_chunk: usize,
     /// Tokens (decode + prefill) per engine step.
     #[arg(long, default_value_t = EngineConfig::default().step_token_budget)]
     step_token_budget: usize,
@@ -428,9 +433,11 @@ impl EngineArgs {
     fn config(&self) -> anyhow::Result<EngineConfig> {
         let d = EngineConfig::default();
         anyhow::ensure!(self.prefill_chunk >= 1 && self.step_token_budget >= 1 && self.max_running >= 1, "engine sizes must be at least 1");
+        anyhow::ensure!((1..=self.prefill_chunk).contains(&self.min_prefill_chunk), "--min-prefill-chunk must be between 1 and --prefill-chunk");
         anyhow::ensure!(self.max_itl_inflation.is_finite(), "--max-itl-inflation must be a number");
         Ok(EngineConfig {
             prefill_chunk: self.prefill_chunk,
+            min_prefill_chunk: self.min_prefill_chunk,
             max_prefill_chunk: d.max_prefill_chunk.max(self.prefill_chunk),
             step_token_budget: self.step_token_budget,
             max_running: self.max_running,

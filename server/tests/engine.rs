@@ -37,17 +37,27 @@ fn prompts() -> Vec<Vec<u32>> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_requests_match_solo_greedy() {
-    concurrent_requests_match_solo_greedy_with(KvLayout::Rows).await;
+    concurrent_requests_match_solo_greedy_with(EngineConfig { kv_layout: KvLayout::Rows, ..Default::default() }).await;
 }
 
-/// The same with decoding rows in KV slots of one shared buffer (the GPU
-/// layout), run here on the CPU: rows join, leave and reuse slots mid-run.
+/// The same with every row in a KV slot of one shared buffer (the GPU
+/// layout), run here on the CPU: rows read their prompts in their slots
+/// beside decoding ones, leave, and others reuse their slots mid-run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_requests_match_solo_greedy_in_batched_kv() {
-    concurrent_requests_match_solo_greedy_with(KvLayout::Batched).await;
+    concurrent_requests_match_solo_greedy_with(EngineConfig { kv_layout: KvLayout::Batched, ..Default::default() }).await;
 }
 
-async fn concurrent_requests_match_solo_greedy_with(kv_layout: KvLayout) {
+/// Batched, with no room for the shared attention's scores: every prompt
+/// chunk attends alone, over its own slot, beside the shared attention of
+/// the decoding slots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_match_solo_greedy_with_chunks_attending_alone() {
+    concurrent_requests_match_solo_greedy_with(EngineConfig { kv_layout: KvLayout::Batched, shared_attention_scores: 1, ..Default::default() }).await;
+}
+
+async fn concurrent_requests_match_solo_greedy_with(config: EngineConfig) {
+    let kv_layout = config.kv_layout;
     let prompts = prompts();
     // The reference: each prompt alone through the plain loop, on this thread.
     mlx::set_default_device(mlx::Device::Cpu).unwrap();
@@ -56,7 +66,7 @@ async fn concurrent_requests_match_solo_greedy_with(kv_layout: KvLayout) {
     drop(model);
 
     // Small chunks and budget so prefills interleave with decodes across steps.
-    let engine = start(EngineConfig { prefill_chunk: 16, min_prefill_chunk: 1, step_token_budget: 24, kv_layout, ..Default::default() });
+    let engine = start(EngineConfig { prefill_chunk: 16, min_prefill_chunk: 1, step_token_budget: 24, ..config });
     let mut handles = Vec::new();
     for (i, p) in prompts.iter().enumerate() {
         let chunk = if i % 2 == 0 { Some(3) } else { None };

@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use tether::engine::{EngineConfig, EngineHandle, FinishInfo, Scope, SubmitRequest};
+use tether::engine::{EngineConfig, EngineHandle, FinishInfo, KvLayout, Scope, SubmitRequest};
 
 fn start(config: EngineConfig) -> EngineHandle {
     start_smollm2_engine(config)
@@ -25,7 +25,19 @@ fn first_turn() -> Vec<u32> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn second_turn_hits_and_matches_uncached_output() {
-    let engine = start(EngineConfig::default());
+    second_turn_hits_and_matches_uncached_output_with(KvLayout::Rows).await;
+}
+
+/// The same with every row in a slot of one shared KV buffer (the GPU
+/// layout): a hit is copied into the row's slot, a finished turn is copied
+/// out of it into the cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn second_turn_hits_and_matches_uncached_output_in_batched_kv() {
+    second_turn_hits_and_matches_uncached_output_with(KvLayout::Batched).await;
+}
+
+async fn second_turn_hits_and_matches_uncached_output_with(kv_layout: KvLayout) {
+    let engine = start(EngineConfig { kv_layout, ..Default::default() });
     let turn1 = first_turn();
     let (out1, f1) = run(&engine, &turn1, 10, Some("a")).await;
     assert_eq!(f1.cached_tokens, 0);

@@ -30,8 +30,12 @@ pub struct EngineConfig {
     pub step_draft_budget: usize,
     /// A small model sharing the tokenizer, for requests that draft with one.
     pub draft_model: Option<speculate::DraftModelSpec>,
-    /// Where decoding rows keep their KV caches.
+    /// Where running rows keep their KV caches.
     pub kv_layout: KvLayout,
+    /// Batched layout: most attention scores (slots x heads x queries x
+    /// capacity) the rows attending together may hold; a prompt chunk that
+    /// would take more attends alone (see [`crate::model::BatchedRows`]).
+    pub shared_attention_scores: usize,
     /// While rows are decoding, a step carries only as many prompt tokens
     /// as keep it within this multiple of a decode-only step (measured as
     /// the engine runs, see [`super::step_cost`]), so a long prompt joining
@@ -39,8 +43,7 @@ pub struct EngineConfig {
     pub max_itl_inflation: f64,
 }
 
-/// Where decoding rows keep their KV caches (prefilling rows always use
-/// their own, see [`crate::model::KvCache`]).
+/// Where running rows keep their KV caches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KvLayout {
     /// Batched on a GPU, per row on the CPU.
@@ -48,9 +51,10 @@ pub enum KvLayout {
     /// Each row its own cache, attention row by row: on the CPU the fused
     /// attention kernel already covers every row in one op.
     Rows,
-    /// Slots of one shared buffer, attention for all rows in one op per
-    /// layer ([`crate::model::KvBatch`]): a GPU step is bound by kernel
-    /// launches, and this keeps their count independent of the batch.
+    /// Slots of one shared buffer, from a row's first prompt chunk to its
+    /// last token; attention for all rows in one op per layer
+    /// ([`crate::model::KvBatch`]): a GPU step is bound by kernel launches,
+    /// and this keeps their count independent of the batch.
     Batched,
 }
 
@@ -81,6 +85,7 @@ impl Default for EngineConfig {
             step_draft_budget: 64,
             draft_model: None,
             kv_layout: KvLayout::Auto,
+            shared_attention_scores: crate::model::SHARED_ATTENTION_SCORES,
             max_itl_inflation: 1.5,
         }
     }

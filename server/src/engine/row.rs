@@ -10,8 +10,8 @@ pub(super) struct Row {
     pub events: tokio::sync::mpsc::Sender<EngineEvent>,
     /// The row's KV cache, unless it is in the engine's batch (`slot`).
     pub cache: KvCache,
-    /// Its slot in the engine's [`crate::model::KvBatch`] while it decodes
-    /// there; `cache` is empty meanwhile.
+    /// Its slot in the engine's [`crate::model::KvBatch`], from admission
+    /// on when caches are batched; `cache` is empty meanwhile.
     pub slot: Option<usize>,
     pub sampler: Sampler,
     /// Prompt tokens already in the cache.

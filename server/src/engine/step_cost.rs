@@ -65,8 +65,10 @@ impl StepCost {
                     // Grow only from steps the allowance limited (a short
                     // last chunk says nothing about larger ones) that left
                     // room.
+                    // Growth is by a step at a time, however many tokens a
+                    // step carried (short prompts ride along whole).
                     let roomy = seconds <= decode + GROW_BELOW * (target - decode);
-                    if roomy && tokens >= 0.9 * current { current.max(tokens) * GROW } else { current }
+                    if roomy && tokens >= 0.9 * self.spendable(current) as f64 { current * GROW } else { current }
                 } else {
                     // Shrink toward the size that would have met the target
                     // were the added time all per-token cost.
@@ -91,8 +93,17 @@ impl StepCost {
         if self.inflation <= 1.0 {
             return None;
         }
-        let tokens = self.allowance.or_else(|| self.first_guess())?;
-        Some((tokens.floor().min(usize::MAX as f64 / 4.0) as usize).max(self.floor))
+        Some(self.spendable(self.allowance.or_else(|| self.first_guess())?))
+    }
+
+    /// The allowance as steps spend it: whole multiples of the floor, so a
+    /// run of mixed steps repeats a few shapes (on a GPU the first step of
+    /// each new shape pays for kernel set-up, several times a step's work:
+    /// bench/results/gpu-h200-admit-trace-prefill-in-slots.log).
+    fn spendable(&self, allowance: f64) -> usize {
+        let floor = self.floor.max(1);
+        let multiples = (allowance / floor as f64).floor().min(usize::MAX as f64 / 4.0 / floor as f64) as usize;
+        multiples.max(1) * floor
     }
 }
 
@@ -132,8 +143,9 @@ mod tests {
         cost.record(0, 64, 0.1);
         assert_eq!(cost.prefill_allowance(), None, "no decode step timed yet");
         cost.record(8, 0, 0.08);
-        // 80 ms of margin at 1.6 ms a token (the prompt's whole step).
-        assert_eq!(cost.prefill_allowance(), Some(51));
+        // 80 ms of margin at 1.6 ms a token (the prompt's whole step): 51,
+        // spent in multiples of the floor.
+        assert_eq!(cost.prefill_allowance(), Some(48));
         let mut unlimited = StepCost::new(1.0, 16);
         unlimited.record(0, 64, 0.1);
         unlimited.record(8, 0, 0.08);

@@ -22,6 +22,14 @@ use crate::model::{BatchedRows, KvBatch, RowInput, Transformer};
 /// [`Engine::plan`]).
 const SHORT_PROMPT_TOKENS: usize = 64;
 
+/// Most tokens of a long prompt a step carries while rows decode, whatever
+/// the allowance: with batched KV, larger chunks leave the shared
+/// attention's small shape, and a GPU pays milliseconds for each new shape
+/// (each larger size was a slow step of its own:
+/// bench/results/gpu-h200-admit-trace-prefill-in-slots.log); on a CPU the
+/// allowance rarely reaches it (16 prompt tokens cost half a decode step).
+const MIXED_CHUNK_MAX: usize = crate::model::SMALL_QUERIES;
+
 /// A row's part in this step.
 struct Scheduled {
     row: usize,
@@ -258,12 +266,29 @@ impl Engine {
                             row.resume_from(cache, len);
                         }
                     }
+                    if let Err(e) = self.seat(&mut row) {
+                        self.deliver_final(w.events, EngineEvent::Failed { message: format!("no room in the KV batch: {e}") });
+                        continue;
+                    }
                     let _ = row.events.try_send(EngineEvent::Started { queue_ms });
                     self.running.push(row);
                 }
                 Err(e) => self.deliver_final(w.events, EngineEvent::Failed { message: e.to_string() }),
             }
         }
+    }
+
+    /// Gives a new row its slot when caches are batched: it reads its prompt
+    /// there too, so prompt chunks share the step's attention with the
+    /// decoding rows instead of adding their own kernels, and the finished
+    /// prompt needs no move. A prefix-cache hit is copied in. The slot gets
+    /// the whole prompt's room now (see [`KvBatch::ensure_capacity`]).
+    fn seat(&mut self, row: &mut Row) -> mlx::Result<()> {
+        let Some(kv) = &mut self.batch else { return Ok(()) };
+        let slot = kv.admit(&row.cache)?;
+        row.slot = Some(slot);
+        row.cache = self.model.new_cache();
+        kv.ensure_capacity(row.request.prompt.len() + 1)
     }
 
     /// Assigns this step's work under the token budget, starting at a
@@ -316,8 +341,10 @@ impl Engine {
                 .clamp(self.config.min_prefill_chunk, self.config.max_prefill_chunk);
             let mut tokens = remaining.min(chunk).min(budget);
             if let Some(left) = &mut allowance {
-                if remaining > SHORT_PROMPT_TOKENS {
-                    tokens = tokens.min(*left);
+                // The exemption is for short prompts, not for the last
+                // chunk of a long one.
+                if row.request.prompt.len() - row.cached_tokens > SHORT_PROMPT_TOKENS {
+                    tokens = tokens.min(*left).min(MIXED_CHUNK_MAX);
                 }
                 *left = left.saturating_sub(tokens);
             }
@@ -355,7 +382,8 @@ impl Engine {
         self.stats.prompt_tokens += prefill_tokens as u64;
         let mut inputs = Vec::new();
         let mut scheduled: Vec<Scheduled> = Vec::new();
-        let mut slot_tokens: Vec<Vec<i32>> = vec![Vec::new(); self.batch.as_ref().map_or(0, KvBatch::slots)];
+        let slots = self.batch.as_ref().map_or(0, KvBatch::slots);
+        let (mut slot_tokens, mut slot_logits_wanted) = (vec![Vec::new(); slots], vec![0; slots]);
         for (i, row) in self.running.iter_mut().enumerate() {
             let Some(work) = work_of[i].take() else { continue };
             let tokens: Vec<i32> = row.take_input(&work)?.into_iter().map(|t| t as i32).collect();
@@ -367,6 +395,7 @@ impl Engine {
             let logits_at = match row.slot {
                 Some(slot) => {
                     slot_tokens[slot] = tokens;
+                    slot_logits_wanted[slot] = if samples { 1 + drafts.len() } else { 0 };
                     LogitsAt::Slot(slot)
                 }
                 None => {
@@ -378,7 +407,9 @@ impl Engine {
             scheduled.push(Scheduled { row: i, samples, decode, drafts, logits_at });
         }
         let batched = match &mut self.batch {
-            Some(kv) if slot_tokens.iter().any(|t| !t.is_empty()) => Some(batched_rows(kv, &slot_tokens)?),
+            Some(kv) if slot_tokens.iter().any(|t| !t.is_empty()) => {
+                Some(BatchedRows { kv, tokens: slot_tokens, logits: slot_logits_wanted, shared_scores: self.config.shared_attention_scores })
+            }
             _ => None,
         };
         let ran_batched = batched.is_some();
@@ -386,14 +417,14 @@ impl Engine {
         drop(inputs);
         let mut slot_logits = step_logits.batched;
         let mut row_logits: Vec<Option<mlx::Array>> = step_logits.rows.into_iter().map(Some).collect();
-        let logits: Vec<mlx::Array> = scheduled
+        // A prompt chunk in a slot that does not finish the prompt wants no logits.
+        let logits: Vec<Option<mlx::Array>> = scheduled
             .iter()
             .map(|s| match s.logits_at {
                 LogitsAt::Slot(slot) => slot_logits[slot].take(),
                 LogitsAt::Row(k) => row_logits[k].take(),
             })
-            .collect::<Option<_>>()
-            .ok_or_else(|| mlx::Error { op: "engine", message: "a scheduled row got no logits".into() })?;
+            .collect();
 
         // Each sampling row's draws, lazily: greedy rows take the argmax at
         // every position; sampled rows with drafts run speculative sampling.
@@ -403,6 +434,7 @@ impl Engine {
             if !s.samples {
                 continue;
             }
+            let logits = logits.ok_or_else(|| mlx::Error { op: "engine", message: "a sampling row got no logits".into() })?;
             let row = &mut self.running[s.row];
             let draw = if s.drafts.is_empty() || row.request.sampling.is_greedy() {
                 row.sampler.sample(&logits)?
@@ -458,7 +490,6 @@ impl Engine {
         for (i, reason) in finished {
             self.finish(i, reason);
         }
-        self.batch_new_decoders()?;
         let micros = |from: Instant, to: Instant| to.duration_since(from).as_micros() as u64;
         let seconds = started.elapsed().as_secs_f64();
         self.step_cost.record(decode_rows, prefill_tokens, seconds);
@@ -588,18 +619,6 @@ impl Engine {
         row
     }
 
-    /// Rows that finished their prompt this step move their caches into
-    /// the batch, where they decode from the next step on.
-    fn batch_new_decoders(&mut self) -> mlx::Result<()> {
-        let Some(kv) = &mut self.batch else { return Ok(()) };
-        for row in self.running.iter_mut().filter(|r| r.slot.is_none() && r.pending_token.is_some() && r.prompt_remaining() == 0) {
-            let slot = kv.admit(&row.cache)?;
-            row.slot = Some(slot);
-            row.cache = self.model.new_cache();
-        }
-        Ok(())
-    }
-
     /// Rows whose receiver was dropped are cancelled.
     fn drop_finished_consumers(&mut self) {
         let mut i = 0;
@@ -667,19 +686,4 @@ impl Engine {
             ..self.stats.clone()
         }
     }
-}
-
-
-/// The batched rows' part of a step: each slot's tokens (empty for slots
-/// not scheduled this step), padded to the longest.
-fn batched_rows<'a>(kv: &'a mut KvBatch, slot_tokens: &[Vec<i32>]) -> mlx::Result<BatchedRows<'a>> {
-    let n = slot_tokens.iter().map(Vec::len).max().unwrap_or(0).max(1);
-    let mut ids = Vec::with_capacity(slot_tokens.len() * n);
-    for tokens in slot_tokens {
-        ids.extend_from_slice(tokens);
-        // Padding: any valid id; its outputs are dropped and its cache writes land past the slot's length.
-        ids.extend(std::iter::repeat(0).take(n - tokens.len()));
-    }
-    let ids = mlx::Array::from_i32(&ids, &[slot_tokens.len(), n])?;
-    Ok(BatchedRows { kv, ids, real: slot_tokens.iter().map(Vec::len).collect() })
 }

@@ -1,12 +1,14 @@
-//! The decoding rows' KV caches side by side, for GPUs.
+//! The running rows' KV caches side by side, for GPUs.
 //!
 //! On a GPU a step is bound by how many kernels it launches, not by the bytes
 //! it reads. Attention row by row (each row its own cache, see [`KvCache`])
 //! costs a dozen kernels per row and layer; with 32 rows that is most of the
-//! step. Here every decoding row owns a slot of one per-layer buffer
-//! `[slots, kv_heads, capacity, head_dim]`, so a step writes all rows' new
-//! keys with one scatter and attends with one masked attention per layer,
-//! however many rows there are.
+//! step, and a prompt chunk beside decoding rows costs as much again. Here
+//! every running row, from its first prompt chunk to its last token, owns a
+//! slot of one per-layer buffer `[slots, kv_heads, capacity, head_dim]`, so
+//! a step writes all rows' new keys with one scatter and attends with one
+//! masked attention per layer, however many rows there are and whatever
+//! each is doing.
 //!
 //! Slots are allocated in powers of two and freed slots are reused, so the
 //! shapes a step sees change only when the slot count doubles or capacity
@@ -47,6 +49,11 @@ impl KvBatch {
     /// Valid positions of `slot` (0 for a free slot).
     pub fn len(&self, slot: usize) -> usize {
         self.lens[slot].unwrap_or(0)
+    }
+
+    /// Positions every slot has room for.
+    pub fn capacity(&self) -> usize {
+        self.capacity
     }
 
     pub fn occupied(&self) -> usize {
@@ -131,10 +138,10 @@ impl KvBatch {
     }
 
     /// Writes one layer's keys and values of a step, `[slots, kv_heads, n,
-    /// head_dim]`, at each slot's current length (`positions`: int32
-    /// `[slots, 1, n, 1]`, from [`write_positions`](Self::write_positions))
-    /// and returns the updated buffers. [`reserve`](Self::reserve)`(n)` must
-    /// come first; [`advance`](Self::advance) commits after the last layer.
+    /// head_dim]`, at `positions` (int32 `[slots, 1, n, 1]`, from
+    /// [`write_positions`](Self::write_positions)) and returns the updated
+    /// buffers. The capacity must hold them ([`ensure_capacity`](Self::ensure_capacity));
+    /// [`advance`](Self::advance) commits after the last layer.
     pub fn write(&mut self, layer: usize, keys: &Array, values: &Array, positions: &Array) -> mlx::Result<(Array, Array)> {
         let (k, v) = self.layers.get_mut(layer).ok_or_else(|| mlx::Error { op: "kv_batch", message: "write to an empty batch".into() })?;
         // Replacing the held arrays leaves the graph as the only holder of
@@ -144,10 +151,21 @@ impl KvBatch {
         Ok((k.clone(), v.clone()))
     }
 
-    /// Per slot, the positions a step of `n` tokens writes: `len .. len + n`.
-    pub fn write_positions(&self, n: usize) -> mlx::Result<Array> {
-        let pos: Vec<i32> = (0..self.slots()).flat_map(|s| (0..n).map(move |i| (self.len(s) + i) as i32)).collect();
+    /// Per slot, the positions `from[s] .. from[s] + n` as int32 `[slots, 1, n, 1]`.
+    pub fn write_positions(&self, from: &[usize], n: usize) -> mlx::Result<Array> {
+        let pos: Vec<i32> = from.iter().flat_map(|&f| (0..n).map(move |i| (f + i) as i32)).collect();
         Array::from_i32(&pos, &[self.slots(), 1, n, 1])
+    }
+
+    /// Writes one layer's keys and values of one slot, `[1, kv_heads, n,
+    /// head_dim]`, at positions `at .. at + n`, and returns that slot's keys
+    /// and values up to there, `[1, kv_heads, at + n, head_dim]`.
+    pub fn write_slot(&mut self, layer: usize, slot: usize, at: usize, keys: &Array, values: &Array) -> mlx::Result<(Array, Array)> {
+        let (k, v) = self.layers.get_mut(layer).ok_or_else(|| mlx::Error { op: "kv_batch", message: "write to an empty batch".into() })?;
+        let (h, d, s, end) = (self.kv_heads as i32, self.head_dim as i32, slot as i32, (at + keys.dim(2)) as i32);
+        *k = k.slice_update(keys, &[s, 0, at as i32, 0], &[s + 1, h, end, d])?;
+        *v = v.slice_update(values, &[s, 0, at as i32, 0], &[s + 1, h, end, d])?;
+        Ok((k.slice(&[s, 0, 0, 0], &[s + 1, h, end, d])?, v.slice(&[s, 0, 0, 0], &[s + 1, h, end, d])?))
     }
 
     /// The additive attention mask of a step, `[slots, 1, n, capacity]` in
@@ -180,7 +198,10 @@ impl KvBatch {
         self.layers.iter().flat_map(|(k, v)| [k, v]).collect()
     }
 
-    fn ensure_capacity(&mut self, needed: usize) -> mlx::Result<()> {
+    /// Makes room for `needed` positions in every slot. Admitting a row
+    /// with its whole prompt's room costs one reallocation, where growing
+    /// chunk by chunk would copy every slot at each capacity step.
+    pub fn ensure_capacity(&mut self, needed: usize) -> mlx::Result<()> {
         if needed <= self.capacity {
             return Ok(());
         }

@@ -2,6 +2,7 @@
 //!
 //! A model on disk is either a GGUF file or an HF-style safetensors folder;
 //! both load into the same [`Transformer`].
+mod batch_step;
 mod config;
 mod gguf_loader;
 mod kv_batch;
@@ -13,11 +14,12 @@ mod weights;
 
 use std::path::Path;
 
+pub use batch_step::{BatchedRows, GATHERED_ROWS_MULTIPLE, SHARED_ATTENTION_SCORES, SMALL_QUERIES};
 pub use config::{Architecture, ModelConfig};
 pub use kv_batch::KvBatch;
 pub use kv_cache::{KvCache, CAPACITY_STEP as KV_CAPACITY_STEP};
 pub use linear::{Linear, Weight};
-pub use transformer::{BatchedRows, Layer, RowInput, StepLogits, Transformer};
+pub use transformer::{Layer, RowInput, StepLogits, Transformer};
 pub use weights::WeightFormat;
 
 #[derive(Debug, thiserror::Error)]

@@ -5,6 +5,7 @@ use std::sync::OnceLock;
 use mlx::fast::{self, AttentionRow, Mask};
 use mlx::{Array, Dtype};
 
+use super::batch_step::{BatchStep, BatchedRows};
 use super::config::ModelConfig;
 use super::kv_batch::KvBatch;
 use super::kv_cache::KvCache;
@@ -45,7 +46,7 @@ impl Transformer {
         KvCache::new(self.config.n_layers, self.config.n_kv_heads, self.config.head_dim, self.dtype)
     }
 
-    /// An empty batch of KV slots for this model's decoding rows.
+    /// An empty batch of KV slots for this model's running rows.
     pub fn new_kv_batch(&self) -> KvBatch {
         KvBatch::new(self.config.n_layers, self.config.n_kv_heads, self.config.head_dim, self.dtype)
     }
@@ -103,9 +104,10 @@ impl Transformer {
     }
 
     /// [`forward_batch`](Self::forward_batch) with, in front of the rows,
-    /// the decoding rows whose caches live in a [`KvBatch`]: their tokens
-    /// come first in the flattened batch, and each layer attends for all of
-    /// them at once (see [`attention_batched`](Self::attention_batched)).
+    /// the rows whose caches live in a [`KvBatch`] (decoding, verifying or
+    /// reading their prompt): their tokens come first in the flattened
+    /// batch (see [`BatchStep`]), and each layer attends for all of them at
+    /// once (see [`attention_batched`](Self::attention_batched)).
     pub fn forward_step(&self, mut batched: Option<BatchedRows<'_>>, rows: &mut [RowInput<'_>]) -> mlx::Result<StepLogits> {
         let c = &self.config;
         let lens: Vec<usize> = rows.iter().map(|r| r.ids.dim(-1)).collect();
@@ -113,10 +115,10 @@ impl Transformer {
             return Err(mlx::Error { op: "forward", message: format!("bad batch: token counts {lens:?}") });
         }
         let batch_step = match &mut batched {
-            Some(b) => Some(BatchStep::prepare(b)?),
+            Some(b) => Some(BatchStep::prepare(b, c.n_heads)?),
             None => None,
         };
-        let batch_tokens = batch_step.as_ref().map_or(0, |b| b.slots * b.n) as i32;
+        let batch_tokens = batch_step.as_ref().map_or(0, |b| b.tokens) as i32;
         let offsets: Vec<i32> = rows.iter().map(|r| r.cache.len() as i32).collect();
         for (r, &n) in rows.iter_mut().zip(&lens) {
             r.cache.reserve(n)?;
@@ -129,17 +131,14 @@ impl Transformer {
         }).collect();
         let total: i32 = batch_tokens + lens.iter().sum::<usize>() as i32;
         let mut all_ids: Vec<Array> = Vec::with_capacity(rows.len() + 1);
-        if let Some(b) = &batched {
-            all_ids.push(b.ids.reshape(&[1, batch_tokens])?);
+        if let Some(step) = &batch_step {
+            all_ids.push(step.ids.clone());
         }
         all_ids.extend(rows.iter().map(|r| r.ids.clone()));
         let ids = if all_ids.len() == 1 { all_ids.pop().expect("one") } else { mlx::concatenate(&all_ids.iter().collect::<Vec<_>>(), 1)? };
         let mut h = self.embedding.take(&ids, 0)?; // [1, T, d]
 
         let (hq, hkv, hd) = (c.n_heads as i32, c.n_kv_heads as i32, c.head_dim as i32);
-        let q_width = hq * hd;
-        let kv_width = hkv * hd;
-        let scale = 1.0 / (c.head_dim as f32).sqrt();
         // The fused CPU path ropes every token of the step at once, each at its own position.
         let positions = if self.use_fused_cpu_kernels() && !rows.is_empty() {
             let p: Vec<i32> = offsets.iter().zip(&lens).flat_map(|(&o, &n)| o..o + n as i32).collect();
@@ -154,7 +153,16 @@ impl Transformer {
             let mut parts: Vec<Array> = Vec::with_capacity(rows.len() + 1);
             if let (Some(b), Some(step)) = (&mut batched, &batch_step) {
                 let mine = qkv.slice(&[0, 0, 0], &[1, batch_tokens, (hq + 2 * hkv) * hd])?;
-                parts.push(self.attention_batched(li, &mine, b.kv, step)?);
+                let mut outputs = Vec::with_capacity(1 + step.alone.len());
+                if step.shared {
+                    outputs.push(self.attention_batched(li, &step.to_shared(&mine)?, b.kv, step)?);
+                }
+                for alone in &step.alone {
+                    let (at, n) = (alone.start as i32, alone.tokens as i32);
+                    let rows = mine.slice(&[0, at, 0], &[1, at + n, (hq + 2 * hkv) * hd])?;
+                    outputs.push(self.attention_own(&rows, alone.offset, |k, v| b.kv.write_slot(li, alone.slot, alone.offset, k, v))?);
+                }
+                parts.push(step.to_flat(&outputs)?);
             }
             match &positions {
                 Some(positions) => {
@@ -164,16 +172,8 @@ impl Transformer {
                 None => {
                     for (r, row) in rows.iter_mut().enumerate() {
                         let (s, n) = (starts[r], lens[r] as i32);
-                        let heads = |start: i32, width: i32, count: i32| -> mlx::Result<Array> {
-                            qkv.slice(&[0, s, start], &[1, s + n, start + width])?.reshape(&[1, n, count, hd])?.transpose(&[0, 2, 1, 3])
-                        };
-                        let q = fast::rope(&heads(0, q_width, hq)?, hd, c.rope_traditional, c.rope_theta, 1.0, offsets[r])?;
-                        let k = fast::rope(&heads(q_width, kv_width, hkv)?, hd, c.rope_traditional, c.rope_theta, 1.0, offsets[r])?;
-                        let v = heads(q_width + kv_width, kv_width, hkv)?;
-                        let (keys, values) = row.cache.append(li, &k, &v)?;
-                        let mask = if n > 1 { Mask::Causal } else { Mask::None };
-                        let attn = fast::sdpa(&q, &keys, &values, scale, mask)?;
-                        parts.push(attn.transpose(&[0, 2, 1, 3])?.reshape(&[1, n, q_width])?);
+                        let mine = qkv.slice(&[0, s, 0], &[1, s + n, (hq + 2 * hkv) * hd])?;
+                        parts.push(self.attention_own(&mine, offsets[r] as usize, |k, v| row.cache.append(li, k, v))?);
                     }
                 }
             }
@@ -187,19 +187,23 @@ impl Transformer {
         for (r, row) in rows.iter_mut().enumerate() {
             row.cache.advance(lens[r]);
         }
-        if let Some(b) = &mut batched {
-            b.kv.advance(&b.real);
+        if let (Some(b), Some(step)) = (&mut batched, &batch_step) {
+            b.kv.advance(&step.real);
         }
 
         // Only the positions whose logits are wanted go through the head:
-        // a batched slot's leading real tokens, a row's last n_logits.
+        // a batched slot's last `logits` real tokens, a row's last n_logits.
         let d = c.d_model as i32;
         let mut spans: Vec<(i32, i32)> = Vec::new();
         if let (Some(b), Some(step)) = (&batched, &batch_step) {
-            spans.extend(b.real.iter().enumerate().map(|(s, &r)| ((s * step.n) as i32, r as i32)));
+            spans.extend(step.logit_spans(&b.logits).map(|(at, k)| (at as i32, k as i32)));
         }
         spans.extend(rows.iter().enumerate().map(|(r, row)| (starts[r] + lens[r] as i32 - row.n_logits as i32, row.n_logits as i32)));
         let picks: Vec<Array> = spans.iter().filter(|(_, k)| *k > 0).map(|&(at, k)| h.slice(&[0, at, 0], &[1, at + k, d])).collect::<mlx::Result<_>>()?;
+        if picks.is_empty() {
+            // Only prompt chunks that do not end their prompts: no head at all.
+            return Ok(StepLogits { batched: spans.iter().map(|_| None).collect(), rows: Vec::new() });
+        }
         let last = if picks.len() == 1 { picks[0].clone() } else { mlx::concatenate(&picks.iter().collect::<Vec<_>>(), 1)? };
         let last = fast::rms_norm(&last, &self.final_norm, c.rms_eps)?;
         let logits = self.lm_head.forward(&last)?.astype(Dtype::F32)?; // [1, sum of wanted, vocab]
@@ -213,8 +217,8 @@ impl Transformer {
             at += k;
             Ok(Some(part))
         });
-        let batched_logits = match &batched {
-            Some(b) => (&mut split).take(b.real.len()).collect::<mlx::Result<Vec<_>>>()?,
+        let batched_logits = match &batch_step {
+            Some(step) => (&mut split).take(step.slots).collect::<mlx::Result<Vec<_>>>()?,
             None => Vec::new(),
         };
         let rows_logits = split.map(|l| l.map(|l| l.expect("rows always want logits"))).collect::<mlx::Result<Vec<_>>>()?;
@@ -222,34 +226,32 @@ impl Transformer {
     }
 }
 
-/// A step's shared inputs for the batched rows' attention.
-struct BatchStep {
-    slots: usize,
-    /// Tokens per slot.
-    n: usize,
-    /// int32 `[slots, 1, n, 1]`: where each slot's tokens are written.
-    positions: Array,
-    /// `[slots, 1, n, capacity]` additive.
-    mask: Array,
-    /// int32 `[slots]`: each slot's first position.
-    offsets: Array,
-}
-
-impl BatchStep {
-    fn prepare(b: &mut BatchedRows<'_>) -> mlx::Result<BatchStep> {
-        let (slots, n) = (b.kv.slots(), b.ids.dim(-1));
-        if slots == 0 || b.ids.shape() != [slots, n] || b.real.len() != slots || b.real.iter().any(|&r| r > n) {
-            return Err(mlx::Error { op: "forward", message: format!("bad batched rows: ids {:?} for {slots} slots, real {:?}", b.ids.shape(), b.real) });
-        }
-        b.kv.reserve(n)?;
-        let positions = b.kv.write_positions(n)?;
-        let mask = b.kv.step_mask(&positions)?;
-        Ok(BatchStep { slots, n, positions, mask, offsets: b.kv.offsets()? })
-    }
-}
-
 impl Transformer {
-    /// Attention of one layer for every slot of a [`KvBatch`] at once:
+    /// Attention of one layer for one sequence over its own keys: `qkv` is
+    /// its `[1, n, ..]` rows at positions `offset ..`; `write` stores the new
+    /// keys and values and returns all of them so far. Returns `[1, n, n_heads * head_dim]`.
+    fn attention_own<W>(&self, qkv: &Array, offset: usize, write: W) -> mlx::Result<Array>
+    where
+        W: FnOnce(&Array, &Array) -> mlx::Result<(Array, Array)>,
+    {
+        let c = &self.config;
+        let (hq, hkv, hd) = (c.n_heads as i32, c.n_kv_heads as i32, c.head_dim as i32);
+        let n = qkv.dim(1) as i32;
+        let heads = |start: i32, count: i32| -> mlx::Result<Array> {
+            qkv.slice(&[0, 0, start * hd], &[1, n, (start + count) * hd])?.reshape(&[1, n, count, hd])?.transpose(&[0, 2, 1, 3])
+        };
+        let rope = |a: &Array| fast::rope(a, hd, c.rope_traditional, c.rope_theta, 1.0, offset as i32);
+        let q = rope(&heads(0, hq)?)?;
+        let k = rope(&heads(hq, hkv)?)?;
+        let v = heads(hq + hkv, hkv)?;
+        let (keys, values) = write(&k, &v)?;
+        // Causal: query i sits at offset + i and sees keys up to there.
+        let mask = if n > 1 { Mask::Causal } else { Mask::None };
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        fast::sdpa(&q, &keys, &values, scale, mask)?.transpose(&[0, 2, 1, 3])?.reshape(&[1, n, hq * hd])
+    }
+
+    /// The shared attention of one layer for every slot of a [`KvBatch`]:
     /// `qkv` is `[1, slots * n, ..]`, slot-major. One rope each for queries
     /// and keys (each slot at its own offset), one scatter each into the key
     /// and value buffers, one masked attention. Returns `[1, slots * n, n_heads * head_dim]`.
@@ -322,20 +324,8 @@ impl Transformer {
     }
 }
 
-/// The decoding rows of a step that keep their caches in a [`KvBatch`].
-/// Every slot takes part with `n` tokens: a slot with fewer real tokens (or
-/// none: idle or free) is padded, and its padding is computed and dropped.
-pub struct BatchedRows<'a> {
-    pub kv: &'a mut KvBatch,
-    /// `[slots, n]` int32 token ids.
-    pub ids: Array,
-    /// Per slot, how many of its leading tokens are real: logits come back
-    /// for those, and the slot's length advances by as many.
-    pub real: Vec<usize>,
-}
-
-/// A step's float32 logits (lazy): per batched slot (`None` where it had no
-/// real tokens) `[real, vocab]`, and per row `[n_logits, vocab]`.
+/// A step's float32 logits (lazy): per batched slot (`None` where it wanted
+/// none) `[logits, vocab]`, and per row `[n_logits, vocab]`.
 pub struct StepLogits {
     pub batched: Vec<Option<Array>>,
     pub rows: Vec<Array>,

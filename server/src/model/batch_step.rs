@@ -1,0 +1,245 @@
+//! How the rows whose caches live in a [`KvBatch`] enter a step's flattened
+//! token batch and its attention.
+//!
+//! A slot brings one token (decoding), its drafts too (verifying), a chunk
+//! of its prompt, or nothing (idle or free). Slots attend together, in one
+//! masked attention over `[slots, .., n, capacity]`, with every slot padded
+//! to `n` queries. On a GPU that keeps a step's kernel count flat however
+//! many rows run, but the attention of more than one query per slot goes
+//! through matmuls that MLX's CUDA backend sets up anew, for milliseconds,
+//! at every new shape (bench/results/gpu-h200-first-shape-cost.jsonl); so
+//! `n` comes in a few sizes (1, 16, 64, 256, ...) and capacity in blocks,
+//! and a run of steps repeats one shape. Padded queries are not free either
+//! (16-token chunks beside 8 decoding rows of a 1.5B model on an NVIDIA
+//! H200: 8.4 ms steps at 16 queries a slot, 11 ms at 64). Those scores are materialised,
+//! `slots x heads x n x capacity` of them: a slot whose chunk would push
+//! them over a bound ([`SHARED_ATTENTION_SCORES`] by default) attends
+//! alone, over its own keys only.
+//!
+//! The per-token work (projections, MLP) need not be padded. When padding
+//! would dominate (a 16-token chunk beside 15 decoding slots is 256 padded
+//! rows for 31 real ones), only the real tokens go through it, and each
+//! layer gathers them into the padded layout for attention and back out.
+//! Two gathers per layer cost a GPU more than a few dozen padded rows, so
+//! small paddings stay.
+use mlx::{Array, Device};
+
+use super::kv_batch::KvBatch;
+
+/// Padded rows a GPU computes more cheaply than it gathers them out (a
+/// projection of 64 more rows is a small part of reading its weights).
+const GPU_PADDING_WORTH_KEEPING: usize = 64;
+
+/// Gathered, the real tokens are padded to a multiple of this many rows, so
+/// the projections meet a few row counts, not every one (a new count is a
+/// new matmul set-up on a GPU, ~4 ms); the warm-up runs these.
+pub const GATHERED_ROWS_MULTIPLE: usize = 16;
+
+/// Default bound on the scores of the shared attention (256 MB in float32).
+pub const SHARED_ATTENTION_SCORES: usize = 1 << 26;
+
+/// The batched rows' part of a step.
+pub struct BatchedRows<'a> {
+    pub kv: &'a mut KvBatch,
+    /// Per slot, its tokens this step (empty for an idle or free slot).
+    pub tokens: Vec<Vec<i32>>,
+    /// Per slot, how many of its last tokens want logits: 0 for a prompt
+    /// chunk that does not finish the prompt, 1 for a decode token, more to
+    /// verify drafts.
+    pub logits: Vec<usize>,
+    /// Most scores the shared attention may hold (see the module notes).
+    pub shared_scores: usize,
+}
+
+/// A step's inputs for the batched rows, shared by every layer.
+pub(super) struct BatchStep {
+    pub slots: usize,
+    /// Queries per slot in the shared attention.
+    pub n: usize,
+    /// Whether the shared attention runs (some slot that does not attend
+    /// alone has tokens).
+    pub shared: bool,
+    /// `[1, tokens]` int32: the batched part of the step's token ids.
+    pub ids: Array,
+    /// Tokens of the batched part in the flattened batch.
+    pub tokens: usize,
+    /// Per slot, where its tokens start in the batched part.
+    starts: Vec<usize>,
+    /// Per slot, how many of its tokens are real.
+    pub real: Vec<usize>,
+    /// int32 `[slots, 1, n, 1]`: where each slot's shared-attention rows are written.
+    pub positions: Array,
+    /// `[slots, 1, n, capacity]` additive.
+    pub mask: Array,
+    /// int32 `[slots]`: each slot's first position.
+    pub offsets: Array,
+    /// Slots that attend alone this step.
+    pub alone: Vec<AloneSlot>,
+    /// Index maps between the batched part's rows and the attention's
+    /// (`None`: the batched part is the shared attention's padded layout).
+    layout: Option<Layout>,
+}
+
+/// A slot whose chunk attends over its own keys (see the module notes).
+pub(super) struct AloneSlot {
+    pub slot: usize,
+    /// Its first row in the batched part.
+    pub start: usize,
+    pub tokens: usize,
+    /// Its length before the step: where its tokens go.
+    pub offset: usize,
+}
+
+struct Layout {
+    /// int32 `[slots * n]`: for each row of the shared attention, the row of
+    /// the batched part it takes (its own token, or any for padding: its
+    /// outputs are dropped and its cache writes land past the slot's length).
+    to_shared: Array,
+    /// int32 `[tokens]`: for each row of the batched part, its row among the
+    /// attention outputs (the shared attention's, then each alone slot's).
+    to_flat: Array,
+}
+
+impl BatchStep {
+    pub fn prepare(b: &mut BatchedRows<'_>, heads: usize) -> mlx::Result<BatchStep> {
+        let slots = b.kv.slots();
+        let real: Vec<usize> = b.tokens.iter().map(Vec::len).collect();
+        let most = real.iter().copied().max().unwrap_or(0);
+        if slots == 0 || real.len() != slots || b.logits.len() != slots || most == 0 || real.iter().zip(&b.logits).any(|(&r, &l)| l > r) {
+            return Err(mlx::Error { op: "forward", message: format!("bad batched rows: {slots} slots, tokens {real:?}, logits {:?}", b.logits) });
+        }
+        let lens: Vec<usize> = (0..slots).map(|s| b.kv.len(s)).collect();
+        let longest = (0..slots).map(|s| lens[s] + real[s]).max().unwrap_or(0);
+        let capacity = b.kv.capacity().max(longest);
+        let fits = (b.shared_scores / (slots * heads * capacity).max(1)).max(1);
+        let is_alone: Vec<bool> = real.iter().map(|&r| r > 1 && queries_per_slot(r) > fits).collect();
+        let shared_most = (0..slots).filter(|&s| !is_alone[s]).map(|s| real[s]).max().unwrap_or(0);
+        let shared = shared_most > 0;
+        let n = queries_per_slot(shared_most.max(1));
+        let shared_real: usize = (0..slots).filter(|&s| !is_alone[s]).map(|s| real[s]).sum();
+        let any_alone = is_alone.iter().any(|&a| a);
+
+        let (ids, starts, layout) = if any_alone || gathers(slots, n, shared_real, mlx::default_device()) {
+            let total: usize = real.iter().sum();
+            let rows = total.next_multiple_of(GATHERED_ROWS_MULTIPLE);
+            let mut ids: Vec<i32> = b.tokens.iter().flatten().copied().collect();
+            ids.resize(rows, 0);
+            let starts: Vec<usize> = real.iter().scan(0, |at, &r| Some(std::mem::replace(at, *at + r))).collect();
+            let to_shared: Vec<i32> = (0..slots * n).map(|p| (p / n, p % n)).map(|(s, i)| if !is_alone[s] && i < real[s] { (starts[s] + i) as i32 } else { 0 }).collect();
+            // Attention outputs: the shared attention's slots * n rows (if it
+            // runs), then each alone slot's rows in slot order.
+            let mut alone_base = if shared { slots * n } else { 0 };
+            let mut to_flat = Vec::with_capacity(rows);
+            for s in 0..slots {
+                if is_alone[s] {
+                    to_flat.extend((0..real[s]).map(|i| (alone_base + i) as i32));
+                    alone_base += real[s];
+                } else {
+                    to_flat.extend((0..real[s]).map(|i| (s * n + i) as i32));
+                }
+            }
+            to_flat.resize(rows, 0);
+            let layout = Layout { to_shared: Array::from_i32(&to_shared, &[slots * n])?, to_flat: Array::from_i32(&to_flat, &[rows])? };
+            (ids, starts, Some(layout))
+        } else {
+            let mut ids = Vec::with_capacity(slots * n);
+            for tokens in &b.tokens {
+                ids.extend_from_slice(tokens);
+                // Padding: any valid id (see `Layout::to_shared`).
+                ids.extend(std::iter::repeat_n(0, n - tokens.len()));
+            }
+            (ids, (0..slots).map(|s| s * n).collect(), None)
+        };
+        let alone: Vec<AloneSlot> = (0..slots).filter(|&s| is_alone[s]).map(|s| AloneSlot { slot: s, start: starts[s], tokens: real[s], offset: lens[s] }).collect();
+        // The shared attention writes every slot's n rows: an alone slot's
+        // past its chunk, which it writes itself.
+        let write_from: Vec<usize> = (0..slots).map(|s| lens[s] + if is_alone[s] { real[s] } else { 0 }).collect();
+        let needed = (0..slots).map(|s| if shared { write_from[s] + n } else { lens[s] + real[s] }).max().unwrap_or(0);
+        b.kv.ensure_capacity(needed)?;
+        let positions = b.kv.write_positions(&write_from, n)?;
+        let mask = b.kv.step_mask(&positions)?;
+        let tokens = ids.len();
+        Ok(BatchStep { slots, n, shared, ids: Array::from_i32(&ids, &[1, tokens])?, tokens, starts, real, positions, mask, offsets: b.kv.offsets()?, alone, layout })
+    }
+
+    /// The batched part's `[1, tokens, width]` activations in the shared
+    /// attention's layout, `[1, slots * n, width]`.
+    pub fn to_shared(&self, x: &Array) -> mlx::Result<Array> {
+        match &self.layout {
+            Some(l) => x.take(&l.to_shared, 1),
+            None => Ok(x.clone()),
+        }
+    }
+
+    /// The attention outputs (the shared attention's, then each alone
+    /// slot's, `[1, rows, width]` each) as the batched part's rows.
+    pub fn to_flat(&self, outputs: &[Array]) -> mlx::Result<Array> {
+        let joined = match outputs {
+            [one] => one.clone(),
+            _ => mlx::concatenate(&outputs.iter().collect::<Vec<_>>(), 1)?,
+        };
+        match &self.layout {
+            Some(l) => joined.take(&l.to_flat, 1),
+            None => Ok(joined),
+        }
+    }
+
+    /// Per slot, (first position, count) in the batched part of the tokens
+    /// whose logits are wanted: a slot's last `logits[s]` real tokens.
+    pub fn logit_spans<'a>(&'a self, logits: &'a [usize]) -> impl Iterator<Item = (usize, usize)> + 'a {
+        (0..self.slots).map(move |s| (self.starts[s] + self.real[s] - logits[s], logits[s]))
+    }
+}
+
+/// Most queries per slot of the shared attention's smallest multi-query
+/// shape: a draft verification (up to 15 drafts) and a prompt chunk beside
+/// decoding rows (see `MIXED_CHUNK_MAX` in the engine) fit it, so they all
+/// share it.
+pub const SMALL_QUERIES: usize = 16;
+
+/// Queries per slot of a shared attention whose busiest slot brings
+/// `tokens`: one for decoding, else the next of 16, 64, 256, ....
+fn queries_per_slot(tokens: usize) -> usize {
+    let mut n = 1;
+    while n < tokens {
+        n = if n == 1 { SMALL_QUERIES } else { n * 4 };
+    }
+    n
+}
+
+/// Whether a step of `slots` slots of `n` tokens, `real` of them real, runs
+/// its per-token work on the real tokens only. On a CPU every padded row is
+/// compute; on a GPU a few dozen are cheaper than the gathers.
+fn gathers(slots: usize, n: usize, real: usize, device: Device) -> bool {
+    let padding = slots * n - real;
+    let worth_keeping = match device {
+        Device::Gpu => GPU_PADDING_WORTH_KEEPING,
+        Device::Cpu => 0,
+    };
+    padding > real.max(worth_keeping)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn padding_is_gathered_out_once_it_outweighs_the_real_tokens() {
+        // Decode of 8 full slots: nothing to gather.
+        assert!(!gathers(8, 1, 8, Device::Cpu));
+        // A 16-token chunk beside 15 decoding slots: 256 rows, 31 real.
+        assert!(gathers(16, 16, 31, Device::Cpu));
+        assert!(gathers(16, 16, 31, Device::Gpu));
+        // A 2-token verification beside 7 decoding slots, padded to 16 queries: 128 rows for 9.
+        assert!(gathers(8, 16, 9, Device::Gpu));
+        assert!(!gathers(2, 16, 17, Device::Gpu));
+        // Four slots all reading 16-token chunks: nothing padded.
+        assert!(!gathers(4, 16, 64, Device::Cpu));
+    }
+
+    #[test]
+    fn queries_come_in_few_sizes() {
+        let sizes: Vec<usize> = [1, 2, 16, 17, 64, 65, 256, 300].into_iter().map(queries_per_slot).collect();
+        assert_eq!(sizes, [1, 16, 16, 64, 64, 256, 256, 1024]);
+    }
+}
