@@ -131,12 +131,6 @@ impl KvBatch {
         }
     }
 
-    /// Makes room for every slot to take `extra` more positions.
-    pub fn reserve(&mut self, extra: usize) -> mlx::Result<()> {
-        let longest = self.lens.iter().flatten().copied().max().unwrap_or(0);
-        self.ensure_capacity(longest + extra)
-    }
-
     /// Writes one layer's keys and values of a step, `[slots, kv_heads, n,
     /// head_dim]`, at `positions` (int32 `[slots, 1, n, 1]`, from
     /// [`write_positions`](Self::write_positions)) and returns the updated
@@ -264,5 +258,28 @@ mod tests {
             kv.forget(slot);
         }
         assert_eq!((kv.slots(), kv.nbytes()), (0, 0));
+    }
+
+    #[test]
+    fn a_slot_written_alone_shows_its_keys_and_leaves_the_others() {
+        mlx::set_default_device(mlx::Device::Cpu).unwrap();
+        let mut kv = KvBatch::new(2, 1, 4, Dtype::F32);
+        kv.admit(&cache_of(3, 1.0)).unwrap();
+        kv.admit(&cache_of(2, 2.0)).unwrap();
+        // Three new positions of slot 1 after its two: it then sees five keys.
+        let new = Array::full(&[1, 1, 3, 4], 7.0, Dtype::F32).unwrap();
+        let (keys, values) = kv.write_slot(1, 1, 2, &new, &new).unwrap();
+        assert_eq!((keys.shape(), values.shape()), (vec![1, 1, 5, 4], vec![1, 1, 5, 4]));
+        let keys = keys.to_vec_f32().unwrap();
+        assert!(keys[..8].iter().all(|&x| x == 2.0) && keys[8..].iter().all(|&x| x == 7.0), "{keys:?}");
+        kv.advance(&[0, 3]);
+        assert_eq!((kv.len(0), kv.len(1)), (3, 5));
+        // Slot 0 is untouched, and layer 0 of slot 1 too.
+        let (k0, _) = kv.release(0).unwrap().layer(1).map(|(k, v)| (k.clone(), v.clone())).unwrap();
+        assert!(k0.slice(&[0, 0, 0, 0], &[1, 1, 3, 4]).unwrap().to_vec_f32().unwrap().iter().all(|&x| x == 1.0));
+        let out = kv.release(1).unwrap();
+        let (k_layer0, _) = out.layer(0).unwrap();
+        let k_layer0 = k_layer0.slice(&[0, 0, 0, 0], &[1, 1, 5, 4]).unwrap().to_vec_f32().unwrap();
+        assert!(k_layer0[8..].iter().all(|&x| x != 7.0), "only layer 1 was written");
     }
 }
