@@ -22,7 +22,11 @@ Workloads:
   decode  N concurrent streams for each N in --streams (prompt ~--prompt-tokens,
           --max-tokens each), started together. Aggregate tok/s = total completion
           tokens / (wall time from the first token of the run to its last token);
-          TTFT = time from sending the request to its first token.
+          "all decoding" tok/s = the tokens that arrived while every stream was
+          decoding (after the last stream's first token, up to the first stream's
+          last token) / that window: the same without the ramps of streams still
+          reading their prompts or already done. TTFT = time from sending the
+          request to its first token.
   admit   --admit-streams streams decode steadily (--steady-max-tokens, cancelled
           once the measurement is over); --admit-delay s after all have their first
           token, one --long-prompt-tokens prompt joins. Inter-token latency (ITL) of
@@ -472,6 +476,11 @@ class Bench:
         last = max(s.arrivals[-1][0] for s in got) if got else None
         tokens = sum(s.tokens() for s in sts)
         ttft = [s.t_first - s.t_submit for s in got]
+        # Every stream decoding: from the last first token to the first last token.
+        start = max(s.t_first for s in got) if got else None
+        end = min(s.arrivals[-1][0] for s in got) if got else None
+        all_decoding = len(got) == n and end > start
+        window_tokens = sum(k for s in got for t, k in s.arrivals if start < t <= end) if all_decoding else 0
         r = self.base(
             "decode",
             streams=n,
@@ -481,6 +490,8 @@ class Bench:
             completion_tokens=tokens,
             short_streams=sum(1 for s in sts if s.tokens() < self.a.max_tokens),
             agg_tok_s=tokens / (last - first) if got and last > first else None,
+            all_decoding_tok_s=window_tokens / (end - start) if all_decoding and window_tokens else None,
+            all_decoding_s=end - start if all_decoding else None,
             wall_s=last - first if got else None,
             ttft_mean_s=statistics.mean(ttft) if ttft else None,
             ttft_p50_s=pct(ttft, 50),
@@ -803,7 +814,7 @@ def report(path):
                 if isinstance(v, float):
                     vals = [r[k] for r in c if isinstance(r.get(k), (int, float))]
                     merged[k] = statistics.median(vals) if vals else None
-            for k in ("agg_tok_s", "long_ttft_s"):
+            for k in ("agg_tok_s", "all_decoding_tok_s", "long_ttft_s"):
                 vals = [r[k] for r in c if r.get(k) is not None]
                 merged[k] = statistics.median(vals) if vals else None
             merged["runs"] = len(c)
@@ -813,6 +824,9 @@ def report(path):
         for n in ns:
             t, p = last("tether", workload="decode", streams=n), last("mlx-lm", workload="decode", streams=n)
             line(f"decode tok/s, aggregate, {n} stream{'s' * (n > 1)}", ("agg_tok_s", "tok/s"), "higher", t, p)
+        for n in ns:
+            t, p = last("tether", workload="decode", streams=n), last("mlx-lm", workload="decode", streams=n)
+            line(f"decode tok/s, all {n} decoding at once", ("all_decoding_tok_s", "tok/s"), "higher", t, p)
         for n in ns:
             t, p = last("tether", workload="decode", streams=n), last("mlx-lm", workload="decode", streams=n)
             line(f"TTFT mean (s), {n} stream{'s' * (n > 1)} started together", ("ttft_mean_s", "s"), "lower", t, p)
