@@ -320,3 +320,19 @@ pub fn cpu_quantized_matmul(x: &Array, q: &QuantizedWeights) -> Result<Array> {
 pub fn cpu_quantized_matmul_max_rows() -> usize {
     bridge::cpu_quantized_matmul_max_rows() as usize
 }
+
+/// `x @ w^T` for a dense float32 `w` of shape `[out, in]` on the CPU, for a
+/// few rows of `x` (see [`cpu_dense_matmul_supported`]): the decode
+/// kernel's micro-kernel on `w`'s rows as they are, where BLAS would copy
+/// (pack) all of `w` at every call.
+pub fn cpu_dense_matmul(x: &Array, w: &Array) -> Result<Array> {
+    wrap("cpu_dense_matmul", bridge::cpu_dense_matmul(x.raw(), w.raw()))
+}
+
+/// Whether [`cpu_dense_matmul`] takes `rows` rows of `in_features` on this CPU.
+pub fn cpu_dense_matmul_supported(rows: usize, in_features: usize) -> bool {
+    match (i32::try_from(rows), i32::try_from(in_features)) {
+        (Ok(r), Ok(k)) => bridge::cpu_dense_matmul_supported(r, k),
+        _ => false,
+    }
+}

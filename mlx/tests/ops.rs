@@ -204,3 +204,28 @@ fn cpu_swiglu_matches_silu_times_up() {
     // Bad input is an error, not a crash.
     assert!(fast::cpu_swiglu(&Array::from_f32(&[1.0, 2.0, 3.0], &[1, 3]).unwrap()).is_err());
 }
+
+#[test]
+fn dense_small_matmul_matches_blas() {
+    let _serial = serial();
+    mlx::set_default_device(mlx::Device::Cpu).unwrap();
+    // 70 weight rows: a tail short of the kernel's 4-row tile; row counts
+    // around its 6-row blocks, up to the most it takes.
+    let (n, k) = (70usize, 96usize);
+    // Uniform in [-1, 1): values of mixed sign, as activations and weights are.
+    let values = |shape: &[i32], seed: u64| random::uniform(shape, &random::key(seed).unwrap()).unwrap().multiply(&Array::scalar(2.0, Dtype::F32).unwrap()).unwrap().subtract(&Array::scalar(1.0, Dtype::F32).unwrap()).unwrap();
+    let w = values(&[n as i32, k as i32], 11);
+    for m in [2usize, 5, 6, 7, 32, 128] {
+        if !mlx::cpu_dense_matmul_supported(m, k) {
+            eprintln!("no AVX-512 here: the kernel is not used");
+            return;
+        }
+        let x = values(&[1, m as i32, k as i32], m as u64);
+        let want = x.matmul(&w.transpose(&[1, 0]).unwrap()).unwrap().to_vec_f32().unwrap();
+        let got = mlx::cpu_dense_matmul(&x, &w).unwrap();
+        assert_eq!(got.shape(), vec![1, m, n]);
+        assert!(close(&got.to_vec_f32().unwrap(), &want, 1e-4), "{m} rows");
+    }
+    assert!(!mlx::cpu_dense_matmul_supported(1, k) && !mlx::cpu_dense_matmul_supported(129, k) && !mlx::cpu_dense_matmul_supported(8, 90));
+    assert!(mlx::cpu_dense_matmul(&values(&[200, k as i32], 1), &w).is_err(), "too many rows is an error, not a crash");
+}

@@ -34,6 +34,21 @@ fn quantized_product(x: &Array, q: &QuantizedWeights) -> mlx::Result<Array> {
     mlx::concatenate(&parts.iter().collect::<Vec<_>>(), 0)?.reshape(&shape)
 }
 
+/// `x @ W^T` for dense `W`. On the CPU in float32 with a few rows (batched
+/// decode, verification) the decode kernel's micro-kernel runs on W's rows
+/// as stored: BLAS copies (packs) all of W at every call, which with 32 rows
+/// was a quarter of SmolLM2's decode step (`sgemm_incopy` in a profile).
+fn dense_product(x: &Array, w: &Array) -> mlx::Result<Array> {
+    let in_features = x.dim(-1);
+    let rows = x.size() / in_features.max(1);
+    let f32 = x.dtype() == mlx::Dtype::F32 && w.dtype() == mlx::Dtype::F32;
+    if f32 && mlx::default_device() == mlx::Device::Cpu && mlx::cpu_dense_matmul_supported(rows, in_features) {
+        return mlx::cpu_dense_matmul(x, w);
+    }
+    // A transposed view: MLX hands BLAS the transpose flag, no copy.
+    x.matmul(&w.transpose(&[1, 0])?)
+}
+
 #[derive(Clone, Debug)]
 pub enum Weight {
     /// `[out, in]`, in the model's compute dtype.
@@ -51,8 +66,7 @@ pub struct Linear {
 impl Linear {
     pub fn forward(&self, x: &Array) -> mlx::Result<Array> {
         let y = match &self.weight {
-            // A transposed view: MLX hands BLAS the transpose flag, no copy.
-            Weight::Dense(w) => x.matmul(&w.transpose(&[1, 0])?)?,
+            Weight::Dense(w) => dense_product(x, w)?,
             Weight::Quantized(q) => quantized_product(x, q)?,
         };
         match &self.bias {
