@@ -623,6 +623,7 @@ class Bench:
             long_ttft_s=t_first - t_sub,
             window_s=t_first - t_sub,
             itl_steady_p50_ms=ms(pct(steady, 50)),
+            itl_steady_p99_ms=ms(pct(steady, 99)),
             itl_window_p50_ms=ms(pct(window, 50)),
             itl_window_p99_ms=ms(pct(window, 99)),
             itl_window_max_ms=ms(max(window) if window else None),
@@ -849,6 +850,7 @@ def report(path):
                 f"mlx-lm {p.get('chunk') if p else '-'}{peer_note}"
             )
             line("  ITL p50 before (steady), ms", ("itl_steady_p50_ms", "ms"), "lower", t, p)
+            line("  ITL p99 before (steady), ms", ("itl_steady_p99_ms", "ms"), "lower", t, p)
             line("  ITL p50 while the prompt is prefilled, ms", ("itl_window_p50_ms", "ms"), "lower", t, p)
             line("  ITL p99 while the prompt is prefilled, ms", ("itl_window_p99_ms", "ms"), "lower", t, p)
             line("  decode tok/s of the streams during the prefill", ("window_decode_tok_s", "tok/s"), "higher", t, p)
