@@ -20,6 +20,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/cpu_swiglu.cc");
     println!("cargo:rerun-if-changed=src/simd_exp.h");
     println!("cargo:rerun-if-changed=src/row_pool.h");
+    println!("cargo:rerun-if-changed=src/cpu_eval.h");
     println!("cargo:rerun-if-changed=src/ffi.rs");
 
     let dir = match std::env::var_os("MLX_DIR") {

@@ -39,6 +39,7 @@
 #include <immintrin.h>
 
 #include "mlx/backend/cpu/encoder.h"
+#include "tether-mlx/src/cpu_eval.h"
 #include "mlx/primitives.h"
 #include "tether-mlx/src/row_pool.h"
 #include "tether-mlx/src/simd_exp.h"
@@ -457,10 +458,7 @@ class CpuAttention : public mx::UnaryPrimitive {
 
   // in: q, then each row's keys and values.
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : in) enc.set_input_array(a);
-    enc.set_output_array(out);
+    auto& enc = start_cpu_eval(stream(), in, out);
     // Shapes were checked when the primitive was built; data pointers and
     // strides are final now that the inputs are evaluated.
     const int dim = in[1].shape(3);

@@ -24,6 +24,7 @@
 #include <immintrin.h>
 
 #include "mlx/backend/cpu/encoder.h"
+#include "tether-mlx/src/cpu_eval.h"
 #include "mlx/primitives.h"
 #include "tether-mlx/src/row_pool.h"
 
@@ -382,10 +383,7 @@ class CpuAffineMatmul : public mx::UnaryPrimitive {
   CpuAffineMatmul(mx::Stream s, int group_size, int bits) : mx::UnaryPrimitive(s), group_size_(group_size), bits_(bits) {}
 
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : in) enc.set_input_array(a);
-    enc.set_output_array(out);
+    auto& enc = start_cpu_eval(stream(), in, out);
     Problem p{};
     p.M = static_cast<int>(in[0].size() / in[0].shape(-1));
     p.K = in[0].shape(-1);
@@ -423,10 +421,7 @@ class CpuDenseMatmul : public mx::UnaryPrimitive {
   explicit CpuDenseMatmul(mx::Stream s) : mx::UnaryPrimitive(s) {}
 
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : in) enc.set_input_array(a);
-    enc.set_output_array(out);
+    auto& enc = start_cpu_eval(stream(), in, out);
     const int K = in[0].shape(-1);
     const int M = static_cast<int>(in[0].size() / K);
     const int N = in[1].shape(0);

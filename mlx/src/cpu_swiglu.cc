@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "mlx/backend/cpu/encoder.h"
+#include "tether-mlx/src/cpu_eval.h"
 #include "mlx/primitives.h"
 #include "tether-mlx/src/row_pool.h"
 #include "tether-mlx/src/simd_exp.h"
@@ -42,10 +43,7 @@ class CpuSwiglu : public mx::UnaryPrimitive {
 
   // in: gate_up, row-contiguous.
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.set_input_array(in[0]);
-    enc.set_output_array(out);
+    auto& enc = start_cpu_eval(stream(), in, out);
     enc.dispatch([in, src = in[0].data<float>(), dst = out.data<float>(), ff = out.shape(-1), rows = static_cast<int>(out.size() / out.shape(-1))]() {
       static const bool avx512 = __builtin_cpu_supports("avx512f");
       auto row = avx512 && ff % 16 == 0 ? swiglu_row_avx512 : swiglu_row_scalar;
