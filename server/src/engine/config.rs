@@ -9,7 +9,12 @@ pub struct EngineConfig {
     pub max_waiting: usize,
     /// Tokens (decode + prefill) per engine step.
     pub step_token_budget: usize,
-    /// Default prompt tokens per prefill chunk, and the range a request may ask for.
+    /// Default prompt tokens per prefill chunk, and the range a request may
+    /// ask for. While streams decode, a long prompt's chunks are smaller
+    /// still (see the engine); the default matters for prompts read while
+    /// nothing decodes, such as a chat's next turn: one step for a turn of
+    /// up to the whole step budget, where each step costs a GPU a fixed
+    /// ~7-11 ms (bench/results/gpu-h200-agent-warm-shapes.jsonl).
     pub prefill_chunk: usize,
     pub min_prefill_chunk: usize,
     pub max_prefill_chunk: usize,
@@ -74,7 +79,7 @@ impl Default for EngineConfig {
             max_running: 32,
             max_waiting: 256,
             step_token_budget: 512,
-            prefill_chunk: 256,
+            prefill_chunk: 512,
             min_prefill_chunk: 16,
             max_prefill_chunk: 2048,
             event_buffer: 64,

@@ -7,7 +7,18 @@
 //! (verification is the first multi-row decode). One forward of each shape
 //! class the engine runs moves that cost to start-up; compiled kernels are
 //! also kept on disk by MLX, so a restarted server starts faster.
-use crate::model::{BatchedRows, RowInput, Transformer, GATHERED_ROWS_MULTIPLE, SHARED_ATTENTION_SCORES};
+//!
+//! With the running rows' caches batched, attention over more than one
+//! query per slot goes through matmuls that MLX's CUDA backend (cuBLAS) sets
+//! up at the first use of each shape, ~4 ms each (bench/results/gpu-h200-first-shape-cost.jsonl).
+//! A shape is (slots, queries per slot, capacity), all three from small
+//! fixed sets, so every one a serving engine can meet is run once here
+//! ([`attention_shapes`]): otherwise each turn of a chat, whose history has
+//! moved capacity up a class, would pay ~9 ms before its first token.
+use std::time::Instant;
+
+use super::config::EngineConfig;
+use crate::model::{capacity_classes, queries_per_slot, BatchedRows, ModelConfig, RowInput, Transformer, GATHERED_ROWS_MULTIPLE, SHARED_ATTENTION_SCORES};
 
 /// Token counts of the warm-up forwards. MLX picks a quantized matmul's
 /// kernel by row count: under 8 rows a matrix-vector kernel, from 8 rows
@@ -29,14 +40,37 @@ const WARM_UP_SLOTS: usize = 16;
 /// and the gathers.
 const WARM_UP_SLOT_STEPS: [((usize, usize), (usize, usize)); 5] = [((1, 1), (1, 1)), ((2, 2), (1, 1)), ((16, 16), (1, 1)), ((8, 8), (8, 8)), ((64, 1), (0, 0))];
 
-/// Gathered row counts the warm-up runs (in steps of
-/// [`GATHERED_ROWS_MULTIPLE`]): a prompt chunk beside decoding rows, up to
-/// this many rows in all.
-const WARM_UP_GATHERED_ROWS: usize = 256;
+
+/// The shared attention's shapes a serving engine can meet, as (slots,
+/// queries per slot, capacity): slot counts are powers of two up to the
+/// running rows; queries one (decode) up to a default prompt chunk's;
+/// capacities every class up to the model's context; within the KV budget,
+/// and, for more than one slot, within the shared scores' bound (past it a
+/// chunk attends alone).
+pub(super) fn attention_shapes(config: &EngineConfig, model: &ModelConfig, kv_bytes_per_token: usize) -> Vec<(usize, usize, usize)> {
+    let slot_counts = std::iter::successors(Some(1usize), |&s| (s < config.max_running).then_some(s * 2));
+    let largest_queries = queries_per_slot(config.prefill_chunk);
+    let query_counts: Vec<usize> = std::iter::successors(Some(1usize), |&n| (n < largest_queries).then(|| queries_per_slot(n + 1))).collect();
+    let mut shapes = Vec::new();
+    for slots in slot_counts {
+        for &n in &query_counts {
+            for capacity in capacity_classes(model.context_length + 1) {
+                let scores = slots * model.n_heads * n * capacity;
+                let bytes = slots * capacity * kv_bytes_per_token;
+                // A lone slot attends in the shared shape whatever its scores.
+                if capacity > n && (slots == 1 || scores <= config.shared_attention_scores) && bytes <= config.kv_budget_bytes {
+                    shapes.push((slots, n, capacity));
+                }
+            }
+        }
+    }
+    shapes
+}
 
 /// Runs, and discards, forwards of every row-count class through a row's
-/// own cache and, when running rows are batched, through batch slots.
-pub(super) fn warm_up(model: &Transformer, batched: bool) -> mlx::Result<()> {
+/// own cache and, when running rows are batched, through batch slots, and
+/// the batched attention at every shape of [`attention_shapes`].
+pub(super) fn warm_up(model: &Transformer, config: &EngineConfig, batched: bool) -> mlx::Result<()> {
     let mut cache = model.new_cache();
     for n in WARM_UP_TOKENS {
         let ids = mlx::Array::from_i32(&vec![1; n], &[1, n])?;
@@ -49,10 +83,14 @@ pub(super) fn warm_up(model: &Transformer, batched: bool) -> mlx::Result<()> {
     if batched {
         let mut kv = model.new_kv_batch();
         for _ in 0..WARM_UP_SLOTS {
-            kv.admit(&cache)?;
+            kv.admit(&cache, 0)?;
         }
         let others = WARM_UP_SLOTS - 1;
-        let gathered = (2 * GATHERED_ROWS_MULTIPLE..=WARM_UP_GATHERED_ROWS).step_by(GATHERED_ROWS_MULTIPLE).map(|rows| ((rows - others, 1), (1, 1)));
+        // Gathered row counts (in steps of GATHERED_ROWS_MULTIPLE): a prompt
+        // chunk beside decoding rows, up to a step's whole budget; the same
+        // counts cover a lone chunk's padded rows.
+        let most_rows = config.step_token_budget.max(config.prefill_chunk).next_multiple_of(GATHERED_ROWS_MULTIPLE);
+        let gathered = (2 * GATHERED_ROWS_MULTIPLE..=most_rows).step_by(GATHERED_ROWS_MULTIPLE).map(|rows| ((rows - others, 1), (1, 1)));
         for ((first, first_logits), (rest, rest_logits)) in WARM_UP_SLOT_STEPS.into_iter().chain(gathered) {
             let tokens = (0..WARM_UP_SLOTS).map(|s| vec![1; if s == 0 { first } else { rest }]).collect();
             let logits = (0..WARM_UP_SLOTS).map(|s| if s == 0 { first_logits } else { rest_logits }).collect();
@@ -65,7 +103,56 @@ pub(super) fn warm_up(model: &Transformer, batched: bool) -> mlx::Result<()> {
                 kv.truncate(slot, cache.len());
             }
         }
+        let started = Instant::now();
+        let shapes = attention_shapes(config, &model.config, model.config.kv_bytes_per_token(model.dtype.size()));
+        for &(slots, n, capacity) in &shapes {
+            model.warm_shared_attention(slots, n, capacity)?;
+        }
+        eprintln!("warm-up: {} attention shapes in {:.1} s", shapes.len(), started.elapsed().as_secs_f64());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{capacity_class, Architecture};
+
+    /// Qwen2.5-1.5B's attention: 12 query heads, 2 KV heads of 128.
+    fn qwen_1_5b() -> ModelConfig {
+        ModelConfig {
+            arch: Architecture::Qwen2,
+            vocab_size: 151_936,
+            d_model: 1536,
+            n_layers: 28,
+            n_heads: 12,
+            n_kv_heads: 2,
+            head_dim: 128,
+            d_ff: 8960,
+            context_length: 32_768,
+            rms_eps: 1e-6,
+            rope_theta: 1e6,
+            rope_traditional: false,
+            qkv_bias: true,
+            tied_embeddings: true,
+        }
+    }
+
+    #[test]
+    fn warmed_attention_shapes_cover_a_chat_and_stay_few() {
+        let (config, model) = (EngineConfig::default(), qwen_1_5b());
+        let shapes = attention_shapes(&config, &model, model.kv_bytes_per_token(2));
+        // Turn 12 of the agent benchmark: 4,340 tokens, 340 of them new,
+        // read in one chunk by one slot (padded to 512 queries), then decoded.
+        let capacity = capacity_class(4_340 + 1);
+        assert!(shapes.contains(&(1, 512, capacity)) && shapes.contains(&(1, 1, capacity)));
+        // 16 slots decoding or verifying beside 16-token chunks at 2k.
+        assert!(shapes.contains(&(16, 16, capacity_class(2_100))));
+        assert!(shapes.iter().all(|&(s, n, c)| s == 1 || s * model.n_heads * n * c <= config.shared_attention_scores));
+        // A long session's next turn: one slot, 512 queries over 30k keys.
+        assert!(shapes.contains(&(1, 512, capacity_class(30_000))));
+        // 415 of them took 0.6 s on an NVIDIA H200 (bench/results/gpu-h200-agent-warm-shapes.jsonl).
+        assert!(shapes.len() < 1000, "{} shapes", shapes.len());
+    }
 }
 

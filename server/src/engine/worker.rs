@@ -98,7 +98,7 @@ where
     };
     let batched = config.kv_layout.batched_on(mlx::default_device());
     if mlx::default_device() == mlx::Device::Gpu {
-        if let Err(e) = super::warmup::warm_up(&model.transformer, batched) {
+        if let Err(e) = super::warmup::warm_up(&model.transformer, &config, batched) {
             let _ = info_tx.send(Err(anyhow::anyhow!("warming up the model's kernels failed: {e}")));
             return;
         }
@@ -282,13 +282,13 @@ impl Engine {
     /// there too, so prompt chunks share the step's attention with the
     /// decoding rows instead of adding their own kernels, and the finished
     /// prompt needs no move. A prefix-cache hit is copied in. The slot gets
-    /// the whole prompt's room now (see [`KvBatch::ensure_capacity`]).
+    /// the whole prompt's room now (see [`KvBatch::admit`]).
     fn seat(&mut self, row: &mut Row) -> mlx::Result<()> {
         let Some(kv) = &mut self.batch else { return Ok(()) };
-        let slot = kv.admit(&row.cache)?;
+        let slot = kv.admit(&row.cache, row.request.prompt.len() + 1)?;
         row.slot = Some(slot);
         row.cache = self.model.new_cache();
-        kv.ensure_capacity(row.request.prompt.len() + 1)
+        Ok(())
     }
 
     /// Assigns this step's work under the token budget, starting at a

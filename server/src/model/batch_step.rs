@@ -8,13 +8,14 @@
 //! many rows run, but the attention of more than one query per slot goes
 //! through matmuls that MLX's CUDA backend sets up anew, for milliseconds,
 //! at every new shape (bench/results/gpu-h200-first-shape-cost.jsonl); so
-//! `n` comes in a few sizes (1, 16, 64, 256, ...) and capacity in blocks,
-//! and a run of steps repeats one shape. Padded queries are not free either
+//! `n` comes in a few sizes (1, 16, 32, 64, ...) and capacity in a few
+//! classes, a run of steps repeats one shape, and the engine warms every
+//! shape up before serving. Padded queries are not free either
 //! (16-token chunks beside 8 decoding rows of a 1.5B model on an NVIDIA
 //! H200: 8.4 ms steps at 16 queries a slot, 11 ms at 64). Those scores are materialised,
 //! `slots x heads x n x capacity` of them: a slot whose chunk would push
 //! them over a bound ([`SHARED_ATTENTION_SCORES`] by default) attends
-//! alone, over its own keys only.
+//! alone, over its own keys only (unless it is the batch's only slot).
 //!
 //! The per-token work (projections, MLP) need not be padded. When padding
 //! would dominate (a 16-token chunk beside 15 decoding slots is 256 padded
@@ -24,7 +25,7 @@
 //! small paddings stay.
 use mlx::{Array, Device};
 
-use super::kv_batch::KvBatch;
+use super::kv_batch::{capacity_class, KvBatch};
 
 /// Padded rows a GPU computes more cheaply than it gathers them out (a
 /// projection of 64 more rows is a small part of reading its weights).
@@ -110,16 +111,20 @@ impl BatchStep {
         }
         let lens: Vec<usize> = (0..slots).map(|s| b.kv.len(s)).collect();
         let longest = (0..slots).map(|s| lens[s] + real[s]).max().unwrap_or(0);
-        let capacity = b.kv.capacity().max(longest);
+        // The capacity this step will have (at most: the class holding the
+        // longest slot and a padding row), which bounds the shared scores.
+        let capacity = b.kv.capacity().max(capacity_class(longest + 1));
         let fits = (b.shared_scores / (slots * heads * capacity).max(1)).max(1);
-        let is_alone: Vec<bool> = real.iter().map(|&r| r > 1 && queries_per_slot(r) > fits).collect();
+        // The batch's only slot gains nothing alone: the same scores, at a
+        // key length of its own (a new shape at every chunk).
+        let is_alone: Vec<bool> = real.iter().map(|&r| r > 1 && slots > 1 && queries_per_slot(r) > fits).collect();
         let shared_most = (0..slots).filter(|&s| !is_alone[s]).map(|s| real[s]).max().unwrap_or(0);
         let shared = shared_most > 0;
         let n = queries_per_slot(shared_most.max(1));
-        let shared_real: usize = (0..slots).filter(|&s| !is_alone[s]).map(|s| real[s]).sum();
+        let shared_tokens: usize = (0..slots).filter(|&s| !is_alone[s]).map(|s| real[s]).sum();
         let any_alone = is_alone.iter().any(|&a| a);
 
-        let (ids, starts, layout) = if any_alone || gathers(slots, n, shared_real, mlx::default_device()) {
+        let (ids, starts, layout) = if any_alone || gathers(slots, n, shared_tokens, mlx::default_device()) {
             let total: usize = real.iter().sum();
             let rows = total.next_multiple_of(GATHERED_ROWS_MULTIPLE);
             let mut ids: Vec<i32> = b.tokens.iter().flatten().copied().collect();
@@ -152,11 +157,12 @@ impl BatchStep {
         };
         let alone: Vec<AloneSlot> = (0..slots).filter(|&s| is_alone[s]).map(|s| AloneSlot { slot: s, start: starts[s], tokens: real[s], offset: lens[s] }).collect();
         // The shared attention writes every slot's n rows: an alone slot's
-        // past its chunk, which it writes itself.
+        // (all padding there) past its chunk, which it writes itself.
         let write_from: Vec<usize> = (0..slots).map(|s| lens[s] + if is_alone[s] { real[s] } else { 0 }).collect();
-        let needed = (0..slots).map(|s| if shared { write_from[s] + n } else { lens[s] + real[s] }).max().unwrap_or(0);
+        let shared_real: Vec<usize> = (0..slots).map(|s| if is_alone[s] { 0 } else { real[s] }).collect();
+        let needed = (0..slots).map(|s| if shared { KvBatch::padded_room(write_from[s], shared_real[s], n) } else { lens[s] + real[s] }).max().unwrap_or(0);
         b.kv.ensure_capacity(needed)?;
-        let positions = b.kv.write_positions(&write_from, n)?;
+        let positions = b.kv.write_positions(&write_from, &shared_real, n)?;
         let mask = b.kv.step_mask(&positions)?;
         let tokens = ids.len();
         Ok(BatchStep { slots, n, shared, ids: Array::from_i32(&ids, &[1, tokens])?, tokens, starts, real, positions, mask, offsets: b.kv.offsets()?, alone, layout })
@@ -198,13 +204,13 @@ impl BatchStep {
 pub const SMALL_QUERIES: usize = 16;
 
 /// Queries per slot of a shared attention whose busiest slot brings
-/// `tokens`: one for decoding, else the next of 16, 64, 256, ....
-fn queries_per_slot(tokens: usize) -> usize {
-    let mut n = 1;
-    while n < tokens {
-        n = if n == 1 { SMALL_QUERIES } else { n * 4 };
+/// `tokens`: one for decoding, else the next of 16, 32, 64, ...: at most
+/// twice the tokens, and few enough sizes to warm every shape up.
+pub fn queries_per_slot(tokens: usize) -> usize {
+    match tokens {
+        0..=1 => 1,
+        _ => tokens.next_power_of_two().max(SMALL_QUERIES),
     }
-    n
 }
 
 /// Whether a step of `slots` slots of `n` tokens, `real` of them real, runs
@@ -239,7 +245,7 @@ mod tests {
 
     #[test]
     fn queries_come_in_few_sizes() {
-        let sizes: Vec<usize> = [1, 2, 16, 17, 64, 65, 256, 300].into_iter().map(queries_per_slot).collect();
-        assert_eq!(sizes, [1, 16, 16, 64, 64, 256, 256, 1024]);
+        let sizes: Vec<usize> = [1, 2, 16, 17, 64, 65, 256, 330].into_iter().map(queries_per_slot).collect();
+        assert_eq!(sizes, [1, 16, 16, 32, 64, 128, 256, 512]);
     }
 }

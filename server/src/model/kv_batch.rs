@@ -10,11 +10,13 @@
 //! masked attention per layer, however many rows there are and whatever
 //! each is doing.
 //!
-//! Slots are allocated in powers of two and freed slots are reused, so the
-//! shapes a step sees change only when the slot count doubles or capacity
-//! grows by a block. Free and idle slots still flow through the forward
-//! (their token is padding, their writes land past their length and their
-//! outputs are dropped): cheaper on a GPU than changing shapes every step.
+//! Slots are allocated in powers of two and freed slots are reused, and
+//! capacity takes one of a few sizes ([`capacity_class`]), so the shapes a
+//! step sees change only when the slot count doubles or capacity moves up a
+//! class, and the engine can meet every shape once at start-up. Free and
+//! idle slots still flow through the forward (their token is padding, their
+//! writes land past their length and their outputs are dropped): cheaper on
+//! a GPU than changing shapes every step.
 //!
 //! A slot's valid positions are `..len`; anything written past it (padding,
 //! rejected drafts) is masked out and overwritten later, so rolling back is
@@ -22,6 +24,25 @@
 use mlx::{Array, Dtype};
 
 use super::kv_cache::{zeros_keeping, KvCache, CAPACITY_STEP};
+
+/// The capacity a batch takes to hold `needed` positions: a multiple of
+/// [`CAPACITY_STEP`] up to four of them, then four sizes per doubling (1,280,
+/// 1,536, 1,792, 2,048, 2,560, ...), at most a quarter above `needed`.
+/// Every capacity is a new attention shape, which MLX's CUDA backend sets up
+/// for milliseconds at first use (bench/results/gpu-h200-first-shape-cost.jsonl);
+/// a turn of a chat that grew the capacity block by block met one at every
+/// turn. These few sizes are all warmed up before serving.
+pub fn capacity_class(needed: usize) -> usize {
+    let below = needed.saturating_sub(1).checked_ilog2().map_or(1, |log| 1usize << log);
+    let step = (below / 4).max(CAPACITY_STEP);
+    needed.max(1).div_ceil(step) * step
+}
+
+/// The capacity classes from the smallest up to the one holding `needed`.
+pub fn capacity_classes(needed: usize) -> impl Iterator<Item = usize> {
+    let last = capacity_class(needed);
+    std::iter::successors(Some(capacity_class(1)), move |&c| (c < last).then(|| capacity_class(c + 1)))
+}
 
 pub struct KvBatch {
     /// Per layer (keys, values), `[slots, kv_heads, capacity, head_dim]`;
@@ -66,18 +87,18 @@ impl KvBatch {
     }
 
     /// Moves a row's cache into a free slot (growing the slot count to the
-    /// next power of two when none is free) and returns the slot.
-    pub fn admit(&mut self, cache: &KvCache) -> mlx::Result<usize> {
-        let slot = match self.lens.iter().position(Option::is_none) {
-            Some(slot) => slot,
-            None => {
-                let slot = self.lens.len();
-                self.resize((slot * 2).max(1), self.capacity.max(CAPACITY_STEP))?;
-                slot
-            }
-        };
+    /// next power of two when none is free), with room for `room` positions
+    /// in all (a row's whole prompt: one reallocation, where growing chunk by
+    /// chunk would copy every slot at each class), and returns the slot.
+    pub fn admit(&mut self, cache: &KvCache, room: usize) -> mlx::Result<usize> {
         let len = cache.len();
-        self.ensure_capacity(len)?;
+        let free = self.lens.iter().position(Option::is_none);
+        let slots = if free.is_some() { self.lens.len() } else { (self.lens.len() * 2).max(1) };
+        let capacity = self.capacity.max(capacity_class(len.max(room)));
+        if slots != self.lens.len() || capacity != self.capacity {
+            self.resize(slots, capacity)?;
+        }
+        let slot = free.unwrap_or_else(|| self.lens.iter().position(Option::is_none).expect("grown by a slot at least"));
         if len > 0 {
             let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
             let (s, n) = (slot as i32, len as i32);
@@ -145,10 +166,23 @@ impl KvBatch {
         Ok((k.clone(), v.clone()))
     }
 
-    /// Per slot, the positions `from[s] .. from[s] + n` as int32 `[slots, 1, n, 1]`.
-    pub fn write_positions(&self, from: &[usize], n: usize) -> mlx::Result<Array> {
-        let pos: Vec<i32> = from.iter().flat_map(|&f| (0..n).map(move |i| (f + i) as i32)).collect();
+    /// Per slot, where a step's `n` rows are written, as int32 `[slots, 1,
+    /// n, 1]`: its `real[s]` tokens at `from[s] ..`, its padding rows at
+    /// the same positions onwards but never past the last position, which a
+    /// slot with padding leaves free (see [`padded_room`](Self::padded_room)):
+    /// padding then needs no capacity of its own, and a 74-token chunk
+    /// padded to 256 queries does not grow the batch by 256 positions.
+    pub fn write_positions(&self, from: &[usize], real: &[usize], n: usize) -> mlx::Result<Array> {
+        let last = self.capacity.saturating_sub(1);
+        let pos: Vec<i32> = from.iter().zip(real).flat_map(|(&f, &r)| (0..n).map(move |i| if i < r { f + i } else { (f + i).min(last) } as i32)).collect();
         Array::from_i32(&pos, &[self.slots(), 1, n, 1])
+    }
+
+    /// Positions a slot needs to take `real` of a step's `n` rows at `from`
+    /// (see [`write_positions`](Self::write_positions)): one more than its
+    /// real tokens when it has padding, so padding lands past them.
+    pub fn padded_room(from: usize, real: usize, n: usize) -> usize {
+        from + real + usize::from(real < n)
     }
 
     /// Writes one layer's keys and values of one slot, `[1, kv_heads, n,
@@ -192,14 +226,13 @@ impl KvBatch {
         self.layers.iter().flat_map(|(k, v)| [k, v]).collect()
     }
 
-    /// Makes room for `needed` positions in every slot. Admitting a row
-    /// with its whole prompt's room costs one reallocation, where growing
-    /// chunk by chunk would copy every slot at each capacity step.
+    /// Makes room for `needed` positions in every slot, moving capacity up
+    /// to the class that holds them ([`capacity_class`]).
     pub fn ensure_capacity(&mut self, needed: usize) -> mlx::Result<()> {
         if needed <= self.capacity {
             return Ok(());
         }
-        self.resize(self.lens.len(), needed.div_ceil(CAPACITY_STEP) * CAPACITY_STEP)
+        self.resize(self.lens.len(), capacity_class(needed))
     }
 
     /// Reallocates every layer as `[slots, .., capacity, ..]`, keeping the
@@ -236,7 +269,7 @@ mod tests {
     fn slots_double_are_reused_and_give_their_contents_back() {
         mlx::set_default_device(mlx::Device::Cpu).unwrap();
         let mut kv = KvBatch::new(2, 1, 4, Dtype::F32);
-        let slots: Vec<usize> = (0..3).map(|i| kv.admit(&cache_of(3 + i, i as f32 + 1.0)).unwrap()).collect();
+        let slots: Vec<usize> = (0..3).map(|i| kv.admit(&cache_of(3 + i, i as f32 + 1.0), 0).unwrap()).collect();
         assert_eq!(slots, vec![0, 1, 2]);
         assert_eq!(kv.slots(), 4, "slot counts go 1, 2, 4");
         assert_eq!((kv.len(1), kv.len(3)), (4, 0));
@@ -248,7 +281,7 @@ mod tests {
         let k = k.slice(&[0, 0, 0, 0], &[1, 1, 4, 4]).unwrap().to_vec_f32().unwrap();
         let v = v.slice(&[0, 0, 0, 0], &[1, 1, 4, 4]).unwrap().to_vec_f32().unwrap();
         assert!(k.iter().all(|&x| x == 2.0) && v.iter().all(|&x| x == -2.0));
-        assert_eq!(kv.admit(&cache_of(2, 9.0)).unwrap(), 1);
+        assert_eq!(kv.admit(&cache_of(2, 9.0), 0).unwrap(), 1);
         assert_eq!(kv.occupied(), 3);
 
         // Rolling back only lowers the length; the last row out frees everything.
@@ -261,11 +294,38 @@ mod tests {
     }
 
     #[test]
+    fn capacity_comes_in_a_few_classes_at_most_a_quarter_above_the_need() {
+        let classes: Vec<usize> = capacity_classes(5_000).collect();
+        assert_eq!(classes, [256, 512, 768, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096, 5120]);
+        for needed in 1..40_000 {
+            let c = capacity_class(needed);
+            assert!(c >= needed && (c <= 1024 || c * 4 <= needed * 5), "{needed} -> {c}");
+            assert_eq!(capacity_class(c), c, "a class holds itself");
+        }
+    }
+
+    #[test]
+    fn padding_rows_land_past_the_real_ones_within_capacity() {
+        mlx::set_default_device(mlx::Device::Cpu).unwrap();
+        let mut kv = KvBatch::new(1, 1, 4, Dtype::F32);
+        kv.admit(&cache_of(250, 1.0), 0).unwrap();
+        kv.admit(&cache_of(3, 1.0), 0).unwrap();
+        assert_eq!(kv.capacity(), 256);
+        // Slot 0 reads 5 tokens at 250 (padded to 16 queries), slot 1 decodes one.
+        let needed = KvBatch::padded_room(250, 5, 16).max(KvBatch::padded_room(3, 1, 16));
+        assert_eq!(needed, 256, "one position beyond the real tokens, none for the rest of the padding");
+        kv.ensure_capacity(needed).unwrap();
+        let pos = kv.write_positions(&[250, 3], &[5, 1], 16).unwrap().to_vec_i32().unwrap();
+        assert_eq!(&pos[..16], &[250, 251, 252, 253, 254, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255]);
+        assert_eq!(&pos[16..20], &[3, 4, 5, 6]);
+    }
+
+    #[test]
     fn a_slot_written_alone_shows_its_keys_and_leaves_the_others() {
         mlx::set_default_device(mlx::Device::Cpu).unwrap();
         let mut kv = KvBatch::new(2, 1, 4, Dtype::F32);
-        kv.admit(&cache_of(3, 1.0)).unwrap();
-        kv.admit(&cache_of(2, 2.0)).unwrap();
+        kv.admit(&cache_of(3, 1.0), 0).unwrap();
+        kv.admit(&cache_of(2, 2.0), 0).unwrap();
         // Three new positions of slot 1 after its two: it then sees five keys.
         let new = Array::full(&[1, 1, 3, 4], 7.0, Dtype::F32).unwrap();
         let (keys, values) = kv.write_slot(1, 1, 2, &new, &new).unwrap();

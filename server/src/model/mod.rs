@@ -14,9 +14,9 @@ mod weights;
 
 use std::path::Path;
 
-pub use batch_step::{BatchedRows, GATHERED_ROWS_MULTIPLE, SHARED_ATTENTION_SCORES, SMALL_QUERIES};
+pub use batch_step::{queries_per_slot, BatchedRows, GATHERED_ROWS_MULTIPLE, SHARED_ATTENTION_SCORES, SMALL_QUERIES};
 pub use config::{Architecture, ModelConfig};
-pub use kv_batch::KvBatch;
+pub use kv_batch::{capacity_class, capacity_classes, KvBatch};
 pub use kv_cache::{KvCache, CAPACITY_STEP as KV_CAPACITY_STEP};
 pub use linear::{Linear, Weight};
 pub use transformer::{Layer, RowInput, StepLogits, Transformer};

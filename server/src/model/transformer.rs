@@ -251,6 +251,27 @@ impl Transformer {
         fast::sdpa(&q, &keys, &values, scale, mask)?.transpose(&[0, 2, 1, 3])?.reshape(&[1, n, hq * hd])
     }
 
+    /// Runs the shared attention ([`attention_batched`](Self::attention_batched))
+    /// of one layer once, on zeros, for `slots` slots (a power of two) of
+    /// `n` queries each over `capacity` keys (a [`capacity_class`](super::kv_batch::capacity_class)): the
+    /// same ops on the same shapes and layouts as a step, so that whatever
+    /// MLX sets up for a shape at first use is done before serving.
+    pub fn warm_shared_attention(&self, slots: usize, n: usize, capacity: usize) -> mlx::Result<()> {
+        let c = &self.config;
+        let mut kv = KvBatch::new(1, c.n_kv_heads, c.head_dim, self.dtype);
+        let empty = KvCache::new(1, c.n_kv_heads, c.head_dim, self.dtype);
+        for _ in 0..slots {
+            kv.admit(&empty, capacity)?;
+        }
+        let mut rows = BatchedRows { kv: &mut kv, tokens: vec![vec![0; n]; slots], logits: vec![0; slots], shared_scores: usize::MAX };
+        let step = BatchStep::prepare(&mut rows, c.n_heads)?;
+        let width = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim;
+        // `full` materialises its value, so the rows are laid out as a projection's output.
+        let qkv = Array::full(&[1, slots * n, width], 0.0, self.dtype)?;
+        let out = self.attention_batched(0, &qkv, rows.kv, &step)?;
+        mlx::eval(&[&out])
+    }
+
     /// The shared attention of one layer for every slot of a [`KvBatch`]:
     /// `qkv` is `[1, slots * n, ..]`, slot-major. One rope each for queries
     /// and keys (each slot at its own offset), one scatter each into the key
