@@ -41,12 +41,17 @@ const WARM_UP_SLOTS: usize = 16;
 const WARM_UP_SLOT_STEPS: [((usize, usize), (usize, usize)); 5] = [((1, 1), (1, 1)), ((2, 2), (1, 1)), ((16, 16), (1, 1)), ((8, 8), (8, 8)), ((64, 1), (0, 0))];
 
 
+/// How far past the shared scores' bound a lone slot's shapes are warmed:
+/// 4 x 256 MB of scores, a 512-token chunk over ~43k keys of a model with
+/// 12 query heads. Longer sessions meet a shape's set-up at first use.
+const LONE_SLOT_WARM_SCORES_FACTOR: usize = 4;
+
 /// The shared attention's shapes a serving engine can meet, as (slots,
 /// queries per slot, capacity): slot counts are powers of two up to the
 /// running rows; queries one (decode) up to a default prompt chunk's;
 /// capacities every class up to the model's context; within the KV budget,
-/// and, for more than one slot, within the shared scores' bound (past it a
-/// chunk attends alone).
+/// and within the shared scores' bound (past it a chunk beside others
+/// attends alone; a lone slot's, see [`LONE_SLOT_WARM_SCORES_FACTOR`]).
 pub(super) fn attention_shapes(config: &EngineConfig, model: &ModelConfig, kv_bytes_per_token: usize) -> Vec<(usize, usize, usize)> {
     let slot_counts = std::iter::successors(Some(1usize), |&s| (s < config.max_running).then_some(s * 2));
     let largest_queries = queries_per_slot(config.prefill_chunk);
@@ -57,8 +62,12 @@ pub(super) fn attention_shapes(config: &EngineConfig, model: &ModelConfig, kv_by
             for capacity in capacity_classes(model.context_length + 1) {
                 let scores = slots * model.n_heads * n * capacity;
                 let bytes = slots * capacity * kv_bytes_per_token;
-                // A lone slot attends in the shared shape whatever its scores.
-                if capacity > n && (slots == 1 || scores <= config.shared_attention_scores) && bytes <= config.kv_budget_bytes {
+                // A lone slot attends in the shared shape whatever its
+                // scores; its shapes are warmed up to a few times the bound
+                // (a warm-up step holds its scores too: a long-context model's
+                // longest shapes would take gigabytes).
+                let bound = if slots == 1 { LONE_SLOT_WARM_SCORES_FACTOR * config.shared_attention_scores } else { config.shared_attention_scores };
+                if capacity > n && scores <= bound && bytes <= config.kv_budget_bytes {
                     shapes.push((slots, n, capacity));
                 }
             }
@@ -148,7 +157,8 @@ mod tests {
         assert!(shapes.contains(&(1, 512, capacity)) && shapes.contains(&(1, 1, capacity)));
         // 16 slots decoding or verifying beside 16-token chunks at 2k.
         assert!(shapes.contains(&(16, 16, capacity_class(2_100))));
-        assert!(shapes.iter().all(|&(s, n, c)| s == 1 || s * model.n_heads * n * c <= config.shared_attention_scores));
+        let bound = |s: usize| if s == 1 { LONE_SLOT_WARM_SCORES_FACTOR } else { 1 } * config.shared_attention_scores;
+        assert!(shapes.iter().all(|&(s, n, c)| s * model.n_heads * n * c <= bound(s)));
         // A long session's next turn: one slot, 512 queries over 30k keys.
         assert!(shapes.contains(&(1, 512, capacity_class(30_000))));
         // 415 of them took 0.6 s on an NVIDIA H200 (bench/results/gpu-h200-agent-warm-shapes.jsonl).
