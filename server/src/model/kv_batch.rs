@@ -304,12 +304,20 @@ mod tests {
         }
     }
 
+    /// A batch of `n_layers` (one head of 4) holding these rows, each
+    /// (length, fill value), in slots 0, 1, ....
+    fn batch_of(n_layers: usize, rows: &[(usize, f32)]) -> KvBatch {
+        mlx::set_default_device(mlx::Device::Cpu).unwrap();
+        let mut kv = KvBatch::new(n_layers, 1, 4, Dtype::F32);
+        for &(len, fill) in rows {
+            kv.admit(&cache_of(len, fill), 0).unwrap();
+        }
+        kv
+    }
+
     #[test]
     fn padding_rows_land_past_the_real_ones_within_capacity() {
-        mlx::set_default_device(mlx::Device::Cpu).unwrap();
-        let mut kv = KvBatch::new(1, 1, 4, Dtype::F32);
-        kv.admit(&cache_of(250, 1.0), 0).unwrap();
-        kv.admit(&cache_of(3, 1.0), 0).unwrap();
+        let mut kv = batch_of(1, &[(250, 1.0), (3, 1.0)]);
         assert_eq!(kv.capacity(), 256);
         // Slot 0 reads 5 tokens at 250 (padded to 16 queries), slot 1 decodes one.
         let needed = KvBatch::padded_room(250, 5, 16).max(KvBatch::padded_room(3, 1, 16));
@@ -322,10 +330,7 @@ mod tests {
 
     #[test]
     fn a_slot_written_alone_shows_its_keys_and_leaves_the_others() {
-        mlx::set_default_device(mlx::Device::Cpu).unwrap();
-        let mut kv = KvBatch::new(2, 1, 4, Dtype::F32);
-        kv.admit(&cache_of(3, 1.0), 0).unwrap();
-        kv.admit(&cache_of(2, 2.0), 0).unwrap();
+        let mut kv = batch_of(2, &[(3, 1.0), (2, 2.0)]);
         // Three new positions of slot 1 after its two: it then sees five keys.
         let new = Array::full(&[1, 1, 3, 4], 7.0, Dtype::F32).unwrap();
         let (keys, values) = kv.write_slot(1, 1, 2, &new, &new).unwrap();
