@@ -208,17 +208,19 @@ pub async fn start(
         let req = req.clone();
         let session_id = session.id.clone();
         tokio::task::spawn_blocking(move || {
+            let started = Instant::now();
             let prompt =
                 tokenize(&state.tokenizer, state.fim.as_ref(), &req.input).map_err(|e| e.with_request_id(req.request_id.clone()))?;
+            let tokenizing = started.elapsed();
             req.check_prompt_tokens(prompt.len(), &state.limits)?;
-            Ok::<_, ProtocolError>(submit_request(&state, &session_id, &req, prompt, received))
+            Ok::<_, ProtocolError>((submit_request(&state, &session_id, &req, prompt, received), tokenizing))
         })
         .await
         .unwrap_or_else(|e| {
             Err(ProtocolError::new(ErrorCode::Internal, format!("tokenizer task failed: {e}")).with_request_id(rid.clone()))
         })
     };
-    let submit = match prepared {
+    let (submit, tokenizing) = match prepared {
         Ok(s) => s,
         Err(e) => {
             session.unregister(key, &rid);
@@ -255,10 +257,18 @@ pub async fn start(
         logprobs: req.logprobs.then(|| req.top_logprobs.unwrap_or(0)),
         received,
         submitted,
+        tokenizing,
         prompt_tokens,
     };
     tokio::spawn(fwd.run(events));
     Ok(())
+}
+
+/// `TETHER_TRACE_STEPS=1` (with the engine's step trace): log where each
+/// request's time to first token went before the engine's steps.
+fn trace_requests() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("TETHER_TRACE_STEPS").is_ok_and(|v| v == "1"))
 }
 
 struct Forwarder {
@@ -271,6 +281,8 @@ struct Forwarder {
     logprobs: Option<u8>,
     received: Instant,
     submitted: Instant,
+    /// Time spent tokenizing the input (part of received..submitted).
+    tokenizing: Duration,
     prompt_tokens: usize,
 }
 
@@ -421,6 +433,16 @@ impl Forwarder {
         match outcome {
             Ok((reason, info)) => {
                 let (prompt_tokens, cached_tokens) = (info.prompt_tokens, info.cached_tokens);
+                if trace_requests() {
+                    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+                    eprintln!(
+                        "[request] prompt_tokens={prompt_tokens} cached_tokens={cached_tokens} tokenize_ms={:.2} submit_ms={:.2} queue_ms={} first_token_ms={:.2}",
+                        ms(self.tokenizing),
+                        ms(self.submitted - self.received),
+                        queue_ms.map_or(-1, |q| q as i64),
+                        first_token.map_or(f64::NAN, |t| ms(t - self.received)),
+                    );
+                }
                 self.state.metrics.request_finished(reason);
                 if alive {
                     let done = Done {
