@@ -16,7 +16,7 @@ use crate::engine::speculate::{DraftKind, SpecStats, Speculation};
 use crate::engine::{EngineError, EngineEvent, Finish, RequestId, Scope, SubmitRequest, TokenLogprob};
 use crate::sample::SamplingParams;
 use crate::stop::{StopMatcher, StopScan};
-use crate::tokenizer::{ChatMessage, TextTokenizer, TokenizerError};
+use crate::tokenizer::{ChatMessage, PieceEncoding, TextTokenizer, TokenizerError};
 
 /// Qwen2.5-Coder-style fill-in-the-middle tokens.
 #[derive(Clone, Copy, Debug)]
@@ -61,29 +61,42 @@ fn tokenizer_error(e: TokenizerError) -> ProtocolError {
 /// * `fim`: `[<|file_sep|>{path}\n{content}\n]* <|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>`
 ///   (Qwen2.5-Coder's repo-level format), where the user's text never turns
 ///   into control tokens.
-pub fn tokenize(tok: &TextTokenizer, fim: Option<&FimTokens>, input: &GenerateInput) -> Result<Vec<u32>, ProtocolError> {
+///
+/// A prompt or chat text re-uses `earlier` (the session's last prompt, see
+/// [`TextTokenizer::encode_extending`]) for the part the two share; its
+/// encoding is returned with the ids, for the session to keep.
+pub fn tokenize(
+    tok: &TextTokenizer,
+    fim: Option<&FimTokens>,
+    input: &GenerateInput,
+    earlier: Option<&PieceEncoding>,
+) -> Result<(Vec<u32>, Option<PieceEncoding>), ProtocolError> {
     let mut ids = Vec::new();
-    match input {
+    let text = match input {
         GenerateInput::Prompt(text) => {
             if tok.add_bos() {
                 ids.extend(tok.bos_id());
             }
-            ids.extend(tok.encode(text, true).map_err(tokenizer_error)?);
+            Some(text.clone())
         }
         GenerateInput::Messages(messages) => {
             let messages: Vec<ChatMessage> = messages.iter().map(|m| ChatMessage::new(m.role.as_str(), m.content.clone())).collect();
-            let text = tok.apply_chat_template(&messages, true).map_err(tokenizer_error)?;
-            ids.extend(tok.encode(&text, true).map_err(tokenizer_error)?);
+            Some(tok.apply_chat_template(&messages, true).map_err(tokenizer_error)?)
         }
         GenerateInput::Fim(f) => {
             let fim = fim.ok_or_else(fim_unsupported)?;
             fim_ids(tok, fim, f, &mut ids)?;
+            None
         }
+    };
+    let encoding = text.map(|t| tok.encode_extending(&t, earlier)).transpose().map_err(tokenizer_error)?;
+    if let Some(e) = &encoding {
+        ids.extend_from_slice(e.ids());
     }
     if ids.is_empty() {
         return Err(ProtocolError::invalid_parameter("the input is empty: it tokenizes to no tokens"));
     }
-    Ok(ids)
+    Ok((ids, encoding))
 }
 
 fn fim_ids(tok: &TextTokenizer, fim: &FimTokens, f: &FimInput, ids: &mut Vec<u32>) -> Result<(), ProtocolError> {
@@ -206,14 +219,17 @@ pub async fn start(
     let prepared = {
         let state = state.clone();
         let req = req.clone();
-        let session_id = session.id.clone();
+        let session = session.clone();
         tokio::task::spawn_blocking(move || {
             let started = Instant::now();
-            let prompt =
-                tokenize(&state.tokenizer, state.fim.as_ref(), &req.input).map_err(|e| e.with_request_id(req.request_id.clone()))?;
+            let (prompt, encoding) = tokenize(&state.tokenizer, state.fim.as_ref(), &req.input, session.last_prompt().as_deref())
+                .map_err(|e| e.with_request_id(req.request_id.clone()))?;
             let tokenizing = started.elapsed();
+            if let Some(e) = encoding {
+                session.set_last_prompt(e);
+            }
             req.check_prompt_tokens(prompt.len(), &state.limits)?;
-            Ok::<_, ProtocolError>((submit_request(&state, &session_id, &req, prompt, received), tokenizing))
+            Ok::<_, ProtocolError>((submit_request(&state, &session.id, &req, prompt, received), tokenizing))
         })
         .await
         .unwrap_or_else(|e| {

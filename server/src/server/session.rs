@@ -28,6 +28,7 @@ use subtle::ConstantTimeEq;
 use tokio::sync::{watch, Notify};
 
 use crate::engine::{EngineHandle, EnginePool, RequestId, Scope};
+use crate::tokenizer::PieceEncoding;
 
 /// Why the server closes a connection: an optional `error` frame, then a
 /// close frame.
@@ -259,9 +260,21 @@ pub struct Session {
     space: Notify,
     engine: EngineHandle,
     limits: SessionLimits,
+    /// The last prompt's encoding, in pieces: the next prompt, which usually
+    /// extends it, re-encodes only its new part (`tokenizer/extend.rs`).
+    last_prompt: Mutex<Option<Arc<PieceEncoding>>>,
 }
 
 impl Session {
+    /// The encoding of this session's last prompt (see `last_prompt`).
+    pub fn last_prompt(&self) -> Option<Arc<PieceEncoding>> {
+        self.last_prompt.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub fn set_last_prompt(&self, encoding: PieceEncoding) {
+        *self.last_prompt.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(encoding));
+    }
+
     /// The engine worker this session is pinned to.
     pub fn engine(&self) -> &EngineHandle {
         &self.engine
@@ -659,6 +672,7 @@ impl SessionRegistry {
             space: Notify::new(),
             engine,
             limits: self.limits,
+            last_prompt: Mutex::new(None),
         });
         self.map.insert(session.id.clone(), session.clone());
         Some((session, token))

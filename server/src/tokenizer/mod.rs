@@ -12,6 +12,7 @@
 mod bytes;
 mod chat;
 mod error;
+mod extend;
 mod gguf_vocab;
 mod hf;
 mod pretok;
@@ -28,6 +29,7 @@ use tokenizers::models::bpe::BPE;
 use tokenizers::{AddedToken, Tokenizer};
 
 pub use bytes::TokenKind;
+pub use extend::PieceEncoding;
 pub use chat::{ChatMessage, ChatTemplate, RenderOptions};
 pub use error::{Result, TokenizerError};
 pub use gguf_vocab::{token_type, GgufVocab};
@@ -78,6 +80,8 @@ pub struct TextTokenizer {
     strip_leading_space: bool,
     /// Pre-tokenizer family ("qwen2", "starcoder", ... or "tokenizer.json").
     pre_family: String,
+    /// Whether texts may be encoded in pieces (see `extend.rs`), once known.
+    encodes_in_pieces: OnceLock<bool>,
 }
 
 impl std::fmt::Debug for TextTokenizer {
@@ -322,6 +326,7 @@ impl TextTokenizer {
             chat_template: OnceLock::new(),
             strip_leading_space: p.strip_leading_space,
             pre_family: p.pre_family,
+            encodes_in_pieces: OnceLock::new(),
         })
     }
 

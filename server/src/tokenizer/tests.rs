@@ -738,3 +738,45 @@ fn hf_dir_sentencepiece_style() {
     );
     assert_eq!(t.decode(&[1, 263, 263, 2], true), "hi hi");
 }
+
+// ------------------------------------------------------- encode in pieces --
+
+/// A chat-like history: the corpus as lines, with line starts of every kind
+/// (digit runs, CRLF, blank lines, indentation, contractions, non-ASCII).
+fn history(turns: usize) -> String {
+    let texts = corpus();
+    let mut h = String::new();
+    for turn in 0..turns {
+        for (i, t) in texts.iter().enumerate() {
+            h.push_str(t);
+            h.push_str(["\n", "\r\n", "\n\n", "\n  ", "\n123", "\n's ", "\n한 ", "\n\t"][(turn + i) % 8]);
+            h.push_str(&format!("turn {turn} line {i}: 1234567 tokens, don't stop\n"));
+        }
+    }
+    h
+}
+
+#[test]
+fn pieces_encode_as_the_whole_text() {
+    for model in [SMOLLM, QWEN] {
+        let Some(t) = load(model) else { continue };
+        assert!(t.encodes_in_pieces(), "{model}");
+        let first = history(2);
+        let e1 = t.encode_extending(&first, None).unwrap();
+        assert_eq!(e1.ids(), t.encode(&first, true).unwrap().as_slice(), "{model}: first text");
+        // The next turn extends it (its last line too), the one after edits it half-way.
+        // Most of the text is re-used by a text that extends it.
+        assert!(e1.reused_for(first.len()) * 10 > e1.ids().len() * 9, "{model}: {} of {}", e1.reused_for(first.len()), e1.ids().len());
+        let second = format!("{first}and more on the same line\nNew line {}", history(1));
+        let e2 = t.encode_extending(&second, Some(&e1)).unwrap();
+        assert_eq!(e2.ids(), t.encode(&second, true).unwrap().as_slice(), "{model}: extended");
+        let half = (0..=second.len() / 2).rev().find(|&i| second.is_char_boundary(i)).unwrap();
+        let mut third = second[..half].to_string();
+        third.push_str("<|im_start|>user\nedited 99 tail\n\n");
+        let e3 = t.encode_extending(&third, Some(&e2)).unwrap();
+        assert_eq!(e3.ids(), t.encode(&third, true).unwrap().as_slice(), "{model}: edited");
+        // Nothing shared.
+        let e4 = t.encode_extending("x\ny", Some(&e3)).unwrap();
+        assert_eq!(e4.ids(), t.encode("x\ny", true).unwrap().as_slice(), "{model}: unrelated");
+    }
+}
