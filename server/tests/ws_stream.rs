@@ -250,3 +250,29 @@ async fn a_sessions_second_turn_reuses_its_first_turn() {
     assert!(hits.trim().parse::<u64>().unwrap() >= 1, "{hits}");
     assert!(metrics.contains("tether_prefix_cache_bytes "), "{metrics}");
 }
+
+/// A long raw prompt whose next turn extends it: the session re-encodes
+/// only the new part (tokenizer/extend.rs), and the second turn reads the
+/// same tokens, so the same output, as a fresh session given the whole text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_extended_prompt_reads_the_same_tokens_as_the_whole_text() {
+    let h = harness();
+    let lines: Vec<String> = (0..40).map(|i| format!("Step {i}: the parser read 1{i}7 lines; don't stop.\n")).collect();
+    let first = lines[..30].concat();
+    let second = format!("{first}{}Summary:", lines[30..].concat());
+    let mut c = server().await.client().await;
+    c.open().await;
+    c.generate("turn-1", json!({"prompt": first, "max_tokens": 1})).await;
+    c.collect("turn-1").await;
+    c.generate("turn-2", json!({"prompt": second, "max_tokens": 8, "speculation": {"source": "off"}})).await;
+    let turn2 = c.collect("turn-2").await;
+
+    let mut other = server().await.client().await;
+    other.open().await;
+    other.generate("turn-2", json!({"prompt": second, "max_tokens": 8, "speculation": {"source": "off"}})).await;
+    let fresh = other.collect("turn-2").await;
+    let whole = h.tokenizer.encode(&second, true).unwrap().len() + usize::from(h.tokenizer.add_bos());
+    assert_eq!(turn2.done().usage.prompt_tokens as usize, whole);
+    assert_eq!(fresh.done().usage.prompt_tokens as usize, whole);
+    assert_eq!(turn2.token_ids(), fresh.token_ids());
+}
