@@ -1,5 +1,6 @@
 //! One `generate`: input → token ids → engine request, and the forwarding
 //! task that turns engine events into `delta` / `done` frames.
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -77,11 +78,11 @@ pub fn tokenize(
             if tok.add_bos() {
                 ids.extend(tok.bos_id());
             }
-            Some(text.clone())
+            Some(Cow::Borrowed(text.as_str()))
         }
         GenerateInput::Messages(messages) => {
             let messages: Vec<ChatMessage> = messages.iter().map(|m| ChatMessage::new(m.role.as_str(), m.content.clone())).collect();
-            Some(tok.apply_chat_template(&messages, true).map_err(tokenizer_error)?)
+            Some(Cow::Owned(tok.apply_chat_template(&messages, true).map_err(tokenizer_error)?))
         }
         GenerateInput::Fim(f) => {
             let fim = fim.ok_or_else(fim_unsupported)?;
