@@ -15,6 +15,14 @@ mod warmup;
 pub mod speculate;
 mod worker;
 
+/// Whether `TETHER_TRACE_STEPS=1` asks for traces on stderr: every engine
+/// step (rows, tokens, time) and, at the server's edge, where each
+/// request's time to first token went before the engine. Read once.
+pub fn tracing() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("TETHER_TRACE_STEPS").is_ok_and(|v| v == "1"))
+}
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};

@@ -128,7 +128,7 @@ where
         draft,
         batch,
         step_cost: StepCost::new(config.max_itl_inflation, config.min_prefill_chunk),
-        trace_steps: std::env::var("TETHER_TRACE_STEPS").is_ok_and(|v| v == "1"),
+        trace_steps: super::tracing(),
         config,
         model: model.transformer,
         kv_bytes_per_token,

@@ -281,13 +281,6 @@ pub async fn start(
     Ok(())
 }
 
-/// `TETHER_TRACE_STEPS=1` (with the engine's step trace): log where each
-/// request's time to first token went before the engine's steps.
-fn trace_requests() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("TETHER_TRACE_STEPS").is_ok_and(|v| v == "1"))
-}
-
 struct Forwarder {
     state: Arc<ServerState>,
     session: Arc<Session>,
@@ -450,7 +443,7 @@ impl Forwarder {
         match outcome {
             Ok((reason, info)) => {
                 let (prompt_tokens, cached_tokens) = (info.prompt_tokens, info.cached_tokens);
-                if trace_requests() {
+                if crate::engine::tracing() {
                     let ms = |d: Duration| d.as_secs_f64() * 1e3;
                     eprintln!(
                         "[request] prompt_tokens={prompt_tokens} cached_tokens={cached_tokens} tokenize_ms={:.2} submit_ms={:.2} queue_ms={} first_token_ms={:.2}",
