@@ -14,6 +14,8 @@ fn main() {
     println!("cargo:rerun-if-changed=src/shim.cc");
     println!("cargo:rerun-if-changed=src/cpu_qmm.h");
     println!("cargo:rerun-if-changed=src/cpu_qmm.cc");
+    println!("cargo:rerun-if-changed=src/cpu_panels.h");
+    println!("cargo:rerun-if-changed=src/cpu_panels.cc");
     println!("cargo:rerun-if-changed=src/cpu_attention.h");
     println!("cargo:rerun-if-changed=src/cpu_attention.cc");
     println!("cargo:rerun-if-changed=src/cpu_swiglu.h");
@@ -43,6 +45,7 @@ fn main() {
     cxx_build::bridge("src/ffi.rs")
         .file("src/shim.cc")
         .file("src/cpu_qmm.cc")
+        .file("src/cpu_panels.cc")
         .file("src/cpu_attention.cc")
         .file("src/cpu_swiglu.cc")
         .include(&include)

@@ -6,19 +6,15 @@
 //! Run: cargo run --release -p tether-mlx --example qmm_rows_bench
 mod common;
 
-use common::best_ms;
-use mlx::{Array, Dtype};
+use common::{activation_rows, best_ms, projection_weight, SMOLLM2_PROJECTIONS};
+use mlx::Dtype;
 
 
 fn main() {
     mlx::set_default_device(mlx::Device::Cpu).unwrap();
-    // (K, N): fused q/k/v, o, fused gate/up, down, and the tied output head.
-    let shapes = [(576usize, 960usize), (576, 576), (576, 3072), (1536, 576), (576, 49152)];
     println!("{:>6} {:>6} {:>4} {:>5} {:>10} {:>10} {:>8}", "K", "N", "bits", "rows", "kernel", "f32 BLAS", "ratio");
-    for (k, n) in shapes {
-        let data: Vec<f32> = (0..k * n).map(|i| ((i * 2654435761usize) % 1000) as f32 / 1000.0 - 0.5).collect();
-        let w = Array::from_f32(&data, &[n, k]).unwrap();
-        w.eval().unwrap();
+    for (k, n) in SMOLLM2_PROJECTIONS {
+        let w = projection_weight(k, n);
         let bits = if n == 49152 { 8 } else { 4 };
         let q = mlx::quantize(&w, 32, bits).unwrap();
         let q32 = mlx::QuantizedWeights { scales: q.scales.astype(Dtype::F32).unwrap(), biases: q.biases.astype(Dtype::F32).unwrap(), ..q.clone() };
@@ -26,8 +22,7 @@ fn main() {
         let dense = mlx::dequantize(&q32, Dtype::F32).unwrap();
         dense.eval().unwrap();
         for m in [8usize, 16, 32, 64] {
-            let x = Array::from_f32(&(0..m * k).map(|i| (i % 7) as f32 * 0.1 - 0.3).collect::<Vec<_>>(), &[m, k]).unwrap();
-            x.eval().unwrap();
+            let x = activation_rows(m, k);
             let flops = 2.0 * (m * k * n) as f64;
             let iters = if n > 10000 { 5 } else { 30 };
             let kernel = best_ms(iters, &mut || mlx::cpu_quantized_matmul(&x, &q32).unwrap());

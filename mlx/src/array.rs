@@ -321,18 +321,23 @@ pub fn cpu_quantized_matmul_max_rows() -> usize {
     bridge::cpu_quantized_matmul_max_rows() as usize
 }
 
-/// `x @ w^T` for a dense float32 `w` of shape `[out, in]` on the CPU, for a
-/// few rows of `x` (see [`cpu_dense_matmul_supported`]): the decode
-/// kernel's micro-kernel on `w`'s rows as they are, where BLAS would copy
-/// (pack) all of `w` at every call.
-pub fn cpu_dense_matmul(x: &Array, w: &Array) -> Result<Array> {
-    wrap("cpu_dense_matmul", bridge::cpu_dense_matmul(x.raw(), w.raw()))
+/// `w` (`[out, in]`, float32) laid out in panels for [`cpu_panel_matmul`]:
+/// `[ceil(out / 48), in, 48]`, panel `p` holding rows `48 p..` transposed.
+/// Lazy; evaluate it once at load.
+pub fn cpu_pack_panels(w: &Array) -> Result<Array> {
+    wrap("cpu_pack_panels", bridge::cpu_pack_panels(w.raw()))
 }
 
-/// Whether [`cpu_dense_matmul`] takes `rows` rows of `in_features` on this CPU.
-pub fn cpu_dense_matmul_supported(rows: usize, in_features: usize) -> bool {
-    match (i32::try_from(rows), i32::try_from(in_features)) {
-        (Ok(r), Ok(k)) => bridge::cpu_dense_matmul_supported(r, k),
-        _ => false,
-    }
+/// `x @ w^T` on the CPU for `w` packed by [`cpu_pack_panels`] (`out_features`
+/// is `w`'s row count), any number of rows of `x`: a register-blocked
+/// micro-kernel reading the panels in order (BLAS would pack `w` again at
+/// every call). Each row's result is the same alone or in a batch.
+pub fn cpu_panel_matmul(x: &Array, panels: &Array, out_features: usize) -> Result<Array> {
+    let n = i32::try_from(out_features).map_err(|_| Error::new("cpu_panel_matmul", "too many outputs"))?;
+    wrap("cpu_panel_matmul", bridge::cpu_panel_matmul(x.raw(), panels.raw(), n))
+}
+
+/// Whether this CPU runs [`cpu_panel_matmul`] (it needs AVX-512).
+pub fn cpu_panels_supported() -> bool {
+    bridge::cpu_panels_supported()
 }

@@ -299,32 +299,6 @@ bool has_avx512() {
   return yes;
 }
 
-// Dense float32 W, rows [n0, n1) of the product: the tiled micro-kernel
-// straight on W's rows, which are already floats in order. (BLAS packs W
-// afresh at every call, and with a few dozen activation rows that copy of
-// the whole weight matrix costs as much as the product: about a quarter of
-// a 32-row decode step of SmolLM2 in float32.)
-__attribute__((target("avx512f,avx512bw")))
-void dense_rows_tiled(const float* x, const float* w, float* out, int M, int N, int K, int n0, int n1) {
-  thread_local std::vector<float> tail;
-  float dots[kTileN][kTileMaxM];
-  for (int n = n0; n < n1; n += kTileN) {
-    const int nc = std::min(kTileN, n1 - n);
-    const float* rows = w + static_cast<size_t>(n) * K;
-    if (nc < kTileN) {  // the last rows of W: padded with zeros, computed, never stored
-      tail.assign(static_cast<size_t>(kTileN) * K, 0.f);
-      std::copy(rows, rows + static_cast<size_t>(nc) * K, tail.begin());
-      rows = tail.data();
-    }
-    for (int m0 = 0; m0 < M; m0 += kTileMaxM) {
-      const int mb = std::min(kTileMaxM, M - m0);
-      tile_dots_any(mb, rows, x + static_cast<size_t>(m0) * K, K, dots);
-      for (int i = 0; i < nc; ++i)
-        for (int j = 0; j < mb; ++j) out[static_cast<size_t>(m0 + j) * N + n + i] = dots[i][j];
-    }
-  }
-}
-
 void run_problem(Problem p) {
   const int gs = p.K / p.G;
   std::vector<float> xsum(static_cast<size_t>(p.M) * p.G), xeven, xodd, xperm;
@@ -416,50 +390,7 @@ class CpuAffineMatmul : public mx::UnaryPrimitive {
   int group_size_, bits_;
 };
 
-class CpuDenseMatmul : public mx::UnaryPrimitive {
- public:
-  explicit CpuDenseMatmul(mx::Stream s) : mx::UnaryPrimitive(s) {}
-
-  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    auto& enc = start_cpu_eval(stream(), in, out);
-    const int K = in[0].shape(-1);
-    const int M = static_cast<int>(in[0].size() / K);
-    const int N = in[1].shape(0);
-    float* out_ptr = out.data<float>();
-    enc.dispatch([x = in[0], w = in[1], out_ptr, M, N, K]() {
-      const float* xp = x.data<float>();
-      const float* wp = w.data<float>();
-      RowPool::get().run(N, 64, [&](int a, int b) { dense_rows_tiled(xp, wp, out_ptr, M, N, K, a, b); });
-    });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("cpu_dense_matmul runs on the CPU only");
-  }
-
-  const char* name() const override { return "TetherCpuDenseMatmul"; }
-
-  bool is_equivalent(const mx::Primitive& other) const override { return dynamic_cast<const CpuDenseMatmul*>(&other) != nullptr; }
-};
-
 }  // namespace
-
-bool dense_small_matmul_supported(int rows, int in_features) {
-  return has_avx512() && rows >= 2 && rows <= kCpuQmmMaxRows && in_features % 16 == 0;
-}
-
-mx::array dense_small_matmul(const mx::array& x, const mx::array& w) {
-  if (x.dtype() != mx::float32 || w.dtype() != mx::float32 || w.ndim() != 2) throw std::invalid_argument("cpu_dense_matmul needs float32 x and a 2-D float32 W");
-  const int K = x.shape(-1);
-  if (w.shape(1) != K) throw std::invalid_argument("cpu_dense_matmul: x and W disagree on the input size");
-  if (!dense_small_matmul_supported(static_cast<int>(x.size() / std::max(K, 1)), K))
-    throw std::invalid_argument("cpu_dense_matmul: needs AVX-512, 2 to 128 rows and an input size that is a multiple of 16");
-  auto cpu = mx::default_stream(mx::Device::cpu);
-  auto out_shape = x.shape();
-  out_shape.back() = w.shape(0);
-  std::vector<mx::array> inputs = {mx::contiguous(x, false, cpu), mx::contiguous(w, false, cpu)};
-  return mx::array(out_shape, mx::float32, std::make_shared<CpuDenseMatmul>(cpu), std::move(inputs));
-}
 
 mx::array cpu_affine_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("cpu_affine_matmul supports 4 and 8 bits");

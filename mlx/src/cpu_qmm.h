@@ -21,10 +21,4 @@ mlx::core::array cpu_affine_matmul(
     int group_size,
     int bits);
 
-// x @ W^T for dense float32 W [N, K], with a few activation rows: the same
-// micro-kernel on W's rows as they are (BLAS would pack W at every call).
-// Supported where dense_small_matmul_supported(rows of x, K) holds.
-bool dense_small_matmul_supported(int rows, int in_features);
-mlx::core::array dense_small_matmul(const mlx::core::array& x, const mlx::core::array& w);
-
 }  // namespace tether_mlx

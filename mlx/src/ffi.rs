@@ -73,8 +73,9 @@ pub(crate) mod bridge {
 
         fn cpu_quantized_matmul(x: &Array, w: &Array, scales: &Array, biases: &Array, group_size: i32, bits: i32) -> Result<UniquePtr<Array>>;
         fn cpu_quantized_matmul_max_rows() -> i32;
-        fn cpu_dense_matmul(x: &Array, w: &Array) -> Result<UniquePtr<Array>>;
-        fn cpu_dense_matmul_supported(rows: i32, in_features: i32) -> bool;
+        fn cpu_pack_panels(w: &Array) -> Result<UniquePtr<Array>>;
+        fn cpu_panel_matmul(x: &Array, panels: &Array, out_features: i32) -> Result<UniquePtr<Array>>;
+        fn cpu_panels_supported() -> bool;
 
         fn rms_norm(x: &Array, weight: &Array, eps: f32) -> Result<UniquePtr<Array>>;
         fn rope(x: &Array, dims: i32, traditional: bool, base: f32, scale: f32, offset: i32) -> Result<UniquePtr<Array>>;

@@ -4,6 +4,7 @@
 #include <stdexcept>
 
 #include "tether-mlx/src/cpu_attention.h"
+#include "tether-mlx/src/cpu_panels.h"
 #include "tether-mlx/src/cpu_swiglu.h"
 #include "tether-mlx/src/cpu_qmm.h"
 
@@ -206,8 +207,9 @@ std::unique_ptr<Array> cpu_quantized_matmul(const Array& x, const Array& w, cons
   return boxed(cpu_affine_matmul(x, w, scales, biases, group_size, bits));
 }
 int32_t cpu_quantized_matmul_max_rows() { return kCpuQmmMaxRows; }
-std::unique_ptr<Array> cpu_dense_matmul(const Array& x, const Array& w) { return boxed(dense_small_matmul(x, w)); }
-bool cpu_dense_matmul_supported(int32_t rows, int32_t in_features) { return dense_small_matmul_supported(rows, in_features); }
+std::unique_ptr<Array> cpu_pack_panels(const Array& w) { return boxed(pack_panels(w)); }
+std::unique_ptr<Array> cpu_panel_matmul(const Array& x, const Array& panels, int32_t out_features) { return boxed(panel_matmul(x, panels, out_features)); }
+bool cpu_panels_supported() { return panel_kernel_supported(); }
 
 std::unique_ptr<Array> rms_norm(const Array& x, const Array& w, float eps) { return boxed(mx::fast::rms_norm(x, w, eps)); }
 std::unique_ptr<Array> rope(const Array& x, int32_t dims, bool traditional, float base, float scale, int32_t offset) {

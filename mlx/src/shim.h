@@ -99,8 +99,9 @@ std::unique_ptr<Array> dequantize(const Array& w, const Array& scales, const Arr
 std::unique_ptr<Array> quantized_matmul(const Array& x, const Array& w, const Array& scales, const Array& biases, bool transpose, int32_t group_size, int32_t bits);
 std::unique_ptr<Array> cpu_quantized_matmul(const Array& x, const Array& w, const Array& scales, const Array& biases, int32_t group_size, int32_t bits);
 int32_t cpu_quantized_matmul_max_rows();
-std::unique_ptr<Array> cpu_dense_matmul(const Array& x, const Array& w);
-bool cpu_dense_matmul_supported(int32_t rows, int32_t in_features);
+std::unique_ptr<Array> cpu_pack_panels(const Array& w);
+std::unique_ptr<Array> cpu_panel_matmul(const Array& x, const Array& panels, int32_t out_features);
+bool cpu_panels_supported();
 
 // ---- fused kernels
 std::unique_ptr<Array> rms_norm(const Array& x, const Array& weight, float eps);

@@ -206,26 +206,41 @@ fn cpu_swiglu_matches_silu_times_up() {
 }
 
 #[test]
-fn dense_small_matmul_matches_blas() {
+fn panel_matmul_matches_blas_and_is_the_same_alone_or_batched() {
     let _serial = serial();
     mlx::set_default_device(mlx::Device::Cpu).unwrap();
-    // 70 weight rows: a tail short of the kernel's 4-row tile; row counts
-    // around its 6-row blocks, up to the most it takes.
-    let (n, k) = (70usize, 96usize);
+    if !mlx::cpu_panels_supported() {
+        eprintln!("no AVX-512 here: the panel kernel is not used");
+        return;
+    }
+    // 70 outputs: one full 48-wide panel and a short one; an input size that
+    // is no multiple of a vector; row counts around the 8-row blocks, up to a
+    // prefill chunk's.
+    let (n, k) = (70usize, 90usize);
     // Uniform in [-1, 1): values of mixed sign, as activations and weights are.
     let values = |shape: &[i32], seed: u64| random::uniform(shape, &random::key(seed).unwrap()).unwrap().multiply(&Array::scalar(2.0, Dtype::F32).unwrap()).unwrap().subtract(&Array::scalar(1.0, Dtype::F32).unwrap()).unwrap();
     let w = values(&[n as i32, k as i32], 11);
-    for m in [2usize, 5, 6, 7, 32, 128] {
-        if !mlx::cpu_dense_matmul_supported(m, k) {
-            eprintln!("no AVX-512 here: the kernel is not used");
-            return;
-        }
-        let x = values(&[1, m as i32, k as i32], m as u64);
+    let panels = mlx::cpu_pack_panels(&w).unwrap();
+    panels.eval().unwrap();
+    assert_eq!(panels.shape(), vec![2, k, 48]);
+    let rows = values(&[300, k as i32], 5);
+    let mut alone = Vec::new();
+    for m in [1usize, 2, 7, 8, 9, 32, 300] {
+        // The first m rows of one set, so row 0 is the same row in every call.
+        let x = rows.slice(&[0, 0], &[m as i32, k as i32]).unwrap().reshape(&[1, m as i32, k as i32]).unwrap();
         let want = x.matmul(&w.transpose(&[1, 0]).unwrap()).unwrap().to_vec_f32().unwrap();
-        let got = mlx::cpu_dense_matmul(&x, &w).unwrap();
+        let got = mlx::cpu_panel_matmul(&x, &panels, n).unwrap();
         assert_eq!(got.shape(), vec![1, m, n]);
-        assert!(close(&got.to_vec_f32().unwrap(), &want, 1e-4), "{m} rows");
+        let got = got.to_vec_f32().unwrap();
+        assert!(close(&got, &want, 1e-4), "{m} rows");
+        if m == 1 {
+            alone = got.clone();
+        }
+        assert_eq!(got[..n], alone[..], "row 0 of {m} rows differs from the row alone");
     }
-    assert!(!mlx::cpu_dense_matmul_supported(1, k) && !mlx::cpu_dense_matmul_supported(129, k) && !mlx::cpu_dense_matmul_supported(8, 90));
-    assert!(mlx::cpu_dense_matmul(&values(&[200, k as i32], 1), &w).is_err(), "too many rows is an error, not a crash");
+    // Bad input is an error, not a crash.
+    let x = values(&[4, k as i32], 1);
+    assert!(mlx::cpu_panel_matmul(&x, &panels, 100).is_err(), "outputs that do not fit the panels");
+    assert!(mlx::cpu_panel_matmul(&values(&[4, 64], 1), &panels, n).is_err(), "input size mismatch");
+    assert!(mlx::cpu_panel_matmul(&x, &w, n).is_err(), "unpacked weights");
 }

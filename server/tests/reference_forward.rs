@@ -7,7 +7,7 @@ use std::ops::ControlFlow;
 
 use common::*;
 use tether::generate::{generate, greedy_tokens, prefill, GenerateOptions};
-use tether::model::{load_transformer, LoadOptions, Transformer, WeightFormat};
+use tether::model::{load_transformer, LoadOptions, Transformer, Weight, WeightFormat};
 use tether::sample::SamplingParams;
 
 const MAX_RELATIVE_ERROR: f64 = 1e-3;
@@ -19,6 +19,12 @@ fn load(name: &str, weights: WeightFormat) -> Transformer {
 
 fn check_model(name: &str, fixture: &str, weights: WeightFormat) {
     let model = load(name, weights);
+    if matches!(weights, WeightFormat::Dense) && mlx::cpu_panels_supported() {
+        // What runs dense float32 models on this CPU: the panel kernel, for
+        // prefill chunks and one-row decode alike.
+        let all_panels = model.layers.iter().flat_map(|l| [&l.qkv, &l.attn_out, &l.gate_up, &l.down]).chain([&model.lm_head]).all(|l| matches!(l.weight, Weight::Panels { .. }));
+        assert!(all_panels, "{name}: dense projections are not laid out in panels");
+    }
     let fx = read_json(fixture);
     let mut failures = Vec::new();
     for case in fx["cases"].as_array().unwrap() {

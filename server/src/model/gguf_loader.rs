@@ -163,7 +163,7 @@ fn linear_arrays<'a>(ls: &[&'a Linear]) -> Vec<&'a mlx::Array> {
     let mut out = Vec::new();
     for l in ls {
         match &l.weight {
-            Weight::Dense(w) => out.push(w),
+            Weight::Dense(w) | Weight::Panels { panels: w, .. } => out.push(w),
             Weight::Quantized(q) => out.extend([&q.packed, &q.scales, &q.biases]),
         }
         out.extend(l.bias.as_ref());

@@ -34,17 +34,9 @@ fn quantized_product(x: &Array, q: &QuantizedWeights) -> mlx::Result<Array> {
     mlx::concatenate(&parts.iter().collect::<Vec<_>>(), 0)?.reshape(&shape)
 }
 
-/// `x @ W^T` for dense `W`. On the CPU in float32 with a few rows (batched
-/// decode, verification) the decode kernel's micro-kernel runs on W's rows
-/// as stored: BLAS copies (packs) all of W at every call, which with 32 rows
-/// was a quarter of SmolLM2's decode step (`sgemm_incopy` in a profile).
+/// `x @ W^T` for dense `W` (on a CPU with the panel kernel, float32 weights
+/// are held as [`Weight::Panels`] instead and never come here).
 fn dense_product(x: &Array, w: &Array) -> mlx::Result<Array> {
-    let in_features = x.dim(-1);
-    let rows = x.size() / in_features.max(1);
-    let f32 = x.dtype() == mlx::Dtype::F32 && w.dtype() == mlx::Dtype::F32;
-    if f32 && mlx::default_device() == mlx::Device::Cpu && mlx::cpu_dense_matmul_supported(rows, in_features) {
-        return mlx::cpu_dense_matmul(x, w);
-    }
     // A transposed view: MLX hands BLAS the transpose flag, no copy.
     x.matmul(&w.transpose(&[1, 0])?)
 }
@@ -55,6 +47,12 @@ pub enum Weight {
     Dense(Array),
     /// `[out, in]` packed along `in`.
     Quantized(QuantizedWeights),
+    /// A dense float32 `[out, in]` laid out once for the CPU's panel kernel
+    /// (`[ceil(out / 48), in, 48]`, see `mlx::cpu_panel_matmul`): every
+    /// product, one row or a prefill chunk, reads it in order. BLAS would
+    /// copy (pack) the whole weight at every call, which with a few dozen
+    /// rows costs as much as the product.
+    Panels { panels: Array, out_features: usize },
 }
 
 #[derive(Clone, Debug)]
@@ -68,6 +66,7 @@ impl Linear {
         let y = match &self.weight {
             Weight::Dense(w) => dense_product(x, w)?,
             Weight::Quantized(q) => quantized_product(x, q)?,
+            Weight::Panels { panels, out_features } => mlx::cpu_panel_matmul(x, panels, *out_features)?,
         };
         match &self.bias {
             Some(b) => y.add(b),
@@ -80,6 +79,7 @@ impl Linear {
         match &self.weight {
             Weight::Dense(w) => w.dim(0),
             Weight::Quantized(q) => q.packed.dim(0),
+            Weight::Panels { out_features, .. } => *out_features,
         }
     }
 
@@ -87,8 +87,23 @@ impl Linear {
         let w = match &self.weight {
             Weight::Dense(w) => w.nbytes(),
             Weight::Quantized(q) => q.packed.nbytes() + q.scales.nbytes() + q.biases.nbytes(),
+            Weight::Panels { panels, .. } => panels.nbytes(),
         };
         w + self.bias.as_ref().map_or(0, Array::nbytes)
+    }
+
+    /// Lays the weight out for the CPU's panel kernel (evaluated) when it is
+    /// dense float32 and this CPU runs the kernel; else leaves it as it is.
+    pub fn lay_out_for_cpu(&mut self) -> mlx::Result<()> {
+        let Weight::Dense(w) = &self.weight else { return Ok(()) };
+        if w.dtype() != mlx::Dtype::F32 || !mlx::cpu_panels_supported() {
+            return Ok(());
+        }
+        let out_features = w.dim(0);
+        let panels = mlx::cpu_pack_panels(w)?;
+        panels.eval()?;
+        self.weight = Weight::Panels { panels, out_features };
+        Ok(())
     }
 
     /// Stacks projections that read the same input into one (along `out`),
@@ -116,6 +131,7 @@ impl Linear {
                     bits: first.bits,
                 })
             }
+            Weight::Panels { .. } => return Err(mlx::Error { op: "fuse", message: "projections are fused before they are laid out in panels".into() }),
         };
         let bias = if parts.iter().all(|p| p.bias.is_some()) {
             Some(mlx::concatenate(&parts.iter().filter_map(|p| p.bias.as_ref()).collect::<Vec<_>>(), 0)?)

@@ -60,10 +60,14 @@ impl LoadOptions {
 
 /// Loads weights from a `.gguf` file or a safetensors folder.
 pub fn load_transformer(path: &Path, opts: LoadOptions) -> Result<Transformer, LoadError> {
-    if path.is_dir() {
-        safetensors_loader::load(path, opts.dtype)
+    let mut transformer = if path.is_dir() {
+        safetensors_loader::load(path, opts.dtype)?
     } else {
         let file = gguf::GgufFile::open(path)?;
-        gguf_loader::load(&file, opts.dtype, opts.weights)
+        gguf_loader::load(&file, opts.dtype, opts.weights)?
+    };
+    if mlx::default_device() == mlx::Device::Cpu {
+        transformer.lay_out_for_cpu()?;
     }
+    Ok(transformer)
 }

@@ -9,7 +9,7 @@ use super::batch_step::{BatchStep, BatchedRows};
 use super::config::ModelConfig;
 use super::kv_batch::KvBatch;
 use super::kv_cache::KvCache;
-use super::linear::Linear;
+use super::linear::{Linear, Weight};
 
 pub struct Layer {
     pub attn_norm: Array,
@@ -54,13 +54,29 @@ impl Transformer {
     /// Bytes held by the weights.
     pub fn nbytes(&self) -> usize {
         let layers: usize = self.layers.iter().map(Layer::nbytes).sum();
-        let head = if self.config.tied_embeddings { 0 } else { self.lm_head.nbytes() };
+        // A tied head held dense is the embedding's own buffer; in any other
+        // form (quantized, panels) it is a copy of its own.
+        let head_is_embedding = self.config.tied_embeddings && matches!(self.lm_head.weight, Weight::Dense(_));
+        let head = if head_is_embedding { 0 } else { self.lm_head.nbytes() };
         self.embedding.nbytes() + layers + self.final_norm.nbytes() + head
+    }
+
+    /// On a CPU that runs the panel kernel, lays every dense float32
+    /// projection out in its panels (see `Weight::Panels`), layer by layer so
+    /// only one layer's weights are held twice at a time. The tied head gets
+    /// a copy of its own; the embedding stays dense for the row gathers.
+    pub fn lay_out_for_cpu(&mut self) -> mlx::Result<()> {
+        for layer in &mut self.layers {
+            for linear in [&mut layer.qkv, &mut layer.attn_out, &mut layer.gate_up, &mut layer.down] {
+                linear.lay_out_for_cpu()?;
+            }
+        }
+        self.lm_head.lay_out_for_cpu()
     }
 
     /// `quantized` when any projection is held quantized, else `dense`.
     pub fn weight_form(&self) -> &'static str {
-        let quantized = |l: &Linear| matches!(l.weight, super::linear::Weight::Quantized(_));
+        let quantized = |l: &Linear| matches!(l.weight, Weight::Quantized(_));
         if quantized(&self.lm_head) || self.layers.iter().any(|l| [&l.qkv, &l.attn_out, &l.gate_up, &l.down].into_iter().any(quantized)) {
             "quantized"
         } else {
