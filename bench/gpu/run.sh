@@ -23,6 +23,9 @@
 # SERVE_SWEEP="--max-itl-inflation 1 --prefill-chunk 32;--max-itl-inflation 1 --prefill-chunk 128".
 # MODE=profile: engine step phases (host vs device) at 1 and 8 streams, and
 # the plain decode loop, with CUDA graphs on and off (SmolLM2-135M GGUF).
+# MODE=graphs: the engine at 1 and 32 streams on the 1.5B-shaped bf16
+# checkpoint with MLX's CUDA graphs cut every 20 operations (MLX's default),
+# 60, 200 and 1000 (MLX_MAX_OPS_PER_BUFFER), interleaved, two rounds.
 # MODE=agent: the 12-turn agent workload of bench/load.py (WORKLOAD=agent in
 # bench/load.sh) on the random Qwen2.5-1.5B-shaped bf16 checkpoint: `tether
 # serve` (session prefix cache on, and off) beside mlx_lm.server (its prompt
@@ -81,11 +84,11 @@ fi
 
 # The agent workload needs only the 1.5B bf16 checkpoint; the other modes all four.
 MODELS=${MODELS:-qwen2.5-0.5b qwen2.5-1.5b}
-case "${MODE:-decode}" in agent|serving|streams) MODELS=qwen2.5-1.5b ;; esac
+case "${MODE:-decode}" in agent|serving|streams|graphs) MODELS=qwen2.5-1.5b ;; esac
 LOAD_ARGS=${LOAD_ARGS:-}
 for m in $MODELS; do
   [ -f /opt/models/$m-bf16/model.safetensors ] || "$PY" "$here/make_random_model.py" /opt/models/$m-bf16 $m "$KEEP"
-  case "${MODE:-decode}" in agent|serving) continue ;; esac
+  case "${MODE:-decode}" in agent|serving|graphs) continue ;; esac
   [ -f /opt/models/$m-4bit/config.json ] || "$PY" -m mlx_lm convert --hf-path /opt/models/$m-bf16 --mlx-path /opt/models/$m-4bit -q --q-bits 4 --q-group-size 64 >"$OUT/convert-$m.log" 2>&1
 done
 
@@ -117,6 +120,17 @@ if [ "${MODE:-decode}" = agent ] || [ "${MODE:-decode}" = serving ]; then
     --label qwen2.5-1.5b-bf16 --out "$OUT/results.jsonl" --build gpu $LOAD_ARGS || echo "mlx-lm $MODE run failed" >&2
   kill $pid; wait $pid 2>/dev/null || true
   "$PY" "$here/../load.py" --report "$OUT/results.jsonl"
+  exit 0
+fi
+if [ "${MODE:-decode}" = graphs ]; then
+  for round in 1 2; do
+    for ops in 20 60 200 1000; do
+      for streams in 1 32; do
+        MLX_MAX_OPS_PER_BUFFER=$ops "$TETHER_BIN" bench --model /opt/models/qwen2.5-1.5b-bf16 --device gpu --streams $streams --prompt-tokens 128 --gen-tokens 256 2>>"$OUT/tether.log" \
+          | sed "s/^{/{\"ops_per_graph\":$ops,\"round\":$round,/" | tee -a "$OUT/results.jsonl"
+      done
+    done
+  done
   exit 0
 fi
 if [ "${MODE:-decode}" = streams ]; then

@@ -165,3 +165,47 @@ async fn kv_budget_bounds_running_rows_in_both_layouts() {
         assert_eq!(again.len(), 4);
     }
 }
+
+/// While more long prompts wait than rows decode, the prefill allowance
+/// (which spares the decoding rows a prompt's cost) widens by that ratio:
+/// six 100-token prompts joining one decoding row all move 16 tokens a step
+/// and start within a few steps of what their length needs. Held to the
+/// allowance alone (kept near one 16-token chunk a step by a tight
+/// inflation target), they would share those 16 tokens and take about six
+/// times as many steps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_prompts_that_outnumber_decoding_rows_widen_the_allowance() {
+    let engine = start(EngineConfig { max_itl_inflation: 1.05, ..Default::default() });
+    let base = prompts()[0].clone();
+    let (decoding, mut rx) = engine.submit(request(base.clone(), 1000)).unwrap();
+    // A client reading its stream throughout; the first tokens tell that
+    // the row decodes and the allowance has decode-only steps to go by.
+    let (decoded_tx, decoded_rx) = tokio::sync::oneshot::channel();
+    let reader = tokio::spawn(async move {
+        let (mut seen, mut decoded_tx) = (0, Some(decoded_tx));
+        while let Some(ev) = rx.recv().await {
+            if let EngineEvent::Tokens { ids, .. } = ev {
+                seen += ids.len();
+                if seen >= 8 {
+                    decoded_tx.take().map(|tx| tx.send(()));
+                }
+            }
+        }
+    });
+    let within = |secs| Duration::from_secs(secs);
+    tokio::time::timeout(within(60), decoded_rx).await.expect("the first row decodes").unwrap();
+    let before = engine.stats().await.unwrap().steps;
+    let long_prompt = |i: u32| -> Vec<u32> { base.iter().cycle().take(100).enumerate().map(|(j, &t)| if j == 1 { t.wrapping_add(i) } else { t }).collect() };
+    let waiting: Vec<_> = (0..6).map(|i| engine.submit(request(long_prompt(i), 1)).unwrap().1).collect();
+    for rx in waiting {
+        let (ids, finish) = tokio::time::timeout(within(60), collect(rx)).await.expect("every waiting prompt finishes");
+        assert_eq!((ids.len(), finish), (1, Some(Finish::Length)));
+    }
+    let steps = engine.stats().await.unwrap().steps - before;
+    engine.cancel(decoding);
+    reader.await.unwrap();
+    // 100 tokens in 16-token chunks is 7 steps; a few more pass before the
+    // engine reads the submissions and the last stats request (7-9 seen).
+    // Unwidened, the same run takes about 40.
+    assert!(steps <= 12, "six waiting 100-token prompts took {steps} steps beside one decoding row");
+}

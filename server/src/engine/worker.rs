@@ -30,6 +30,13 @@ const SHORT_PROMPT_TOKENS: usize = 64;
 /// allowance rarely reaches it (16 prompt tokens cost half a decode step).
 const MIXED_CHUNK_MAX: usize = crate::model::SMALL_QUERIES;
 
+/// Whether the prefill allowance limits `row`'s prompt while rows decode:
+/// prompts up to [`SHORT_PROMPT_TOKENS`] (past what the cache held) are
+/// read whole (see [`Engine::plan`]).
+fn held_back(row: &Row) -> bool {
+    row.request.prompt.len() - row.cached_tokens > SHORT_PROMPT_TOKENS
+}
+
 /// A row's part in this step.
 struct Scheduled {
     row: usize,
@@ -74,6 +81,9 @@ struct Engine {
     /// Decoding rows' KV caches, when they are batched (see [`super::KvLayout`]).
     batch: Option<KvBatch>,
     step_cost: StepCost,
+    /// Whether this step's prefill allowance was widened (see
+    /// [`Engine::prefill_allowance`]); such steps do not feed `step_cost`.
+    allowance_widened: bool,
     /// `TETHER_TRACE_STEPS=1`: log every step's rows, tokens and time.
     trace_steps: bool,
 }
@@ -128,6 +138,7 @@ where
         draft,
         batch,
         step_cost: StepCost::new(config.max_itl_inflation, config.min_prefill_chunk),
+        allowance_widened: false,
         trace_steps: super::tracing(),
         config,
         model: model.transformer,
@@ -324,10 +335,7 @@ impl Engine {
         // finish in one step, so holding them back would cost their time
         // to first token more than it spares the running streams (32
         // streams started together would otherwise start one per step).
-        let mut allowance = match plan.is_empty() {
-            true => None,
-            false => self.step_cost.prefill_allowance(),
-        };
+        let mut allowance = self.prefill_allowance(plan.len());
         for &i in &order {
             let row = &self.running[i];
             let remaining = row.prompt_remaining();
@@ -343,7 +351,7 @@ impl Engine {
             if let Some(left) = &mut allowance {
                 // The exemption is for short prompts, not for the last
                 // chunk of a long one.
-                if row.request.prompt.len() - row.cached_tokens > SHORT_PROMPT_TOKENS {
+                if held_back(row) {
                     tokens = tokens.min(*left).min(MIXED_CHUNK_MAX);
                 }
                 *left = left.saturating_sub(tokens);
@@ -355,6 +363,29 @@ impl Engine {
             budget -= tokens;
         }
         plan
+    }
+
+    /// Prompt tokens this step may carry beside `decode_rows` decoding rows:
+    /// none while nothing decodes (no limit), else the allowance the step
+    /// costs have taught (see [`StepCost`]), widened by the ratio of long
+    /// prompts waiting to rows decoding when they outnumber them. The
+    /// allowance spares the running streams a prompt's cost; once the
+    /// prompts it holds back outnumber the streams it protects, it costs
+    /// more waiting than it saves (32 streams started together with
+    /// 512-token prompts on an H200: one row decoding in 5 ms steps held the
+    /// other 31 to 16 prompt tokens a step, 6 s mean time to first token).
+    /// Widened, each prompt still moves at most [`MIXED_CHUNK_MAX`] tokens a
+    /// step, and the step does not teach the cost model.
+    fn prefill_allowance(&mut self, decode_rows: usize) -> Option<usize> {
+        self.allowance_widened = false;
+        if decode_rows == 0 {
+            return None;
+        }
+        let learned = self.step_cost.prefill_allowance()?;
+        let waiting = self.running.iter().filter(|r| r.prompt_remaining() > 0 && r.can_publish() && held_back(r)).count();
+        let widen = (waiting / decode_rows).max(1);
+        self.allowance_widened = widen > 1;
+        Some(learned * widen)
     }
 
     fn step(&mut self) -> mlx::Result<()> {
@@ -492,11 +523,14 @@ impl Engine {
         }
         let micros = |from: Instant, to: Instant| to.duration_since(from).as_micros() as u64;
         let seconds = started.elapsed().as_secs_f64();
-        self.step_cost.record(decode_rows, prefill_tokens, seconds);
+        if !self.allowance_widened {
+            self.step_cost.record(decode_rows, prefill_tokens, seconds);
+        }
         if self.trace_steps {
             // One line per step, for tuning the prefill allowance on a new machine.
             let next = self.step_cost.prefill_allowance();
-            eprintln!("[step] decode_rows={decode_rows} prefill_tokens={prefill_tokens} ms={:.2} next_allowance={next:?}", seconds * 1e3);
+            let widened = self.allowance_widened;
+            eprintln!("[step] decode_rows={decode_rows} prefill_tokens={prefill_tokens} ms={:.2} widened={widened} next_allowance={next:?}", seconds * 1e3);
         }
         let times = &mut self.stats.step_time;
         times.build_us += micros(started, built);
