@@ -7,6 +7,7 @@
 //! scheduled) until it drains. Tokenization and detokenization stay at the
 //! edge, so this thread does nothing but numerics and scheduling.
 mod config;
+mod draft_cost;
 mod pool;
 mod prefix;
 mod row;

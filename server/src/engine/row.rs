@@ -101,13 +101,15 @@ impl Row {
 
     /// This decode step's drafts: as many as the source offers, within the
     /// step's remaining `budget` and the request's remaining `max_tokens`
-    /// (a verification emits up to drafts + 1 tokens).
-    pub fn drafts(&mut self, budget: usize) -> Proposal {
+    /// (a verification emits up to drafts + 1 tokens), and none when this
+    /// row's drafts are not accepted often enough to pay beside the step's
+    /// other rows (`bar`: see `DraftCost`).
+    pub fn drafts(&mut self, budget: usize, bar: Option<f64>) -> Proposal {
         let room = budget.min(self.request.max_tokens.saturating_sub(self.generated + 1));
         let (history, generated) = (&self.tokens, self.generated);
         match &mut self.draft {
-            Some(d) => d.propose(history, generated, room),
-            None => Proposal::Ready(Vec::new()),
+            Some(d) if d.pays(bar) => d.propose(history, generated, room),
+            _ => Proposal::Ready(Vec::new()),
         }
     }
 

@@ -14,6 +14,7 @@ use super::speculate::{self, DraftModel, DraftRow, Proposal};
 use super::step_cost::StepCost;
 use super::row::{logprobs_of, Row, Work};
 use super::config::EngineConfig;
+use super::draft_cost::DraftCost;
 use super::{Command, EngineEvent, EngineModelInfo, EngineStats, Finish, RequestId, SubmitRequest};
 use crate::loaded::LoadedModel;
 use crate::model::{BatchedRows, KvBatch, RowInput, Transformer};
@@ -29,6 +30,10 @@ const SHORT_PROMPT_TOKENS: usize = 64;
 /// bench/results/gpu-h200-admit-trace-prefill-in-slots.log); on a CPU the
 /// allowance rarely reaches it (16 prompt tokens cost half a decode step).
 const MIXED_CHUNK_MAX: usize = crate::model::SMALL_QUERIES;
+
+/// Every this many steps a row whose drafts fell under the bar (see
+/// [`DraftCost`]) drafts anyway, to measure its acceptance again.
+const DRAFT_RETRY_EVERY: usize = 32;
 
 /// Whether the prefill allowance limits `row`'s prompt while rows decode:
 /// prompts up to [`SHORT_PROMPT_TOKENS`] (past what the cache held) are
@@ -81,6 +86,8 @@ struct Engine {
     /// Decoding rows' KV caches, when they are batched (see [`super::KvLayout`]).
     batch: Option<KvBatch>,
     step_cost: StepCost,
+    /// What a draft token costs beside the step's rows (fed by decode-only steps).
+    draft_cost: DraftCost,
     /// Whether this step's prefill allowance was widened (see
     /// [`Engine::prefill_allowance`]); such steps do not feed `step_cost`.
     allowance_widened: bool,
@@ -138,6 +145,7 @@ where
         draft,
         batch,
         step_cost: StepCost::new(config.max_itl_inflation, config.min_prefill_chunk),
+        draft_cost: DraftCost::default(),
         allowance_widened: false,
         trace_steps: super::tracing(),
         config,
@@ -318,9 +326,13 @@ impl Engine {
             }
         }
         let mut draft_budget = budget.min(self.config.step_draft_budget);
+        let bar = self.draft_cost.bar(decoding.len());
         let mut plan = Vec::new();
         for i in decoding {
-            let (drafts, model_depth) = match self.running[i].drafts(draft_budget) {
+            // A row held back by the bar still drafts now and then, so its
+            // acceptance keeps up with what it is writing.
+            let retry = (self.stats.steps as usize + i) % DRAFT_RETRY_EVERY == 0;
+            let (drafts, model_depth) = match self.running[i].drafts(draft_budget, bar.filter(|_| !retry)) {
                 Proposal::Ready(drafts) => (drafts, 0),
                 Proposal::FromModel(depth) => (Vec::new(), depth),
             };
@@ -402,11 +414,14 @@ impl Engine {
         self.draft_with_model(&mut plan)?;
         // One forward for every scheduled row, then one eval.
         let mut work_of: Vec<Option<Work>> = (0..self.running.len()).map(|_| None).collect();
-        let (mut decode_rows, mut prefill_tokens) = (0, 0);
+        let (mut decode_rows, mut draft_tokens, mut prefill_tokens) = (0, 0, 0);
         for (i, work) in plan {
-            match work {
+            match &work {
                 Work::Prefill { tokens } => prefill_tokens += tokens,
-                Work::Decode { .. } => decode_rows += 1,
+                Work::Decode { drafts, .. } => {
+                    decode_rows += 1;
+                    draft_tokens += drafts.len();
+                }
             }
             work_of[i] = Some(work);
         }
@@ -526,11 +541,14 @@ impl Engine {
         if !self.allowance_widened {
             self.step_cost.record(decode_rows, prefill_tokens, seconds);
         }
+        if decode_rows > 0 && prefill_tokens == 0 {
+            self.draft_cost.record(decode_rows + draft_tokens, seconds);
+        }
         if self.trace_steps {
             // One line per step, for tuning the prefill allowance on a new machine.
             let next = self.step_cost.prefill_allowance();
             let widened = self.allowance_widened;
-            eprintln!("[step] decode_rows={decode_rows} prefill_tokens={prefill_tokens} ms={:.2} widened={widened} next_allowance={next:?}", seconds * 1e3);
+            eprintln!("[step] decode_rows={decode_rows} draft_tokens={draft_tokens} prefill_tokens={prefill_tokens} ms={:.2} widened={widened} next_allowance={next:?}", seconds * 1e3);
         }
         let times = &mut self.stats.step_time;
         times.build_us += micros(started, built);

@@ -92,6 +92,9 @@ pub enum Proposal {
     FromModel(usize),
 }
 
+/// Weight of the past in a row's decayed acceptance, per verification.
+const ACCEPTANCE_DECAY: f64 = 0.7;
+
 /// A row's speculation: its draft source, adaptive depth and statistics.
 pub struct DraftState {
     source: Source,
@@ -100,6 +103,9 @@ pub struct DraftState {
     /// shrinks to just past the last accepted position otherwise, so rows
     /// whose text does not repeat stop paying for long drafts.
     depth: usize,
+    /// Share of drafted tokens accepted, decayed over verifications: what
+    /// a draft of this row is worth (see `DraftState::pays`).
+    recent_acceptance: Option<f64>,
     pub stats: SpecStats,
 }
 
@@ -149,7 +155,17 @@ impl DraftState {
             DraftKind::Forced(tokens) => (Source::Host(Box::new(ForcedDrafts::new(tokens.clone()))), max_draft),
             DraftKind::Model => (Source::Model(draft_model?.new_cache()), START_DEPTH.min(max_draft)),
         };
-        Some(DraftState { source, max_draft, depth, stats: SpecStats::default() })
+        Some(DraftState { source, max_draft, depth, recent_acceptance: None, stats: SpecStats::default() })
+    }
+
+    /// Whether this row's drafts pay in a step whose drafts must be
+    /// accepted more often than `bar` (`None`: no bar, or not known yet);
+    /// a row that has not drafted yet is given the benefit of the doubt.
+    pub fn pays(&self, bar: Option<f64>) -> bool {
+        match (bar, self.recent_acceptance) {
+            (Some(bar), Some(acceptance)) => acceptance > bar,
+            _ => true,
+        }
     }
 
     /// This step's drafts, at most `room` of them.
@@ -195,6 +211,8 @@ impl DraftState {
         }
         s.drafted += drafted as u64;
         s.accepted += accepted as u64;
+        let rate = accepted as f64 / drafted as f64;
+        self.recent_acceptance = Some(self.recent_acceptance.map_or(rate, |r| ACCEPTANCE_DECAY * r + (1.0 - ACCEPTANCE_DECAY) * rate));
         if s.offered_at.len() < drafted {
             s.offered_at.resize(drafted, 0);
             s.accepted_at.resize(drafted, 0);
@@ -272,5 +290,19 @@ mod tests {
         assert_eq!(s.stats.acceptance_by_position()[0], 4.0 / 5.0);
         assert_eq!(s.stats.decode_tokens, 25);
         assert!((s.stats.tokens_per_forward() - 5.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn drafts_pay_while_accepted_more_often_than_the_bar() {
+        let mut s = DraftState::new(&Speculation { kind: DraftKind::Echo, max_draft: 8 }, None).unwrap();
+        assert!(s.pays(Some(0.9)), "a row that has not drafted yet may");
+        s.record(4, 1, 2); // a quarter accepted
+        assert!(s.pays(Some(0.1)) && !s.pays(Some(0.5)) && s.pays(None));
+        for _ in 0..6 {
+            s.record(4, 4, 5); // then all of them, for a while
+        }
+        assert!(s.pays(Some(0.9)), "acceptance is weighted toward recent verifications");
+        s.record(0, 0, 1); // a decode without drafts changes nothing
+        assert!(s.pays(Some(0.9)));
     }
 }
