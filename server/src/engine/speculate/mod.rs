@@ -159,11 +159,12 @@ impl DraftState {
     }
 
     /// Whether this row's drafts pay in a step whose drafts must be
-    /// accepted more often than `bar` (`None`: no bar, or not known yet);
-    /// a row that has not drafted yet is given the benefit of the doubt.
+    /// accepted at least as often as `bar` (`None`: no bar, or not known
+    /// yet); a row that has not drafted yet is given the benefit of the
+    /// doubt, and certain drafts (forced tokens) always pay.
     pub fn pays(&self, bar: Option<f64>) -> bool {
         match (bar, self.recent_acceptance) {
-            (Some(bar), Some(acceptance)) => acceptance > bar,
+            (Some(bar), Some(acceptance)) => acceptance >= bar,
             _ => true,
         }
     }
