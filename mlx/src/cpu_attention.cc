@@ -14,8 +14,12 @@
 // in blocks of kKeyBlock, stopping at the last key its last query may see:
 // per block, scores S = Q K^T (queries pre-scaled), an online-softmax update
 // (running max and sum per query, earlier output rescaled when the max grows)
-// and O += P V. Keys are transposed per block so the score loop runs along
-// keys, 16 per vector. Items go to the cores largest first.
+// and O += P V. The score loop runs along keys, 16 per vector, so it reads a
+// block transposed, [feature][key]: a cache whose keys are stored in blocks
+// (see cpu_attention.h) is read in place; otherwise each block is transposed
+// into scratch first, which costs more than scoring it when few queries share
+// a block (a decode step: one query per head of the group). Items go to the
+// cores largest first.
 //
 // Invariants: all arrays are float32 and have been checked against each
 // other's shapes when the primitive was built. Strides are read at run time,
@@ -50,7 +54,7 @@ namespace tether_mlx {
 namespace {
 
 // Keys per block: a query's scores for one block fill four AVX-512 vectors.
-constexpr int kKeyBlock = 64;
+constexpr int kKeyBlock = kCacheKeyBlock;
 // Query vectors per work item (query tokens x heads of one KV group): enough
 // to amortize transposing each key block, few enough to stay in L1/L2.
 constexpr int kItemRows = 64;
@@ -97,6 +101,7 @@ struct Attention {
   float* out;  // [T, n_heads * dim], row-contiguous
   int n_heads, kv_heads, dim;
   float scale;
+  bool keys_in_blocks;  // every row's keys are row-contiguous and stored in blocks
 };
 
 // The per-block steps, in a portable and an AVX-512 version.
@@ -405,8 +410,14 @@ void attend_item(const Attention& a, const BlockOps& ops, const Item& it) {
   const int end = offset + it.q1;
   for (int j0 = 0; j0 < end; j0 += kKeyBlock) {
     const int kb = std::min(kKeyBlock, end - j0);
-    ops.pack_keys(k, j0, kb, dim, s.kt.data());
-    ops.scores(s.q.data(), rows, dim, s.kt.data(), s.s.data());
+    // A stored block is whole (capacity is a multiple of the block); its
+    // columns past kb are stale or zero, scored, and masked by softmax_row.
+    const float* kt = k.p + static_cast<size_t>(j0) * dim;
+    if (!a.keys_in_blocks) {
+      ops.pack_keys(k, j0, kb, dim, s.kt.data());
+      kt = s.kt.data();
+    }
+    ops.scores(s.q.data(), rows, dim, kt, s.s.data());
     for (int m = 0; m < rows; ++m) {
       const int visible = offset + it.q0 + m / group + 1 - j0;
       s.alpha[m] = ops.softmax_row(s.s.data() + static_cast<size_t>(m) * kKeyBlock, std::clamp(visible, 0, kb), &s.max[m], &s.sum[m]);
@@ -454,7 +465,8 @@ void attend(const Attention& a) {
 
 class CpuAttention : public mx::UnaryPrimitive {
  public:
-  CpuAttention(mx::Stream s, std::vector<AttentionRow> rows) : mx::UnaryPrimitive(s), rows_(std::move(rows)) {}
+  CpuAttention(mx::Stream s, std::vector<AttentionRow> rows, bool keys_in_blocks)
+      : mx::UnaryPrimitive(s), rows_(std::move(rows)), keys_in_blocks_(keys_in_blocks) {}
 
   // in: q, then each row's keys and values.
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
@@ -463,9 +475,12 @@ class CpuAttention : public mx::UnaryPrimitive {
     // strides are final now that the inputs are evaluated.
     const int dim = in[1].shape(3);
     Attention a{token_view(in[0], dim), {}, out.data<float>(), token_shape(in[0], dim, "q").second, in[1].shape(1), dim,
-                1.f / std::sqrt(static_cast<float>(dim))};
+                1.f / std::sqrt(static_cast<float>(dim)), keys_in_blocks_};
     int start = 0;
     for (size_t r = 0; r < rows_.size(); ++r) {
+      // Blocks are found by offset, so a view of a blocked cache would be misread.
+      if (keys_in_blocks_ && !in[1 + 2 * r].flags().row_contiguous)
+        throw std::invalid_argument("cpu_attention: keys stored in blocks must be a whole, row-contiguous cache");
       a.rows.push_back({cache_view(in[1 + 2 * r]), cache_view(in[2 + 2 * r]), start, rows_[r].n, rows_[r].kv_len});
       start += rows_[r].n;
     }
@@ -481,12 +496,13 @@ class CpuAttention : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto* o = dynamic_cast<const CpuAttention*>(&other);
-    return o && o->rows_.size() == rows_.size() &&
+    return o && o->keys_in_blocks_ == keys_in_blocks_ && o->rows_.size() == rows_.size() &&
            std::equal(rows_.begin(), rows_.end(), o->rows_.begin(), [](const AttentionRow& x, const AttentionRow& y) { return x.n == y.n && x.kv_len == y.kv_len; });
   }
 
  private:
   std::vector<AttentionRow> rows_;
+  bool keys_in_blocks_;
 };
 
 // ---- cache write
@@ -507,7 +523,8 @@ void copy_cache(const mx::array& src, float* dst) {
 
 class CpuKvWrite : public mx::UnaryPrimitive {
  public:
-  CpuKvWrite(mx::Stream s, int start, int n, int pos) : mx::UnaryPrimitive(s), start_(start), n_(n), pos_(pos) {}
+  CpuKvWrite(mx::Stream s, int start, int n, int pos, bool in_blocks)
+      : mx::UnaryPrimitive(s), start_(start), n_(n), pos_(pos), in_blocks_(in_blocks) {}
 
   // in: cache, fresh.
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
@@ -521,7 +538,7 @@ class CpuKvWrite : public mx::UnaryPrimitive {
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : in) enc.set_input_array(a);
     enc.set_output_array(out);
-    enc.dispatch([in, in_place, start = start_, n = n_, pos = pos_, dst = out.data<float>()]() {
+    enc.dispatch([in, in_place, start = start_, n = n_, pos = pos_, in_blocks = in_blocks_, dst = out.data<float>()]() {
       const mx::array& cache = in[0];
       const int heads = cache.shape(1), cap = cache.shape(2), dim = cache.shape(3);
       if (!in_place) copy_cache(cache, dst);
@@ -529,8 +546,14 @@ class CpuKvWrite : public mx::UnaryPrimitive {
       for (int h = 0; h < heads; ++h)
         for (int i = 0; i < n; ++i) {
           const float* from = f.p + (start + i) * f.tok + h * f.head;
-          float* to = dst + (static_cast<size_t>(h) * cap + pos + i) * dim;
-          for (int d = 0; d < dim; ++d) to[d] = from[d * f.d];
+          const int p = pos + i;
+          if (in_blocks) {  // feature d of position p: block p / B, row d, column p % B
+            float* to = dst + static_cast<size_t>(h) * cap * dim + static_cast<size_t>(p / kKeyBlock) * kKeyBlock * dim + p % kKeyBlock;
+            for (int d = 0; d < dim; ++d) to[static_cast<size_t>(d) * kKeyBlock] = from[d * f.d];
+          } else {
+            float* to = dst + (static_cast<size_t>(h) * cap + p) * dim;
+            for (int d = 0; d < dim; ++d) to[d] = from[d * f.d];
+          }
         }
     });
   }
@@ -543,21 +566,24 @@ class CpuKvWrite : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto* o = dynamic_cast<const CpuKvWrite*>(&other);
-    return o && o->start_ == start_ && o->n_ == n_ && o->pos_ == pos_;
+    return o && o->start_ == start_ && o->n_ == n_ && o->pos_ == pos_ && o->in_blocks_ == in_blocks_;
   }
 
  private:
   int start_, n_, pos_;
+  bool in_blocks_;
 };
 
-void check_cache(const mx::array& c, const char* what) {
+void check_cache(const mx::array& c, const char* what, bool in_blocks) {
   if (c.dtype() != mx::float32 || c.ndim() != 4 || c.shape(0) != 1)
     throw std::invalid_argument(std::string("cpu_attention: ") + what + " must be float32 [1, kv_heads, capacity, head_dim]");
+  if (in_blocks && c.shape(2) % kKeyBlock != 0)
+    throw std::invalid_argument(std::string("cpu_attention: ") + what + " stored in blocks need a capacity that is a multiple of " + std::to_string(kKeyBlock));
 }
 
 }  // namespace
 
-mx::array cpu_step_attention(const mx::array& q, const std::vector<mx::array>& keys, const std::vector<mx::array>& values, const std::vector<AttentionRow>& rows) {
+mx::array cpu_step_attention(const mx::array& q, const std::vector<mx::array>& keys, const std::vector<mx::array>& values, const std::vector<AttentionRow>& rows, bool keys_in_blocks) {
   if (rows.empty() || keys.size() != rows.size() || values.size() != rows.size())
     throw std::invalid_argument("cpu_attention: need one keys and one values array per row, and at least one row");
   if (q.dtype() != mx::float32) throw std::invalid_argument("cpu_attention: q must be float32");
@@ -568,8 +594,8 @@ mx::array cpu_step_attention(const mx::array& q, const std::vector<mx::array>& k
   int total = 0;
   std::vector<mx::array> inputs = {q};
   for (size_t r = 0; r < rows.size(); ++r) {
-    check_cache(keys[r], "keys");
-    check_cache(values[r], "values");
+    check_cache(keys[r], "keys", keys_in_blocks);
+    check_cache(values[r], "values", false);
     for (const auto* c : {&keys[r], &values[r]})
       if (c->shape(1) != kv_heads || c->shape(3) != dim || c->shape(2) < rows[r].kv_len)
         throw std::invalid_argument("cpu_attention: row " + std::to_string(r) + "'s cache is smaller than kv_len or differs in heads or head_dim");
@@ -581,18 +607,18 @@ mx::array cpu_step_attention(const mx::array& q, const std::vector<mx::array>& k
   }
   if (total != tokens) throw std::invalid_argument("cpu_attention: rows' token counts must add up to q's tokens");
   auto cpu = mx::default_stream(mx::Device::cpu);
-  return mx::array({1, tokens, n_heads * dim}, mx::float32, std::make_shared<CpuAttention>(cpu, rows), std::move(inputs));
+  return mx::array({1, tokens, n_heads * dim}, mx::float32, std::make_shared<CpuAttention>(cpu, rows, keys_in_blocks), std::move(inputs));
 }
 
-mx::array cpu_cache_write(const mx::array& cache, const mx::array& fresh, int start, int n, int pos) {
-  check_cache(cache, "cache");
+mx::array cpu_cache_write(const mx::array& cache, const mx::array& fresh, int start, int n, int pos, bool in_blocks) {
+  check_cache(cache, "cache", in_blocks);
   if (fresh.dtype() != mx::float32) throw std::invalid_argument("cpu_kv_write: new keys/values must be float32");
   const auto [tokens, heads] = token_shape(fresh, cache.shape(3), "new keys/values");
   if (heads != cache.shape(1)) throw std::invalid_argument("cpu_kv_write: new keys/values and cache differ in heads");
   if (n < 1 || start < 0 || start + n > tokens || pos < 0 || pos + n > cache.shape(2))
     throw std::invalid_argument("cpu_kv_write: tokens or positions out of range");
   auto cpu = mx::default_stream(mx::Device::cpu);
-  return mx::array(cache.shape(), mx::float32, std::make_shared<CpuKvWrite>(cpu, start, n, pos), {cache, fresh});
+  return mx::array(cache.shape(), mx::float32, std::make_shared<CpuKvWrite>(cpu, start, n, pos, in_blocks), {cache, fresh});
 }
 
 }  // namespace tether_mlx

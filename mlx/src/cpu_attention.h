@@ -8,6 +8,14 @@
 
 namespace tether_mlx {
 
+// Positions per key block. A cache may store its keys in blocks: the
+// positions of a block lie together, transposed, [feature][position], so
+// feature d of position p of one head is at (p / B) * B * head_dim + d * B +
+// p % B (B = kCacheKeyBlock), which is how attention reads them; the cache's
+// shape stays [1, kv_heads, capacity, head_dim] with capacity a multiple of B,
+// and only these two primitives know where a position's features are.
+inline constexpr int kCacheKeyBlock = 64;
+
 // One sequence's share of an attention step: its `n` query tokens follow the
 // previous rows' tokens in the flattened step, and sit at positions
 // kv_len - n .. kv_len - 1 of its cache, whose first kv_len positions are valid.
@@ -22,18 +30,22 @@ struct AttentionRow {
 //   keys[r], values[r]: row r's cache, [1, kv_heads, capacity >= kv_len, head_dim].
 // Row r's query i attends keys 0 ..= kv_len - n + i with scale 1/sqrt(head_dim).
 // Rows tile the T tokens in order. Returns [1, T, n_heads * head_dim].
+// keys_in_blocks: every row's keys are a whole cache (no view) written in
+// blocks by cpu_cache_write.
 mlx::core::array cpu_step_attention(
     const mlx::core::array& q,
     const std::vector<mlx::core::array>& keys,
     const std::vector<mlx::core::array>& values,
-    const std::vector<AttentionRow>& rows);
+    const std::vector<AttentionRow>& rows,
+    bool keys_in_blocks);
 
 // Writes tokens start .. start + n of `fresh` (laid out like q above, with
 // kv_heads heads) into `cache` ([1, kv_heads, capacity, head_dim]) at
 // positions pos .. pos + n and returns the updated cache. The write is in
 // place when the cache's buffer is donatable (no other holder), as MLX's own
 // slice_update does; otherwise the buffer is copied first, so a shared
-// buffer (a copy-on-write snapshot) is never changed.
-mlx::core::array cpu_cache_write(const mlx::core::array& cache, const mlx::core::array& fresh, int start, int n, int pos);
+// buffer (a copy-on-write snapshot) is never changed. in_blocks: the cache
+// stores its positions in blocks (keys for cpu_step_attention).
+mlx::core::array cpu_cache_write(const mlx::core::array& cache, const mlx::core::array& fresh, int start, int n, int pos, bool in_blocks);
 
 }  // namespace tether_mlx

@@ -43,6 +43,25 @@ pub fn sdpa(q: &Array, k: &Array, v: &Array, scale: f32, mask: Mask<'_>) -> Resu
     wrap("scaled_dot_product_attention", r)
 }
 
+/// Positions per block of a cache that stores its keys in blocks
+/// ([`KeyLayout::Blocks`]); such a cache's capacity is a multiple of it.
+pub const KEY_BLOCK: usize = 64;
+
+/// Where a `[1, kv_heads, capacity, head_dim]` CPU cache keeps a position's
+/// features.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyLayout {
+    /// As the shape reads, `[position][feature]` per head; views are fine.
+    Positions,
+    /// In blocks of [`KEY_BLOCK`] positions, each stored transposed,
+    /// `[feature][position]`: the order [`cpu_attention`]'s score loop reads
+    /// keys in, so it reads them in place instead of transposing every block
+    /// of every row at every step. Only [`cpu_kv_write`] and
+    /// [`cpu_attention`] know this order: to MLX's other ops the buffer's
+    /// positions are whole blocks, and a slice must keep whole blocks.
+    Blocks,
+}
+
 /// One sequence's share of [`cpu_attention`].
 #[derive(Clone, Copy)]
 pub struct AttentionRow<'a> {
@@ -65,14 +84,17 @@ fn to_i32(op: &'static str, v: usize) -> Result<i32> {
 /// row against its own cache, with scale `1/sqrt(head_dim)`. `q` holds the
 /// step's roped queries, `[1, T, n_heads * head_dim]` or
 /// `[T, n_heads, 1, head_dim]` (views are fine); rows tile its T tokens in
-/// order. Returns `[1, T, n_heads * head_dim]` float32 (lazy, CPU stream).
-pub fn cpu_attention(q: &Array, rows: &[AttentionRow<'_>]) -> Result<Array> {
+/// order. `keys`: how every row's keys are stored; with
+/// [`KeyLayout::Blocks`] they must be whole caches written by
+/// [`cpu_kv_write`] (no views). Returns `[1, T, n_heads * head_dim]` float32
+/// (lazy, CPU stream).
+pub fn cpu_attention(q: &Array, rows: &[AttentionRow<'_>], keys: KeyLayout) -> Result<Array> {
     const OP: &str = "cpu_attention";
     let kv: Vec<&Array> = rows.iter().flat_map(|r| [r.keys, r.values]).collect();
     let n = rows.iter().map(|r| to_i32(OP, r.n)).collect::<Result<Vec<_>>>()?;
     let kv_len = rows.iter().map(|r| to_i32(OP, r.kv_len)).collect::<Result<Vec<_>>>()?;
     let list = make_list(OP, &kv)?;
-    wrap(OP, bridge::cpu_attention(q.raw(), &list, &n, &kv_len))
+    wrap(OP, bridge::cpu_attention(q.raw(), &list, &n, &kv_len, keys == KeyLayout::Blocks))
 }
 
 /// Writes tokens `start .. start + n` of `fresh` (keys or values of a step,
@@ -80,10 +102,11 @@ pub fn cpu_attention(q: &Array, rows: &[AttentionRow<'_>]) -> Result<Array> {
 /// (`[1, kv_heads, capacity, head_dim]` float32) at positions `pos .. pos + n`;
 /// returns the updated cache. Like `slice_update`, the write happens in place
 /// when `cache`'s buffer has no other holder at evaluation, and on a copy
-/// otherwise, so a shared (snapshotted) buffer is never modified.
-pub fn cpu_kv_write(cache: &Array, fresh: &Array, start: usize, n: usize, pos: usize) -> Result<Array> {
+/// otherwise, so a shared (snapshotted) buffer is never modified. `layout`:
+/// how `cache` stores positions (values always as [`KeyLayout::Positions`]).
+pub fn cpu_kv_write(cache: &Array, fresh: &Array, start: usize, n: usize, pos: usize, layout: KeyLayout) -> Result<Array> {
     const OP: &str = "cpu_kv_write";
-    wrap(OP, bridge::cpu_kv_write(cache.raw(), fresh.raw(), to_i32(OP, start)?, to_i32(OP, n)?, to_i32(OP, pos)?))
+    wrap(OP, bridge::cpu_kv_write(cache.raw(), fresh.raw(), to_i32(OP, start)?, to_i32(OP, n)?, to_i32(OP, pos)?, layout == KeyLayout::Blocks))
 }
 
 /// SwiGLU's activation on the CPU, `silu(gate) * up`, from the fused gate/up

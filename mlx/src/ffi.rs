@@ -82,8 +82,8 @@ pub(crate) mod bridge {
         fn rope_offsets(x: &Array, dims: i32, traditional: bool, base: f32, scale: f32, offsets: &Array) -> Result<UniquePtr<Array>>;
         fn sdpa(q: &Array, k: &Array, v: &Array, scale: f32, mask_mode: &str) -> Result<UniquePtr<Array>>;
         fn sdpa_masked(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Array) -> Result<UniquePtr<Array>>;
-        fn cpu_attention(q: &Array, kv: &ArrayList, n: &[i32], kv_len: &[i32]) -> Result<UniquePtr<Array>>;
-        fn cpu_kv_write(cache: &Array, fresh: &Array, start: i32, n: i32, pos: i32) -> Result<UniquePtr<Array>>;
+        fn cpu_attention(q: &Array, kv: &ArrayList, n: &[i32], kv_len: &[i32], keys_in_blocks: bool) -> Result<UniquePtr<Array>>;
+        fn cpu_kv_write(cache: &Array, fresh: &Array, start: i32, n: i32, pos: i32, in_blocks: bool) -> Result<UniquePtr<Array>>;
         fn cpu_swiglu(gate_up: &Array) -> Result<UniquePtr<Array>>;
 
         fn random_key(seed: u64) -> Result<UniquePtr<Array>>;

@@ -224,7 +224,7 @@ std::unique_ptr<Array> sdpa(const Array& q, const Array& k, const Array& v, floa
 std::unique_ptr<Array> sdpa_masked(const Array& q, const Array& k, const Array& v, float scale, const Array& mask) {
   return boxed(mx::fast::scaled_dot_product_attention(q, k, v, scale, "", mask));
 }
-std::unique_ptr<Array> cpu_attention(const Array& q, const ArrayList& kv, rust::Slice<const int32_t> n, rust::Slice<const int32_t> kv_len) {
+std::unique_ptr<Array> cpu_attention(const Array& q, const ArrayList& kv, rust::Slice<const int32_t> n, rust::Slice<const int32_t> kv_len, bool keys_in_blocks) {
   if (n.size() != kv_len.size() || kv.items.size() != 2 * n.size())
     throw std::invalid_argument("cpu_attention: need keys, values, n and kv_len for every row");
   std::vector<mx::array> keys, values;
@@ -234,10 +234,10 @@ std::unique_ptr<Array> cpu_attention(const Array& q, const ArrayList& kv, rust::
     values.push_back(kv.items[2 * r + 1]);
     rows.push_back({n[r], kv_len[r]});
   }
-  return boxed(cpu_step_attention(q, keys, values, rows));
+  return boxed(cpu_step_attention(q, keys, values, rows, keys_in_blocks));
 }
-std::unique_ptr<Array> cpu_kv_write(const Array& cache, const Array& fresh, int32_t start, int32_t n, int32_t pos) {
-  return boxed(cpu_cache_write(cache, fresh, start, n, pos));
+std::unique_ptr<Array> cpu_kv_write(const Array& cache, const Array& fresh, int32_t start, int32_t n, int32_t pos, bool in_blocks) {
+  return boxed(cpu_cache_write(cache, fresh, start, n, pos, in_blocks));
 }
 std::unique_ptr<Array> cpu_swiglu(const Array& gate_up) { return boxed(tether_mlx::swiglu_activation(gate_up)); }
 

@@ -3,7 +3,7 @@
 //! `slice_update`.
 use std::sync::Mutex;
 
-use mlx::fast::{self, AttentionRow, Mask};
+use mlx::fast::{self, AttentionRow, KeyLayout, Mask, KEY_BLOCK};
 use mlx::{Array, Dtype};
 
 /// MLX graph building is per thread and its memory counters are global.
@@ -82,7 +82,7 @@ fn check(case: &Case, seed: u64) {
         start += n;
     }
 
-    let got = fast::cpu_attention(&q, &rows).unwrap();
+    let got = fast::cpu_attention(&q, &rows, KeyLayout::Positions).unwrap();
     assert_eq!(got.shape(), vec![1, total, width]);
     let err = max_error(&got.to_vec_f32().unwrap(), &want);
     assert!(err <= 2e-5, "heads {hq}/{hkv} dim {d} rows {:?}: max error {err}", case.rows);
@@ -91,11 +91,32 @@ fn check(case: &Case, seed: u64) {
     let wide = Array::from_f32(&noise(total * (width + 48), seed + 1, 4.0), &[1, total, width + 48]).unwrap();
     let wide = wide.slice_update(&q, &[0, 0, 8], &[1, total as i32, (8 + width) as i32]).unwrap();
     let view = wide.slice(&[0, 0, 8], &[1, total as i32, (8 + width) as i32]).unwrap();
-    assert!(max_error(&fast::cpu_attention(&view, &rows).unwrap().to_vec_f32().unwrap(), &want) <= 2e-5, "strided q");
+    assert!(max_error(&fast::cpu_attention(&view, &rows, KeyLayout::Positions).unwrap().to_vec_f32().unwrap(), &want) <= 2e-5, "strided q");
 
     // And in the [T, H, 1, D] layout rope produces.
     let q4 = q.reshape(&[total as i32, hq as i32, 1, d as i32]).unwrap();
-    assert!(max_error(&fast::cpu_attention(&q4, &rows).unwrap().to_vec_f32().unwrap(), &want) <= 2e-5, "[T, H, 1, D] q");
+    assert!(max_error(&fast::cpu_attention(&q4, &rows, KeyLayout::Positions).unwrap().to_vec_f32().unwrap(), &want) <= 2e-5, "[T, H, 1, D] q");
+
+    // Keys stored in blocks give the same output, bit for bit: the same
+    // products in the same order. Positions past kv_len hold NaN, as stale
+    // keys of a block would, and must not show.
+    let blocked: Vec<Array> = case.rows.iter().zip(&caches).map(|(&(_, kv_len), (k, _))| keys_in_blocks(k, kv_len)).collect();
+    let rows: Vec<AttentionRow> = case.rows.iter().zip(&caches).zip(&blocked).map(|((&(n, kv_len), (_, v)), k)| AttentionRow { keys: k, values: v, n, kv_len }).collect();
+    let in_blocks = fast::cpu_attention(&q, &rows, KeyLayout::Blocks).unwrap().to_vec_f32().unwrap();
+    assert!(in_blocks == got.to_vec_f32().unwrap(), "heads {hq}/{hkv} dim {d} rows {:?}: keys in blocks differ", case.rows);
+}
+
+/// A cache of whole blocks, NaN everywhere, with `keys`' first `len`
+/// positions written in blocks by cpu_kv_write.
+fn keys_in_blocks(keys: &Array, len: usize) -> Array {
+    let (h, d) = (keys.dim(1) as i32, keys.dim(3) as i32);
+    let cap = len.div_ceil(KEY_BLOCK) * KEY_BLOCK + KEY_BLOCK;
+    let nan = Array::full(&[1, h as usize, cap, d as usize], f32::NAN, Dtype::F32).unwrap();
+    // [len, heads, 1, dim]: the token layout the write takes.
+    let fresh = keys.slice(&[0, 0, 0, 0], &[1, h, len as i32, d]).unwrap().transpose(&[2, 1, 0, 3]).unwrap();
+    let out = fast::cpu_kv_write(&nan, &fresh, 0, len, 0, KeyLayout::Blocks).unwrap();
+    out.eval().unwrap();
+    out
 }
 
 #[test]
@@ -125,12 +146,13 @@ fn rejects_inconsistent_rows() {
     let q = Array::zeros(&[1, 4, 128], Dtype::F32).unwrap();
     let k = Array::zeros(&[1, 1, 8, 64], Dtype::F32).unwrap();
     let row = |n, kv_len| AttentionRow { keys: &k, values: &k, n, kv_len };
-    assert!(fast::cpu_attention(&q, &[row(4, 8)]).is_ok());
-    assert!(fast::cpu_attention(&q, &[row(3, 8)]).is_err(), "rows must cover q's tokens");
-    assert!(fast::cpu_attention(&q, &[row(4, 9)]).is_err(), "kv_len past the cache");
-    assert!(fast::cpu_attention(&q, &[row(4, 3)]).is_err(), "fewer keys than queries");
+    assert!(fast::cpu_attention(&q, &[row(4, 8)], KeyLayout::Positions).is_ok());
+    assert!(fast::cpu_attention(&q, &[row(3, 8)], KeyLayout::Positions).is_err(), "rows must cover q's tokens");
+    assert!(fast::cpu_attention(&q, &[row(4, 9)], KeyLayout::Positions).is_err(), "kv_len past the cache");
+    assert!(fast::cpu_attention(&q, &[row(4, 3)], KeyLayout::Positions).is_err(), "fewer keys than queries");
     let q3 = Array::zeros(&[1, 4, 96], Dtype::F32).unwrap();
-    assert!(fast::cpu_attention(&q3, &[row(4, 8)]).is_err(), "width not a multiple of head_dim");
+    assert!(fast::cpu_attention(&q3, &[row(4, 8)], KeyLayout::Positions).is_err(), "width not a multiple of head_dim");
+    assert!(fast::cpu_attention(&q, &[row(4, 8)], KeyLayout::Blocks).is_err(), "keys in blocks need whole blocks");
 }
 
 #[test]
@@ -147,7 +169,7 @@ fn kv_write_matches_slice_update_and_respects_snapshots() {
 
     // A snapshot shares the buffer: the write must go to a copy.
     let snapshot = base.clone();
-    let written = fast::cpu_kv_write(&base, &fresh, 2, 4, 10).unwrap();
+    let written = fast::cpu_kv_write(&base, &fresh, 2, 4, 10, KeyLayout::Positions).unwrap();
     assert_eq!(written.to_vec_f32().unwrap(), want);
     assert_eq!(snapshot.to_vec_f32().unwrap(), before, "a shared buffer was written in place");
 
@@ -156,7 +178,7 @@ fn kv_write_matches_slice_update_and_respects_snapshots() {
     let big = Array::zeros(&[1, heads, 4096, dim], Dtype::F32).unwrap().add(&Array::scalar(1.0, Dtype::F32).unwrap()).unwrap();
     big.eval().unwrap();
     let active = mlx::memory::active();
-    let out = fast::cpu_kv_write(&big, &fresh, 0, tokens, 100).unwrap();
+    let out = fast::cpu_kv_write(&big, &fresh, 0, tokens, 100, KeyLayout::Positions).unwrap();
     drop(big);
     out.eval().unwrap();
     let grown = mlx::memory::active().saturating_sub(active);
@@ -167,9 +189,26 @@ fn kv_write_matches_slice_update_and_respects_snapshots() {
 
     // A broadcast zero buffer (a fresh cache) is materialized, then written.
     let zeros = Array::zeros(&[1, heads, 16, dim], Dtype::F32).unwrap();
-    let out = fast::cpu_kv_write(&zeros, &fresh, 6, 1, 15).unwrap().to_vec_f32().unwrap();
+    let out = fast::cpu_kv_write(&zeros, &fresh, 6, 1, 15, KeyLayout::Positions).unwrap().to_vec_f32().unwrap();
     assert_eq!(out[(2 * 16 + 15) * dim..(2 * 16 + 16) * dim], fresh.slice(&[0, 6, 2 * dim as i32], &[1, 7, 3 * dim as i32]).unwrap().to_vec_f32().unwrap()[..]);
     assert!(out.chunks(dim).enumerate().filter(|(i, _)| i % 16 != 15).all(|(_, row)| row.iter().all(|&x| x == 0.0)));
+
+    // In blocks: tokens 1..7 at positions 60..66 straddle a block boundary;
+    // block b of a head holds [feature][position] for positions 64b..64b+63.
+    let cap = 2 * KEY_BLOCK;
+    let out = fast::cpu_kv_write(&Array::zeros(&[1, heads, cap, dim], Dtype::F32).unwrap(), &fresh, 1, 6, 60, KeyLayout::Blocks).unwrap().to_vec_f32().unwrap();
+    let fresh_v = fresh.to_vec_f32().unwrap();
+    for h in 0..heads {
+        for p in 0..cap {
+            for f in 0..dim {
+                let stored = out[h * cap * dim + (p / KEY_BLOCK) * KEY_BLOCK * dim + f * KEY_BLOCK + p % KEY_BLOCK];
+                let want = if (60..66).contains(&p) { fresh_v[(1 + p - 60) * heads * dim + h * dim + f] } else { 0.0 };
+                assert_eq!(stored, want, "head {h} position {p} feature {f}");
+            }
+        }
+    }
+    let odd = Array::zeros(&[1, heads, KEY_BLOCK + 8, dim], Dtype::F32).unwrap();
+    assert!(fast::cpu_kv_write(&odd, &fresh, 0, 1, 0, KeyLayout::Blocks).is_err(), "a capacity of part blocks");
 }
 
 #[test]

@@ -103,10 +103,9 @@ impl KvBatch {
             let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
             let (s, n) = (slot as i32, len as i32);
             for (layer, (k, v)) in self.layers.iter_mut().enumerate() {
-                let (ck, cv) = cache.layer(layer).ok_or_else(|| mlx::Error { op: "kv_batch", message: "admitting a cache with no buffers".into() })?;
-                let valid = |a: &Array| a.slice(&[0, 0, 0, 0], &[1, h, n, d]);
-                *k = k.slice_update(&valid(ck)?, &[s, 0, 0, 0], &[s + 1, h, n, d])?;
-                *v = v.slice_update(&valid(cv)?, &[s, 0, 0, 0], &[s + 1, h, n, d])?;
+                let (ck, cv) = cache.positions(layer)?.ok_or_else(|| mlx::Error { op: "kv_batch", message: "admitting a cache with no buffers".into() })?;
+                *k = k.slice_update(&ck, &[s, 0, 0, 0], &[s + 1, h, n, d])?;
+                *v = v.slice_update(&cv, &[s, 0, 0, 0], &[s + 1, h, n, d])?;
             }
         }
         self.lens[slot] = Some(len);
@@ -277,9 +276,8 @@ mod tests {
         // A released slot's cache holds exactly its rows, and the slot is reused.
         let out = kv.release(1).unwrap();
         assert_eq!(out.len(), 4);
-        let (k, v) = out.layer(1).unwrap();
-        let k = k.slice(&[0, 0, 0, 0], &[1, 1, 4, 4]).unwrap().to_vec_f32().unwrap();
-        let v = v.slice(&[0, 0, 0, 0], &[1, 1, 4, 4]).unwrap().to_vec_f32().unwrap();
+        let (k, v) = out.positions(1).unwrap().unwrap();
+        let (k, v) = (k.to_vec_f32().unwrap(), v.to_vec_f32().unwrap());
         assert!(k.iter().all(|&x| x == 2.0) && v.iter().all(|&x| x == -2.0));
         assert_eq!(kv.admit(&cache_of(2, 9.0), 0).unwrap(), 1);
         assert_eq!(kv.occupied(), 3);
@@ -340,11 +338,11 @@ mod tests {
         kv.advance(&[0, 3]);
         assert_eq!((kv.len(0), kv.len(1)), (3, 5));
         // Slot 0 is untouched, and layer 0 of slot 1 too.
-        let (k0, _) = kv.release(0).unwrap().layer(1).map(|(k, v)| (k.clone(), v.clone())).unwrap();
-        assert!(k0.slice(&[0, 0, 0, 0], &[1, 1, 3, 4]).unwrap().to_vec_f32().unwrap().iter().all(|&x| x == 1.0));
+        let (k0, _) = kv.release(0).unwrap().positions(1).unwrap().unwrap();
+        assert!(k0.to_vec_f32().unwrap().iter().all(|&x| x == 1.0));
         let out = kv.release(1).unwrap();
-        let (k_layer0, _) = out.layer(0).unwrap();
-        let k_layer0 = k_layer0.slice(&[0, 0, 0, 0], &[1, 1, 5, 4]).unwrap().to_vec_f32().unwrap();
+        let (k_layer0, _) = out.positions(0).unwrap().unwrap();
+        let k_layer0 = k_layer0.to_vec_f32().unwrap();
         assert!(k_layer0[8..].iter().all(|&x| x != 7.0), "only layer 1 was written");
     }
 }

@@ -6,10 +6,37 @@
 //! write happens in place (no per-step concatenation). Rolling back (rejected
 //! draft tokens) is just moving `len` back: stale positions are overwritten
 //! by the next write and never read, since attention only sees `..len`.
+//!
+//! For the CPU's fused attention the keys are stored in blocks
+//! ([`KeyLayout::Blocks`]): the order its score loop reads them in, written
+//! so by its cache write, so no step transposes a row's whole history again.
+//! Everything else here handles such keys in whole blocks, and
+//! [`positions`](KvCache::positions) and [`fill`](KvCache::fill) convert
+//! at the edges (moving a cache into a batch slot, or out of one).
+use mlx::fast::{KeyLayout, KEY_BLOCK};
 use mlx::{Array, Dtype};
 
 /// Capacity grows in multiples of this many tokens.
 pub const CAPACITY_STEP: usize = 256;
+const _: () = assert!(CAPACITY_STEP % KEY_BLOCK == 0, "caches with keys in blocks hold whole blocks");
+
+/// `[1, heads, len, dim]` position-order keys laid out in blocks, padded
+/// with zeros to whole blocks: `[1, heads, ceil(len / KEY_BLOCK) * KEY_BLOCK, dim]`.
+fn into_blocks(keys: &Array, len: usize) -> mlx::Result<Array> {
+    let (h, d, b) = (keys.dim(1) as i32, keys.dim(3) as i32, KEY_BLOCK as i32);
+    let blocks = len.div_ceil(KEY_BLOCK) as i32;
+    let padded = Array::zeros(&[1, h as usize, (blocks * b) as usize, d as usize], keys.dtype())?.slice_update(keys, &[0; 4], &[1, h, len as i32, d])?;
+    padded.reshape(&[1, h, blocks, b, d])?.transpose(&[0, 1, 2, 4, 3])?.reshape(&[1, h, blocks * b, d])
+}
+
+/// The first `len` positions of a key buffer stored in blocks, in position
+/// order (a copy).
+fn out_of_blocks(keys: &Array, len: usize) -> mlx::Result<Array> {
+    let (h, d, b) = (keys.dim(1) as i32, keys.dim(3) as i32, KEY_BLOCK as i32);
+    let blocks = len.div_ceil(KEY_BLOCK) as i32;
+    let whole = keys.slice(&[0; 4], &[1, h, blocks * b, d])?;
+    whole.reshape(&[1, h, blocks, d, b])?.transpose(&[0, 1, 2, 4, 3])?.reshape(&[1, h, blocks * b, d])?.slice(&[0; 4], &[1, h, len as i32, d])
+}
 
 /// A zeroed 4-d buffer of `shape` holding a copy of `old`'s leading
 /// `keep` region (`[..keep[0], ..keep[1], ..]`), or nothing when there is
@@ -36,11 +63,33 @@ pub struct KvCache {
     kv_heads: usize,
     head_dim: usize,
     dtype: Dtype,
+    keys: KeyLayout,
 }
 
 impl KvCache {
+    /// An empty cache storing keys in position order.
     pub fn new(n_layers: usize, kv_heads: usize, head_dim: usize, dtype: Dtype) -> KvCache {
-        KvCache { layers: (0..n_layers).map(|_| None).collect(), len: 0, capacity: 0, kv_heads, head_dim, dtype }
+        KvCache { layers: (0..n_layers).map(|_| None).collect(), len: 0, capacity: 0, kv_heads, head_dim, dtype, keys: KeyLayout::Positions }
+    }
+
+    /// An empty cache storing keys in blocks, for the CPU's fused attention
+    /// (written by [`write_step`](Self::write_step) only).
+    pub fn with_keys_in_blocks(n_layers: usize, kv_heads: usize, head_dim: usize, dtype: Dtype) -> KvCache {
+        KvCache { keys: KeyLayout::Blocks, ..KvCache::new(n_layers, kv_heads, head_dim, dtype) }
+    }
+
+    /// How the keys are stored.
+    pub fn key_layout(&self) -> KeyLayout {
+        self.keys
+    }
+
+    /// Positions a copy of the first `len` must take: whole blocks when
+    /// keys are stored in blocks.
+    fn whole_blocks(&self, len: usize) -> usize {
+        match self.keys {
+            KeyLayout::Positions => len,
+            KeyLayout::Blocks => len.div_ceil(KEY_BLOCK) * KEY_BLOCK,
+        }
     }
 
     /// Tokens whose keys and values are stored.
@@ -70,7 +119,7 @@ impl KvCache {
         }
         let new_cap = needed.div_ceil(CAPACITY_STEP) * CAPACITY_STEP;
         let shape = [1, self.kv_heads, new_cap, self.head_dim];
-        let keep = [1, self.kv_heads, self.len, self.head_dim];
+        let keep = [1, self.kv_heads, self.whole_blocks(self.len), self.head_dim];
         for layer in &mut self.layers {
             let fresh = |old: Option<&Array>| zeros_keeping(&shape, self.dtype, old, keep);
             let (k, v) = match layer.take() {
@@ -87,6 +136,9 @@ impl KvCache {
     /// current length and returns views of all `len + n` stored positions.
     /// `reserve(n)` must have been called for this step; `advance(n)` commits.
     pub fn append(&mut self, layer: usize, k: &Array, v: &Array) -> mlx::Result<(Array, Array)> {
+        if self.keys == KeyLayout::Blocks {
+            return Err(mlx::Error { op: "kv_cache", message: "append writes keys in position order; a cache with keys in blocks takes write_step".into() });
+        }
         let n = k.dim(2);
         let end = self.len + n;
         if end > self.capacity {
@@ -114,8 +166,8 @@ impl KvCache {
             return Err(mlx::Error { op: "kv_cache", message: format!("append of {n} past capacity {}", self.capacity) });
         }
         let (old_k, old_v) = self.layers[layer].take().ok_or_else(|| mlx::Error { op: "kv_cache", message: "layer not reserved".into() })?;
-        let write = |old: &Array, fresh: &Array| mlx::fast::cpu_kv_write(old, fresh, start, n, self.len);
-        match write(&old_k, keys).and_then(|k| Ok((k, write(&old_v, values)?))) {
+        let write = |old: &Array, fresh: &Array, layout| mlx::fast::cpu_kv_write(old, fresh, start, n, self.len, layout);
+        match write(&old_k, keys, self.keys).and_then(|k| Ok((k, write(&old_v, values, KeyLayout::Positions)?))) {
             Ok((new_k, new_v)) => {
                 drop((old_k, old_v)); // the graph now holds the only reference: the write can be in place
                 self.layers[layer] = Some((new_k.clone(), new_v.clone()));
@@ -128,23 +180,39 @@ impl KvCache {
         }
     }
 
-    /// Layer `layer`'s key and value buffers, if reserved.
-    pub fn layer(&self, layer: usize) -> Option<(&Array, &Array)> {
-        self.layers.get(layer)?.as_ref().map(|(k, v)| (k, v))
+    /// Layer `layer`'s stored keys and values, `[1, kv_heads, len, head_dim]`
+    /// in position order (lazy views, or a reordered copy of keys stored in
+    /// blocks); `None` when the layer holds nothing.
+    pub fn positions(&self, layer: usize) -> mlx::Result<Option<(Array, Array)>> {
+        let Some((k, v)) = self.layers.get(layer).and_then(Option::as_ref) else { return Ok(None) };
+        if self.len == 0 {
+            return Ok(None);
+        }
+        let stop = [1, self.kv_heads as i32, self.len as i32, self.head_dim as i32];
+        let keys = match self.keys {
+            KeyLayout::Positions => k.slice(&[0; 4], &stop)?,
+            KeyLayout::Blocks => out_of_blocks(k, self.len)?,
+        };
+        Ok(Some((keys, v.slice(&[0; 4], &stop)?)))
     }
 
     /// Replaces an empty cache's contents with copies of `layers`, each
-    /// `[1, kv_heads, len, head_dim]` (views allowed): the cache then owns
-    /// buffers of its own.
+    /// `[1, kv_heads, len, head_dim]` in position order (views allowed): the
+    /// cache then owns buffers of its own.
     pub fn fill(&mut self, layers: &[(Array, Array)], len: usize) -> mlx::Result<()> {
         if !self.is_empty() || layers.len() != self.layers.len() {
             return Err(mlx::Error { op: "kv_cache", message: format!("fill of {} layers into a cache of {} holding {}", layers.len(), self.layers.len(), self.len) });
         }
         self.reserve(len)?;
         let stop = [1, self.kv_heads as i32, len as i32, self.head_dim as i32];
+        let key_stop = [1, self.kv_heads as i32, self.whole_blocks(len) as i32, self.head_dim as i32];
         for (slot, (k, v)) in self.layers.iter_mut().zip(layers) {
             let (bk, bv) = slot.take().expect("reserved above");
-            *slot = Some((bk.slice_update(k, &[0, 0, 0, 0], &stop)?, bv.slice_update(v, &[0, 0, 0, 0], &stop)?));
+            let k = match self.keys {
+                KeyLayout::Positions => k.clone(),
+                KeyLayout::Blocks => into_blocks(k, len)?,
+            };
+            *slot = Some((bk.slice_update(&k, &[0; 4], &key_stop)?, bv.slice_update(v, &[0; 4], &stop)?));
         }
         self.len = len;
         Ok(())
@@ -158,5 +226,76 @@ impl KvCache {
     /// The stored buffers, for evaluating them along with a step's outputs.
     pub fn buffers(&self) -> Vec<&Array> {
         self.layers.iter().flatten().flat_map(|(k, v)| [k, v]).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `[tokens, heads, 1, dim]` keys (the fused path's token layout) whose
+    /// values name their token, head and feature.
+    fn step_keys(first: usize, tokens: usize, heads: usize, dim: usize) -> Array {
+        let data: Vec<f32> = (0..tokens * heads * dim).map(|i| ((first + i / (heads * dim)) * 1000 + i % (heads * dim)) as f32).collect();
+        Array::from_f32(&data, &[tokens, heads, 1, dim]).unwrap()
+    }
+
+    /// Writes `steps` (token counts) into a cache with keys in blocks and one
+    /// in position order; returns both.
+    fn written(steps: &[usize]) -> (KvCache, KvCache) {
+        let (heads, dim) = (2, 16);
+        let mut blocked = KvCache::with_keys_in_blocks(1, heads, dim, Dtype::F32);
+        let mut plain = KvCache::new(1, heads, dim, Dtype::F32);
+        for &n in steps {
+            let keys = step_keys(blocked.len(), n, heads, dim);
+            for cache in [&mut blocked, &mut plain] {
+                cache.reserve(n).unwrap();
+                cache.write_step(0, &keys, &keys, 0, n).unwrap();
+                cache.advance(n);
+            }
+        }
+        (blocked, plain)
+    }
+
+    fn positions(cache: &KvCache) -> (Vec<f32>, Vec<f32>) {
+        let (k, v) = cache.positions(0).unwrap().unwrap();
+        (k.to_vec_f32().unwrap(), v.to_vec_f32().unwrap())
+    }
+
+    #[test]
+    fn keys_in_blocks_read_back_in_position_order_across_growth_and_rollback() {
+        let _device = mlx::set_default_device(mlx::Device::Cpu);
+        // 250 then 70 tokens: a block split by a step, and growth past 256
+        // (which copies whole blocks into the larger buffer).
+        let (mut blocked, mut plain) = written(&[3, 247, 70]);
+        assert_eq!(blocked.len(), 320);
+        assert_eq!(positions(&blocked), positions(&plain));
+        // Rolled back into a block and written again.
+        blocked.truncate(290);
+        plain.truncate(290);
+        let keys = step_keys(290, 5, 2, 16).multiply(&Array::scalar(-1.0, Dtype::F32).unwrap()).unwrap();
+        for cache in [&mut blocked, &mut plain] {
+            cache.reserve(5).unwrap();
+            cache.write_step(0, &keys, &keys, 0, 5).unwrap();
+            cache.advance(5);
+        }
+        assert_eq!(positions(&blocked), positions(&plain));
+        assert!(blocked.append(0, &keys, &keys).is_err(), "position-order writes into keys in blocks");
+    }
+
+    #[test]
+    fn a_cache_filled_from_positions_stores_its_keys_in_blocks() {
+        let _device = mlx::set_default_device(mlx::Device::Cpu);
+        let (_, plain) = written(&[100]);
+        let (k, v) = plain.positions(0).unwrap().unwrap();
+        let mut blocked = KvCache::with_keys_in_blocks(1, 2, 16, Dtype::F32);
+        blocked.fill(&[(k, v)], 100).unwrap();
+        assert_eq!(positions(&blocked), positions(&plain));
+        // The stored keys are in blocks: position 65, feature 3 of head 1 sits
+        // at block 1, row 3, column 1 of that head's buffer.
+        let (raw, _) = blocked.layers[0].as_ref().unwrap();
+        let raw = raw.to_vec_f32().unwrap();
+        let cap = blocked.capacity;
+        assert_eq!(raw[cap * 16 + 64 * 16 + 3 * 64 + 1], (65 * 1000 + 16 + 3) as f32);
     }
 }

@@ -2,7 +2,7 @@
 //! attention with RoPE and a preallocated KV cache, SwiGLU feed-forward.
 use std::sync::OnceLock;
 
-use mlx::fast::{self, AttentionRow, Mask};
+use mlx::fast::{self, AttentionRow, KeyLayout, Mask};
 use mlx::{Array, Dtype};
 
 use super::batch_step::{BatchStep, BatchedRows};
@@ -43,7 +43,12 @@ pub struct Transformer {
 
 impl Transformer {
     pub fn new_cache(&self) -> KvCache {
-        KvCache::new(self.config.n_layers, self.config.n_kv_heads, self.config.head_dim, self.dtype)
+        let c = &self.config;
+        // The fused CPU attention reads keys stored in blocks in place.
+        match self.use_fused_cpu_kernels() {
+            true => KvCache::with_keys_in_blocks(c.n_layers, c.n_kv_heads, c.head_dim, self.dtype),
+            false => KvCache::new(c.n_layers, c.n_kv_heads, c.head_dim, self.dtype),
+        }
     }
 
     /// An empty batch of KV slots for this model's running rows.
@@ -357,7 +362,11 @@ impl Transformer {
             .zip(lens)
             .map(|((row, (keys, values)), &n)| AttentionRow { keys, values, n, kv_len: row.cache.len() + n })
             .collect();
-        fast::cpu_attention(&q, &attention_rows)
+        let keys = rows.first().map_or(KeyLayout::Positions, |r| r.cache.key_layout());
+        if rows.iter().any(|r| r.cache.key_layout() != keys) {
+            return Err(mlx::Error { op: "forward", message: "rows of one step store their keys differently".into() });
+        }
+        fast::cpu_attention(&q, &attention_rows, keys)
     }
 }
 
