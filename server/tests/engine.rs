@@ -209,3 +209,41 @@ async fn waiting_prompts_that_outnumber_decoding_rows_widen_the_allowance() {
     // Unwidened, the same run takes about 40.
     assert!(steps <= 12, "six waiting 100-token prompts took {steps} steps beside one decoding row");
 }
+
+/// When `rx`'s request was seated in a row (its `Started` event), reading
+/// its events to the end.
+async fn started_at(mut rx: tokio::sync::mpsc::Receiver<EngineEvent>) -> std::time::Instant {
+    let mut started = None;
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            EngineEvent::Started { .. } => started = Some(std::time::Instant::now()),
+            EngineEvent::Finished(_) => break,
+            EngineEvent::Failed { message } => panic!("request failed: {message}"),
+            EngineEvent::Tokens { .. } => {}
+        }
+    }
+    started.expect("the request was seated")
+}
+
+/// Sessions take turns for free rows: with two rows, session "a" queues
+/// four requests, then session "b" one; "b" is seated with the first rows
+/// to free up, before a's fourth request. (In arrival order it would wait
+/// for all four of a's: a3 and a4 take the first two free rows, and "b"
+/// starts some 16 steps after a4.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_with_many_requests_takes_turns_with_others_for_rows() {
+    let engine = start(EngineConfig { max_running: 2, ..Default::default() });
+    let prompt = prompts()[0].clone();
+    let submit = |session: &str, max_tokens: usize| {
+        let (_, rx) = engine.submit(SubmitRequest { session: Some(session.into()), ..request(prompt.clone(), max_tokens) }).unwrap();
+        tokio::spawn(started_at(rx))
+    };
+    let a: Vec<_> = (0..4).map(|_| submit("a", 16)).collect();
+    let b = submit("b", 12);
+    let b = tokio::time::timeout(Duration::from_secs(120), b).await.expect("b finished").unwrap();
+    let mut a_started = Vec::new();
+    for task in a {
+        a_started.push(tokio::time::timeout(Duration::from_secs(120), task).await.expect("a finished").unwrap());
+    }
+    assert!(b < a_started[3], "b was seated after all of a's requests");
+}

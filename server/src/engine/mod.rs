@@ -68,6 +68,9 @@ pub struct SubmitRequest {
     /// Whose prefix-cache entries this request may reuse and leaves behind
     /// (a session's id); `None` neither reads nor writes the cache.
     pub cache_scope: Option<Scope>,
+    /// The session that sent it: sessions take turns for free rows (see
+    /// the engine's admission). `None` counts as a session of its own.
+    pub session: Option<String>,
     /// Draft tokens verified alongside this request's decode steps.
     pub speculation: speculate::Speculation,
 }
@@ -84,6 +87,7 @@ impl SubmitRequest {
             prefill_chunk: None,
             deadline: None,
             cache_scope: None,
+            session: None,
             speculation: speculate::Speculation::default(),
         }
     }

@@ -5,7 +5,7 @@
 //! prompt. All rows' graphs are built lazily and evaluated together with ONE
 //! `eval`, then the sampled ids are read back and published. A row whose
 //! consumer has no room is paused (skipped) until it drains.
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc::{Receiver, Sender, TryRecvError};
 use std::time::Instant;
 
@@ -262,21 +262,19 @@ impl Engine {
         }
     }
 
-    /// Moves waiting requests into rows while rows and KV budget allow,
-    /// in arrival order (a request that does not fit yet blocks those behind
-    /// it, so large requests are not starved by small ones).
+    /// Moves waiting requests into rows while rows and KV budget allow, in
+    /// the order [`next_waiting`](Self::next_waiting) gives (a request that
+    /// does not fit yet blocks the others, so large requests are not starved
+    /// by small ones).
     fn admit(&mut self) {
+        self.waiting.retain(|w| !w.events.is_closed());
         while self.running.len() < self.config.max_running {
-            let Some(front) = self.waiting.front() else { break };
-            if front.events.is_closed() {
-                self.waiting.pop_front();
-                continue;
-            }
-            let requests = self.running.iter().map(|r| &r.request).chain(std::iter::once(&front.request));
+            let Some(next) = self.next_waiting() else { break };
+            let requests = self.running.iter().map(|r| &r.request).chain(std::iter::once(&self.waiting[next].request));
             if self.kv_reservation(requests) > self.config.kv_budget_bytes {
                 break;
             }
-            let w = self.waiting.pop_front().expect("front exists");
+            let w = self.waiting.remove(next).expect("next_waiting gives a valid index");
             let queue_ms = w.queued_at.elapsed().as_secs_f64() * 1e3;
             match Row::new(w.id, w.request, w.events.clone(), self.model.new_cache(), self.draft.as_ref().map(|d| &d.model)) {
                 Ok(mut row) => {
@@ -295,6 +293,22 @@ impl Engine {
                 Err(e) => self.deliver_final(w.events, EngineEvent::Failed { message: e.to_string() }),
             }
         }
+    }
+
+    /// Which waiting request takes the next free row: the earliest queued
+    /// of those whose session has the fewest rows running. Arrival order
+    /// alone would let a session that queues many requests take every row
+    /// that frees up until all of them ran; this way sessions take turns
+    /// (requests without a session count as sessions of their own).
+    fn next_waiting(&self) -> Option<usize> {
+        let mut rows_of: HashMap<&str, usize> = HashMap::new();
+        for row in &self.running {
+            if let Some(session) = &row.request.session {
+                *rows_of.entry(session.as_str()).or_default() += 1;
+            }
+        }
+        let running = |w: &Waiting| w.request.session.as_deref().map_or(0, |s| rows_of.get(s).copied().unwrap_or(0));
+        self.waiting.iter().enumerate().min_by_key(|&(i, w)| (running(w), i)).map(|(i, _)| i)
     }
 
     /// Gives a new row its slot when caches are batched: it reads its prompt

@@ -158,6 +158,7 @@ pub fn submit_request(state: &ServerState, session_id: &str, req: &GenerateReque
             Some(CacheScopeName::Shared) => Scope::Shared,
             Some(CacheScopeName::Session) | None => Scope::Session(session_id.to_string()),
         }),
+        session: Some(session_id.to_string()),
         deadline: req.max_time_ms.map(|ms| received + Duration::from_millis(ms as u64)),
         speculation: speculation_for(&state.config.speculation, req.speculation),
     }
