@@ -24,8 +24,9 @@
 # MODE=profile: engine step phases (host vs device) at 1 and 8 streams, and
 # the plain decode loop, with CUDA graphs on and off (SmolLM2-135M GGUF).
 # MODE=graphs: the engine at 1 and 32 streams on the 1.5B-shaped bf16
-# checkpoint with MLX's CUDA graphs cut every 20 operations (MLX's default),
-# 60, 200 and 1000 (MLX_MAX_OPS_PER_BUFFER), interleaved, two rounds.
+# checkpoint with MLX's CUDA graphs off (the server default) and on, cut every
+# 20 operations (MLX's default), 60, 200 and 1000 (MLX_MAX_OPS_PER_BUFFER),
+# interleaved, two rounds.
 # MODE=agent: the 12-turn agent workload of bench/load.py (WORKLOAD=agent in
 # bench/load.sh) on the random Qwen2.5-1.5B-shaped bf16 checkpoint: `tether
 # serve` (session prefix cache on, and off) beside mlx_lm.server (its prompt
@@ -123,11 +124,15 @@ if [ "${MODE:-decode}" = agent ] || [ "${MODE:-decode}" = serving ]; then
   exit 0
 fi
 if [ "${MODE:-decode}" = graphs ]; then
+  # CUDA graphs off (Tether's server default) and on, cut every 20 (MLX's
+  # default), 60, 200 and 1,000 operations. MLX_MAX_OPS_PER_BUFFER only
+  # matters with graphs on, so each setting names both.
   for round in 1 2; do
-    for ops in 20 60 200 1000; do
+    for setting in "0 20" "1 20" "1 60" "1 200" "1 1000"; do
+      read -r graphs ops <<< "$setting"
       for streams in 1 32; do
-        MLX_MAX_OPS_PER_BUFFER=$ops "$TETHER_BIN" bench --model /opt/models/qwen2.5-1.5b-bf16 --device gpu --streams $streams --prompt-tokens 128 --gen-tokens 256 2>>"$OUT/tether.log" \
-          | sed "s/^{/{\"ops_per_graph\":$ops,\"round\":$round,/" | tee -a "$OUT/results.jsonl"
+        MLX_USE_CUDA_GRAPHS=$graphs MLX_MAX_OPS_PER_BUFFER=$ops "$TETHER_BIN" bench --model /opt/models/qwen2.5-1.5b-bf16 --device gpu --streams $streams --prompt-tokens 128 --gen-tokens 256 2>>"$OUT/tether.log" \
+          | sed "s/^{/{\"cuda_graphs\":$graphs,\"ops_per_graph\":$ops,\"round\":$round,/" | tee -a "$OUT/results.jsonl"
       done
     done
   done
