@@ -28,8 +28,10 @@
 // over by donation) in eval_cpu and filled by the dispatched task, which
 // holds copies of the input arrays so their buffers outlive it. Every
 // pointer a task forms stays inside its array: rows tile the T tokens, and
-// a row reads cache positions below kv_len <= capacity and writes positions
-// below pos + n <= capacity.
+// a row reads cache positions below kv_len <= capacity (keys stored in
+// blocks: whole blocks, so below kv_len rounded up to a block, which is
+// still <= capacity, a multiple of the block, checked when the primitive is
+// built) and writes positions below pos + n <= capacity.
 #include "tether-mlx/src/cpu_attention.h"
 
 #include <algorithm>
