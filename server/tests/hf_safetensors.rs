@@ -15,8 +15,6 @@
 //! builds them first, so a missing one is a setup error, not a skip.
 mod common;
 
-use std::path::PathBuf;
-
 use common::*;
 use tether::generate::{greedy_tokens, prefill};
 use tether::loaded::LoadedModel;
