@@ -23,19 +23,30 @@ const _: () = assert!(CAPACITY_STEP % KEY_BLOCK == 0, "caches with keys in block
 /// `[1, heads, len, dim]` position-order keys laid out in blocks, padded
 /// with zeros to whole blocks: `[1, heads, ceil(len / KEY_BLOCK) * KEY_BLOCK, dim]`.
 fn into_blocks(keys: &Array, len: usize) -> mlx::Result<Array> {
-    let (h, d, b) = (keys.dim(1) as i32, keys.dim(3) as i32, KEY_BLOCK as i32);
-    let blocks = len.div_ceil(KEY_BLOCK) as i32;
-    let padded = Array::zeros(&[1, h as usize, (blocks * b) as usize, d as usize], keys.dtype())?.slice_update(keys, &[0; 4], &[1, h, len as i32, d])?;
-    padded.reshape(&[1, h, blocks, b, d])?.transpose(&[0, 1, 2, 4, 3])?.reshape(&[1, h, blocks * b, d])
+    let (h, d) = (keys.dim(1), keys.dim(3));
+    let padded = Array::zeros(&[1, h, whole_blocks(len), d], keys.dtype())?.slice_update(keys, &[0; 4], &[1, h as i32, len as i32, d as i32])?;
+    transpose_blocks(&padded, (KEY_BLOCK, d))
 }
 
 /// The first `len` positions of a key buffer stored in blocks, in position
 /// order (a copy).
 fn out_of_blocks(keys: &Array, len: usize) -> mlx::Result<Array> {
-    let (h, d, b) = (keys.dim(1) as i32, keys.dim(3) as i32, KEY_BLOCK as i32);
-    let blocks = len.div_ceil(KEY_BLOCK) as i32;
-    let whole = keys.slice(&[0; 4], &[1, h, blocks * b, d])?;
-    whole.reshape(&[1, h, blocks, d, b])?.transpose(&[0, 1, 2, 4, 3])?.reshape(&[1, h, blocks * b, d])?.slice(&[0; 4], &[1, h, len as i32, d])
+    let (h, d) = (keys.dim(1) as i32, keys.dim(3) as i32);
+    let whole = keys.slice(&[0; 4], &[1, h, whole_blocks(len) as i32, d])?;
+    transpose_blocks(&whole, (d as usize, KEY_BLOCK))?.slice(&[0; 4], &[1, h, len as i32, d])
+}
+
+/// Positions rounded up to whole key blocks.
+fn whole_blocks(len: usize) -> usize {
+    len.div_ceil(KEY_BLOCK) * KEY_BLOCK
+}
+
+/// `[1, heads, n, dim]` (n whole blocks) with each block, read as `(rows,
+/// cols)` = `block`, transposed, back in the same shape (a copy).
+fn transpose_blocks(a: &Array, block: (usize, usize)) -> mlx::Result<Array> {
+    let (h, n, d) = (a.dim(1) as i32, a.dim(2) as i32, a.dim(3) as i32);
+    let blocks = n / KEY_BLOCK as i32;
+    a.reshape(&[1, h, blocks, block.0 as i32, block.1 as i32])?.transpose(&[0, 1, 2, 4, 3])?.reshape(&[1, h, n, d])
 }
 
 /// A zeroed 4-d buffer of `shape` holding a copy of `old`'s leading
@@ -85,10 +96,10 @@ impl KvCache {
 
     /// Positions a copy of the first `len` must take: whole blocks when
     /// keys are stored in blocks.
-    fn whole_blocks(&self, len: usize) -> usize {
+    fn copied_positions(&self, len: usize) -> usize {
         match self.keys {
             KeyLayout::Positions => len,
-            KeyLayout::Blocks => len.div_ceil(KEY_BLOCK) * KEY_BLOCK,
+            KeyLayout::Blocks => whole_blocks(len),
         }
     }
 
@@ -119,7 +130,7 @@ impl KvCache {
         }
         let new_cap = needed.div_ceil(CAPACITY_STEP) * CAPACITY_STEP;
         let shape = [1, self.kv_heads, new_cap, self.head_dim];
-        let keep = [1, self.kv_heads, self.whole_blocks(self.len), self.head_dim];
+        let keep = [1, self.kv_heads, self.copied_positions(self.len), self.head_dim];
         for layer in &mut self.layers {
             let fresh = |old: Option<&Array>| zeros_keeping(&shape, self.dtype, old, keep);
             let (k, v) = match layer.take() {
@@ -205,7 +216,7 @@ impl KvCache {
         }
         self.reserve(len)?;
         let stop = [1, self.kv_heads as i32, len as i32, self.head_dim as i32];
-        let key_stop = [1, self.kv_heads as i32, self.whole_blocks(len) as i32, self.head_dim as i32];
+        let key_stop = [1, self.kv_heads as i32, self.copied_positions(len) as i32, self.head_dim as i32];
         for (slot, (k, v)) in self.layers.iter_mut().zip(layers) {
             let (bk, bv) = slot.take().expect("reserved above");
             let k = match self.keys {
