@@ -10,22 +10,26 @@
 
 mod client;
 mod error;
+mod limits;
 mod parse;
+mod ping_id;
 mod schema;
 mod server;
 
 pub use client::{
     is_valid_request_id, CacheScopeName, Cancel, ChatMessage, ClientMessage, DraftSourceName,
-    FimExtra, FimInput, GenerateInput, GenerateRequest, Ping, PingId, Role, SessionClose,
-    SessionOpen, SpeculationOptions, CLIENT_MESSAGE_TYPES, DEFAULT_MAX_TOKENS, MAX_DRAFT_TOKENS,
+    FimExtra, FimInput, GenerateInput, GenerateRequest, Ping, Role, SessionClose, SessionOpen,
+    SpeculationOptions, CLIENT_MESSAGE_TYPES, DEFAULT_MAX_TOKENS, MAX_DRAFT_TOKENS,
     MAX_REQUEST_ID_LEN, MAX_SESSION_TOKEN_LEN, MAX_STOP_BYTES, MAX_STOP_SEQUENCES, MAX_TEMPERATURE,
     MAX_TOP_K, MAX_TOP_LOGPROBS,
 };
 pub use error::{ErrorCode, ProtocolError};
+pub use limits::Limits;
 pub use parse::parse_client;
+pub use ping_id::PingId;
 pub use schema::json_schema;
 pub use server::{
-    Delta, Done, ErrorFrame, FinishReason, Limits, ModelInfo, Pong, ServerMessage, SessionReady,
+    Delta, Done, ErrorFrame, FinishReason, ModelInfo, Pong, ServerMessage, SessionReady,
     SpeculativeStats, Timing, TokenLogprob, TopLogprob, Usage, SERVER_MESSAGE_TYPES,
 };
 

@@ -3,8 +3,9 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::client::PingId;
-use crate::error::{ErrorCode, ProtocolError};
+use crate::error::ErrorCode;
+use crate::limits::Limits;
+use crate::ping_id::PingId;
 
 /// Every server message `type`.
 pub const SERVER_MESSAGE_TYPES: [&str; 5] = ["session.ready", "delta", "done", "error", "pong"];
@@ -81,43 +82,6 @@ impl ServerMessage {
             code,
             message: message.into(),
         })
-    }
-}
-
-/// Server limits, announced in `session.ready`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct Limits {
-    /// Largest accepted text frame, in bytes (`frame_too_large` above it).
-    pub max_frame_bytes: u32,
-    /// Most prompt tokens after templating (`prompt_too_long` above it).
-    pub max_prompt_tokens: u32,
-    /// Largest accepted `max_tokens`.
-    pub max_tokens: u32,
-    /// Most concurrent requests per session (`too_many_requests` above it).
-    pub max_in_flight: u32,
-    /// How long a session outlives its socket, in ms.
-    pub session_ttl_ms: u64,
-    /// How long a socket may stay silent before `idle_timeout`, in ms.
-    pub idle_timeout_ms: u64,
-    /// Model context length in tokens: prompt + `max_tokens` must fit.
-    pub context_length: u32,
-}
-
-impl Limits {
-    /// `frame_too_large` if a frame of `len` bytes exceeds `max_frame_bytes`.
-    pub fn check_frame_len(&self, len: usize) -> Result<(), ProtocolError> {
-        if len > self.max_frame_bytes as usize {
-            Err(ProtocolError::new(
-                ErrorCode::FrameTooLarge,
-                format!(
-                    "frame is {len} bytes, the limit is {}",
-                    self.max_frame_bytes
-                ),
-            ))
-        } else {
-            Ok(())
-        }
     }
 }
 
