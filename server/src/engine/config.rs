@@ -14,7 +14,7 @@ pub struct EngineConfig {
     /// still (see the engine); the default matters for prompts read while
     /// nothing decodes, such as a chat's next turn: one step for a turn of
     /// up to the whole step budget, where each step costs a GPU a fixed
-    /// ~7-11 ms (bench/results/gpu-h200-agent-warm-shapes.jsonl).
+    /// ~7-11 ms (bench/results/archive/gpu-h200-agent-warm-shapes.jsonl).
     pub prefill_chunk: usize,
     pub min_prefill_chunk: usize,
     pub max_prefill_chunk: usize,

@@ -161,7 +161,7 @@ mod tests {
         assert!(shapes.iter().all(|&(s, n, c)| s * model.n_heads * n * c <= bound(s)));
         // A long session's next turn: one slot, 512 queries over 30k keys.
         assert!(shapes.contains(&(1, 512, capacity_class(30_000))));
-        // 415 of them took 0.6 s on an NVIDIA H200 (bench/results/gpu-h200-agent-warm-shapes.jsonl).
+        // 415 of them took 0.6 s on an NVIDIA H200 (bench/results/archive/gpu-h200-agent-warm-shapes.jsonl).
         assert!(shapes.len() < 1000, "{} shapes", shapes.len());
     }
 }
