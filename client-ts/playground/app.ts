@@ -1,7 +1,9 @@
 // The playground: a chat with streaming, a fill-in-the-middle box, cancel and
 // per-request stats, on top of the client library (served as ./lib/ and
-// mapped to `@tether/client` by the page's import map).
+// mapped to `@tether/client` by the page's import map; the Drop socket button
+// uses `@tether/client/testing`).
 import { connect, TetherError } from '@tether/client';
+import { dropConnection } from '@tether/client/testing';
 import type { ChatMessage, ConnectionState, GenerationResult, GenerationStream, Session } from '@tether/client';
 
 const el = <T extends HTMLElement = HTMLElement>(id: string): T => {
@@ -252,9 +254,13 @@ ui.newChat.addEventListener('click', () => {
 });
 ui.fimRun.addEventListener('click', () => void runFim());
 ui.fimStop.addEventListener('click', () => fimRun?.abort());
-ui.drop.addEventListener('click', () => session?.dropConnectionForTesting());
+/** What the Drop socket button does: the socket goes as in a network failure, and the session resumes. */
+function drop(): void {
+  if (session) dropConnection(session);
+}
+ui.drop.addEventListener('click', drop);
 
-// For automated tests and the console: the live session.
-Object.defineProperty(window, 'tetherPlayground', { value: { get session() { return session; } } });
+// For automated tests and the console: the live session, and dropping its socket.
+Object.defineProperty(window, 'tetherPlayground', { value: { get session() { return session; }, dropConnection: drop } });
 
 void open();

@@ -17,9 +17,9 @@ export type {
   FimRequest,
   GenerateInput,
   GenerateParams,
-  ReconnectOptions,
   RequestOptions,
 } from './session.js';
+export type { ReconnectOptions } from './reconnect.js';
 export { GenerationStream } from './stream.js';
 export type { GenerationResult } from './stream.js';
 export { TetherError, isTetherError } from './errors.js';

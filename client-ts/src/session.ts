@@ -1,20 +1,29 @@
+// The public Session: it owns the socket and the handshake, routes frames,
+// and wires the request table (requests.ts) and reconnect (reconnect.ts).
 import type {
   ChatMessage,
   ClientMessage,
-  Delta,
-  Done,
   ErrorFrame,
   FimInput,
   GenerateRequest,
   Limits,
   ModelInfo,
   ServerMessage,
-  SessionOpen,
   SessionReady,
 } from './protocol.gen.js';
 import { PROTOCOL_VERSION } from './protocol.gen.js';
 import { TetherError, isFatalCode } from './errors.js';
 import { GenerationStream, abortError, type StreamOwner } from './stream.js';
+import {
+  RESUME_FAILURES,
+  Reconnector,
+  afterLoss,
+  openFrame,
+  reconnectPolicy,
+  type ReconnectOptions,
+  type Resumable,
+} from './reconnect.js';
+import { RequestTable } from './requests.js';
 import {
   OPEN,
   defaultWebSocket,
@@ -24,16 +33,6 @@ import {
   type WebSocketConstructor,
   type WebSocketLike,
 } from './transport.js';
-
-/** How a session reconnects after its socket drops. */
-export interface ReconnectOptions {
-  /** Attempts before giving up (then pending requests fail with `connection_failed`). Default 10. */
-  maxAttempts?: number;
-  /** Delay before the first attempt, doubled for each next one (with ±25% jitter). Default 100 ms. */
-  initialDelayMs?: number;
-  /** Longest delay between attempts. Default 5000 ms. */
-  maxDelayMs?: number;
-}
 
 export interface ConnectOptions {
   /** `ws(s)://host:port/v1/ws`; `http(s)://` works too, a URL without a path gets `/v1/ws`, and in a browser a relative URL resolves against the page. */
@@ -81,18 +80,6 @@ export interface RequestOptions {
   signal?: AbortSignal;
 }
 
-interface Pending {
-  stream: GenerationStream;
-  frame: GenerateRequest;
-  /** Sent on the current session: the server may know it. */
-  sent: boolean;
-  /** Highest `seq` received. */
-  lastSeq: number;
-  cancelRequested: boolean;
-  signal: AbortSignal | undefined;
-  onAbort: (() => void) | undefined;
-}
-
 interface Handshake {
   resolve: () => void;
   fail: (error: unknown) => void;
@@ -101,8 +88,17 @@ interface Handshake {
 type Listener<T> = (value: T) => void;
 
 const textEncoder = new TextEncoder();
-const RESUME_FAILURES = new Set(['session_not_found', 'invalid_resume_token', 'session_expired']);
-const NOT_RETRIABLE = new Set(['unauthorized', 'origin_not_allowed', 'protocol_error', 'session_closed']);
+
+/** Set in Session's static block, the one place outside an instance that reaches its private state. */
+let dropSocket: (session: Session) => void;
+
+/**
+ * @internal For testing.ts only (index.ts does not export it): drops the
+ * session's socket as a network failure would.
+ */
+export function dropSessionSocket(session: Session): void {
+  dropSocket(session);
+}
 
 /**
  * Opens a session on a Tether server: resolves once the server answered
@@ -122,21 +118,18 @@ export function connect(options: ConnectOptions): Promise<Session> {
 export class Session implements StreamOwner {
   #options: ConnectOptions;
   #target: { url: string; protocols: string[] };
-  #reconnect: Required<ReconnectOptions> | false;
+  #reconnector: Reconnector;
   #ws: WebSocketLike | null = null;
   #state: ConnectionState = 'connecting';
   #ready: SessionReady | undefined;
   /** The session to resume (cleared when the server no longer has it). */
-  #resumable: { session_id: string; resume_token: string } | undefined;
+  #resumable: Resumable | undefined;
   #handshake: Handshake | undefined;
-  #requests = new Map<string, Pending>();
+  #requests = new RequestTable((frame) => this.#send(frame));
   #pings = new Map<number, { resolve: (ms: number) => void; reject: (e: unknown) => void; sentAt: number }>();
   #nextPing = 1;
-  #idPrefix = Math.random().toString(36).slice(2, 6);
-  #nextRequest = 1;
   #closing = false;
   #closeWaiter: (() => void) | undefined;
-  #sleeping: { timer: ReturnType<typeof setTimeout>; resolve: () => void } | undefined;
   #fatal: TetherError | undefined;
   #reconnects = 0;
   #stateListeners = new Set<Listener<ConnectionState>>();
@@ -145,10 +138,15 @@ export class Session implements StreamOwner {
   private constructor(options: ConnectOptions) {
     this.#options = options;
     this.#target = socketTarget(options.url, options.token);
-    this.#reconnect =
-      options.reconnect === false
-        ? false
-        : { maxAttempts: 10, initialDelayMs: 100, maxDelayMs: 5000, ...(options.reconnect ?? {}) };
+    this.#reconnector = new Reconnector(reconnectPolicy(options.reconnect), {
+      attach: () => this.#attach(),
+      over: () => this.#over(),
+      shutdown: (error) => this.#shutdown(error),
+    });
+  }
+
+  static {
+    dropSocket = (session) => session.#drop();
   }
 
   /** The same as {@link connect}. */
@@ -203,7 +201,7 @@ export class Session implements StreamOwner {
   /** Starts a request; see {@link GenerationStream} for reading it. */
   generate(input: GenerateInput, options: RequestOptions = {}): GenerationStream {
     const { request_id, ...params } = input;
-    const id = request_id ?? this.#newRequestId();
+    const id = request_id ?? this.#requests.newId();
     const frame = { type: 'generate', request_id: id, ...params } as GenerateRequest;
     const stream = new GenerationStream(id, this);
     const { signal } = options;
@@ -226,13 +224,8 @@ export class Session implements StreamOwner {
       stream.fail(abortError(signal));
       return stream;
     }
-    const pending: Pending = { stream, frame, sent: false, lastSeq: 0, cancelRequested: false, signal, onAbort: undefined };
-    if (signal) {
-      pending.onAbort = () => stream.cancel();
-      signal.addEventListener('abort', pending.onAbort, { once: true });
-    }
-    this.#requests.set(id, pending);
-    if (this.#state === 'open') this.#sendGenerate(pending);
+    const pending = this.#requests.add(stream, frame, signal);
+    if (this.#state === 'open') this.#requests.send(pending);
     else if (this.#state === 'idle') this.#wake();
     return stream;
   }
@@ -261,7 +254,7 @@ export class Session implements StreamOwner {
   async close(): Promise<void> {
     if (this.#state === 'closed' || this.#closing) return;
     this.#closing = true;
-    this.#wakeSleeper();
+    this.#reconnector.interrupt();
     const closed = new TetherError('session_closed', 'the session was closed');
     this.#failAll(closed);
     const ws = this.#ws;
@@ -275,12 +268,19 @@ export class Session implements StreamOwner {
     this.#shutdown(closed);
   }
 
+  /** @internal Called by a stream's `cancel()`. */
+  cancel(stream: GenerationStream): void {
+    this.#requests.cancel(stream, this.#state === 'open');
+  }
+
+  // ---- connection ----
+
   /**
-   * For tests and demos: drops the socket at once, as a network failure would
-   * (no closing handshake where the platform allows), and lets the session
-   * reconnect and resume as it would after a real drop.
+   * For tests and demos (testing.ts): drops the socket at once, as a network
+   * failure would (no closing handshake where the platform allows), and lets
+   * the session reconnect and resume as it would after a real drop.
    */
-  dropConnectionForTesting(): void {
+  #drop(): void {
     const ws = this.#ws;
     if (!ws || this.#state !== 'open') return;
     this.#detach(ws);
@@ -292,22 +292,6 @@ export class Session implements StreamOwner {
     }
     this.#lost(1006, 'dropped for testing');
   }
-
-  /** @internal Called by a stream's `cancel()`. */
-  cancel(stream: GenerationStream): void {
-    const pending = this.#requests.get(stream.requestId);
-    if (!pending || pending.stream !== stream) return;
-    if (!pending.sent) {
-      this.#forget(pending);
-      stream.fail(abortError(pending.signal));
-      return;
-    }
-    if (pending.cancelRequested) return;
-    pending.cancelRequested = true;
-    if (this.#state === 'open') this.#send({ type: 'cancel', request_id: pending.frame.request_id });
-  }
-
-  // ---- connection ----
 
   /** Opens a socket and completes `session.open` (a resume when there is a session). */
   async #attach(): Promise<void> {
@@ -374,13 +358,7 @@ export class Session implements StreamOwner {
   }
 
   #sendOpen(): void {
-    const open: SessionOpen = { type: 'session.open' };
-    if (this.#resumable) {
-      const lastSeq: Record<string, number> = {};
-      for (const p of this.#requests.values()) if (p.sent) lastSeq[p.frame.request_id] = p.lastSeq;
-      Object.assign(open, this.#resumable, { last_seq: lastSeq });
-    }
-    this.#send(open);
+    this.#send(openFrame(this.#resumable, this.#requests.lastSeqs()));
   }
 
   /** The socket of an open session went away. */
@@ -390,20 +368,14 @@ export class Session implements StreamOwner {
       ping.reject(new TetherError('connection_lost', 'the connection dropped before the pong'));
       this.#pings.delete(id);
     }
-    if (code === 1000) {
-      // The server closes normally only after our session.close or when
-      // another connection resumed this session: it is no longer ours.
-      this.#shutdown(new TetherError('session_closed', `the server closed the session${reason ? `: ${reason}` : ''}`));
-    } else if (fatal && NOT_RETRIABLE.has(fatal.code)) {
-      this.#shutdown(fatal);
-    } else if (this.#reconnect === false) {
-      const why = fatal ? fatal.message : `close code ${code}${reason ? `: ${reason}` : ''}`;
-      this.#shutdown(new TetherError('connection_lost', `the connection dropped (${why})`, { cause: fatal }));
-    } else if (fatal?.code === 'idle_timeout' && this.#requests.size === 0) {
+    const next = afterLoss(code, reason, fatal, this.#reconnector.policy, this.#requests.size);
+    if (next === 'idle') {
       this.#setState('idle');
-    } else {
+    } else if (next === 'reconnect') {
       this.#setState('reconnecting');
-      void this.#reconnectLoop(false);
+      void this.#reconnector.run(false);
+    } else {
+      this.#shutdown(next);
     }
   }
 
@@ -411,57 +383,12 @@ export class Session implements StreamOwner {
   #wake(): void {
     if (this.#state !== 'idle') return;
     this.#setState('reconnecting');
-    void this.#reconnectLoop(true);
-  }
-
-  async #reconnectLoop(immediate: boolean): Promise<void> {
-    const policy = this.#reconnect || { maxAttempts: 1, initialDelayMs: 0, maxDelayMs: 0 };
-    let last: unknown;
-    for (let attempt = 0; attempt < policy.maxAttempts; attempt++) {
-      const base = Math.min(policy.maxDelayMs, policy.initialDelayMs * 2 ** attempt);
-      await this.#sleep(immediate && attempt === 0 ? 0 : base * (0.75 + Math.random() / 2));
-      if (this.#over()) return;
-      try {
-        await this.#attach();
-        return;
-      } catch (e) {
-        last = e;
-        if (this.#over()) return;
-        if (e instanceof TetherError && NOT_RETRIABLE.has(e.code)) {
-          this.#shutdown(e);
-          return;
-        }
-      }
-    }
-    const why = last instanceof Error ? last.message : String(last);
-    this.#shutdown(
-      new TetherError('connection_failed', `gave up reconnecting after ${policy.maxAttempts} attempts: ${why}`, { cause: last }),
-    );
-  }
-
-  #sleep(ms: number): Promise<void> {
-    if (ms <= 0) return Promise.resolve();
-    return new Promise((resolve) => {
-      const timer = setTimeout(() => {
-        this.#sleeping = undefined;
-        resolve();
-      }, ms);
-      this.#sleeping = { timer, resolve };
-    });
+    void this.#reconnector.run(true);
   }
 
   /** Closed, or closing. */
   #over(): boolean {
     return this.#closing || this.#state === 'closed';
-  }
-
-  #wakeSleeper(): void {
-    const s = this.#sleeping;
-    this.#sleeping = undefined;
-    if (s) {
-      clearTimeout(s.timer);
-      s.resolve();
-    }
   }
 
   #whenOpen(): Promise<void> {
@@ -486,7 +413,7 @@ export class Session implements StreamOwner {
 
   /** Closed for good: every pending request fails with `error`. */
   #shutdown(error: TetherError): void {
-    this.#wakeSleeper();
+    this.#reconnector.interrupt();
     this.#handshake?.fail(error);
     const ws = this.#ws;
     if (ws) {
@@ -503,10 +430,7 @@ export class Session implements StreamOwner {
 
   /** Every pending request and ping fails with (a copy of) `error`. */
   #failAll(error: TetherError): void {
-    for (const p of [...this.#requests.values()]) {
-      this.#forget(p);
-      p.stream.fail(new TetherError(error.code, error.message, { requestId: p.frame.request_id, cause: error }));
-    }
+    this.#requests.failAll(error);
     for (const ping of this.#pings.values()) ping.reject(error);
     this.#pings.clear();
   }
@@ -555,9 +479,9 @@ export class Session implements StreamOwner {
       case 'session.ready':
         return this.#onReady(frame);
       case 'delta':
-        return this.#onDelta(frame);
+        return this.#requests.onDelta(frame);
       case 'done':
-        return this.#onDone(frame);
+        return this.#requests.onDone(frame);
       case 'error':
         return this.#onError(frame);
       case 'pong': {
@@ -584,46 +508,13 @@ export class Session implements StreamOwner {
     }
     if (ready.resumed) {
       this.#reconnects++;
-      for (const p of this.#requests.values()) if (p.sent) p.stream.resumes++;
+      this.#requests.resumed();
     }
     this.#ready = ready;
     this.#resumable = { session_id: ready.session_id, resume_token: ready.resume_token };
     this.#setState('open');
     handshake.resolve();
-    for (const p of [...this.#requests.values()]) {
-      if (!p.sent) this.#sendGenerate(p);
-      else if (p.cancelRequested) this.#send({ type: 'cancel', request_id: p.frame.request_id });
-    }
-  }
-
-  #sendGenerate(p: Pending): void {
-    if (this.#send(p.frame)) p.sent = true;
-  }
-
-  /** Checks `seq` order: true for the next frame, false for a replayed duplicate. */
-  #inOrder(p: Pending, seq: number): boolean {
-    if (seq <= p.lastSeq) return false;
-    if (seq === p.lastSeq + 1) {
-      p.lastSeq = seq;
-      return true;
-    }
-    this.#send({ type: 'cancel', request_id: p.frame.request_id });
-    this.#forget(p);
-    const message = `request ${p.frame.request_id}: expected seq ${p.lastSeq + 1}, got ${seq}`;
-    p.stream.fail(new TetherError('protocol_error', message, { requestId: p.frame.request_id }));
-    return false;
-  }
-
-  #onDelta(delta: Delta): void {
-    const p = this.#requests.get(delta.request_id);
-    if (p && this.#inOrder(p, delta.seq)) p.stream.pushDelta(delta);
-  }
-
-  #onDone(done: Done): void {
-    const p = this.#requests.get(done.request_id);
-    if (!p || !this.#inOrder(p, done.seq)) return;
-    this.#forget(p);
-    p.stream.finish(done);
+    this.#requests.flush();
   }
 
   #onError(frame: ErrorFrame): void {
@@ -640,55 +531,14 @@ export class Session implements StreamOwner {
       else this.#emitError(error);
       return;
     }
-    const p = this.#requests.get(frame.request_id);
-    if (!p || frame.code === 'unknown_request') return;
-    if (frame.code === 'replay_unavailable' && p.lastSeq === 0) {
-      // Nothing of it reached us: start it again under a fresh id.
-      this.#requests.delete(p.frame.request_id);
-      p.frame = { ...p.frame, request_id: this.#newRequestId() };
-      p.stream.setRequestId(p.frame.request_id);
-      p.sent = false;
-      this.#requests.set(p.frame.request_id, p);
-      if (p.cancelRequested) {
-        this.#forget(p);
-        p.stream.fail(abortError(p.signal));
-      } else {
-        this.#sendGenerate(p);
-      }
-      return;
-    }
-    this.#forget(p);
-    p.stream.fail(error);
+    this.#requests.onError(frame.request_id, error);
   }
 
   /** The server no longer has the session: requests with output so far fail; the others start again in a new session. */
   #resumeFailed(error: TetherError): void {
     this.#resumable = undefined;
     this.#emitError(error);
-    for (const p of [...this.#requests.values()]) {
-      if (!p.sent) continue;
-      if (p.lastSeq === 0) {
-        // Nothing of it reached us: it starts again in the new session.
-        p.sent = false;
-        if (p.cancelRequested) {
-          this.#forget(p);
-          p.stream.fail(abortError(p.signal));
-        }
-        continue;
-      }
-      this.#forget(p);
-      const message = `the session could not be resumed (${error.message}); the request's output ends at seq ${p.lastSeq}`;
-      p.stream.fail(new TetherError(error.code, message, { requestId: p.frame.request_id, cause: error }));
-    }
+    this.#requests.resumeFailed(error);
     this.#send({ type: 'session.open' });
-  }
-
-  #forget(p: Pending): void {
-    if (this.#requests.get(p.frame.request_id) === p) this.#requests.delete(p.frame.request_id);
-    if (p.signal && p.onAbort) p.signal.removeEventListener('abort', p.onAbort);
-  }
-
-  #newRequestId(): string {
-    return `${this.#idPrefix}.${this.#nextRequest++}`;
   }
 }

@@ -115,9 +115,8 @@ test('killing the socket mid-stream: the stream resumes and completes with the u
   const r = await watch(async (_, n) => {
     if (!dropped && n >= 3) {
       dropped = await page.evaluate(() => {
-        const s = window.tetherPlayground.session;
-        s.dropConnectionForTesting();
-        return s.state === 'reconnecting';
+        window.tetherPlayground.dropConnection();
+        return window.tetherPlayground.session.state === 'reconnecting';
       });
     }
   });

@@ -3,7 +3,8 @@
 import { after, before, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { WebSocket as NodeWebSocket } from 'ws';
-import { connect, GenerationStream, isTetherError, TetherError } from '@tether/client';
+import { connect, GenerationStream, isTetherError, Session, TetherError } from '@tether/client';
+import { dropConnection } from '@tether/client/testing';
 import { AUTH_TOKEN, FIM_URL, WS_URL, open, reference, sleep, violations } from './helpers.mjs';
 
 const HAIKU = { messages: [{ role: 'user', content: 'Write a haiku about the sea.' }], max_tokens: 40 };
@@ -168,7 +169,7 @@ test('a stream survives a dropped socket with no token lost or duplicated', asyn
   s.on('state', (st) => states.push(st));
   const { deltas, result } = await drain(s.generate(HAIKU), (_, n) => {
     if (n === 4) {
-      s.dropConnectionForTesting();
+      dropConnection(s);
       assert.equal(s.state, 'reconnecting');
     }
   });
@@ -187,7 +188,7 @@ test('longer outages, twice in one stream: frames missed meanwhile are replayed'
   const s = await open({ reconnect: { initialDelayMs: 500 } });
   const stream = s.generate(COUNT);
   const { deltas, result } = await drain(stream, (_, n) => {
-    if (n === 3 || n === 24) s.dropConnectionForTesting();
+    if (n === 3 || n === 24) dropConnection(s);
   });
   assertContiguous(deltas, result);
   assert.deepEqual(result.tokenIds, expected.tokenIds);
@@ -200,7 +201,7 @@ test('a request made while the socket is down is sent after the resume', async (
   const input = { prompt: 'The capital of France is', max_tokens: 8 };
   const expected = await reference(input);
   const s = await open({ reconnect: { initialDelayMs: 300 } });
-  s.dropConnectionForTesting();
+  dropConnection(s);
   assert.equal(s.state, 'reconnecting');
   const result = await s.generate(input).result;
   assert.deepEqual(result.tokenIds, expected.tokenIds);
@@ -223,7 +224,7 @@ test('a request lost on its way to the server is sent again under a new id', asy
   lose = true;
   const stream = s.generate(quick);
   const firstId = stream.requestId;
-  s.dropConnectionForTesting();
+  dropConnection(s);
   const result = await stream.result;
   assert.deepEqual(result.tokenIds, expected.tokenIds);
   assert.notEqual(result.requestId, firstId, 'resubmitted after replay_unavailable');
@@ -243,7 +244,7 @@ test('if the session expired meanwhile: requests with output fail, the others st
   const first = drain(s.generate(COUNT), (_, n) => {
     if (n === 2) {
       second = s.generate(quick); // sent, but nothing of it arrives before the drop
-      s.dropConnectionForTesting();
+      dropConnection(s);
     }
   });
   const gone = (e) => isTetherError(e, 'session_expired') || isTetherError(e, 'session_not_found');
@@ -255,10 +256,21 @@ test('if the session expired meanwhile: requests with output fail, the others st
   await s.close();
 });
 
+test('dropping the socket is a test helper (@tether/client/testing), not Session API', async () => {
+  assert.equal(typeof dropConnection, 'function');
+  assert.ok(!('dropConnectionForTesting' in Session.prototype));
+  const api = await import('@tether/client');
+  assert.ok(!('dropConnection' in api) && !('dropSessionSocket' in api));
+  const s = await open({ reconnect: false });
+  await s.close();
+  dropConnection(s); // only an open session has a socket to drop
+  assert.equal(s.state, 'closed');
+});
+
 test('without reconnect, a dropped socket fails pending streams with connection_lost', async () => {
   const s = await open({ reconnect: false });
   const stream = s.generate(COUNT);
-  const iterated = drain(stream, (_, n) => n === 2 && s.dropConnectionForTesting());
+  const iterated = drain(stream, (_, n) => n === 2 && dropConnection(s));
   await assert.rejects(iterated, (e) => isTetherError(e, 'connection_lost'));
   await assert.rejects(stream.result, (e) => isTetherError(e, 'connection_lost'));
   assert.equal(s.state, 'closed');
