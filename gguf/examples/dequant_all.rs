@@ -10,18 +10,12 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let path = std::env::args_os()
-        .nth(1)
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            let dir = std::env::var_os("TETHER_MODELS_DIR")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| {
-                    PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
-                        .join(".cache/tether/models")
-                });
-            dir.join("Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf")
-        });
+    let path = std::env::args_os().nth(1).map(PathBuf::from).unwrap_or_else(|| {
+        let dir = std::env::var_os("TETHER_MODELS_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/tether/models"));
+        dir.join("Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf")
+    });
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
 
     let t0 = Instant::now();
@@ -37,17 +31,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
 
     // Touch every page once so the timings measure decoding, not disk I/O.
-    let warm: u64 = f
-        .tensors()
-        .iter()
-        .map(|t| {
-            f.tensor_bytes(t)
-                .iter()
-                .step_by(4096)
-                .map(|&b| b as u64)
-                .sum::<u64>()
-        })
-        .sum();
+    let warm: u64 = f.tensors().iter().map(|t| f.tensor_bytes(t).iter().step_by(4096).map(|&b| b as u64).sum::<u64>()).sum();
     std::hint::black_box(warm);
 
     for pass in 0..2 {
@@ -89,12 +73,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // Decode cost alone: one reused output buffer, so no page faults from
     // fresh allocations.
-    let max = f
-        .tensors()
-        .iter()
-        .map(|t| t.n_elements())
-        .max()
-        .unwrap_or(0);
+    let max = f.tensors().iter().map(|t| t.n_elements()).max().unwrap_or(0);
     let mut buf = vec![0.0f32; max];
     buf.fill(1.0); // fault the pages in
     let s = Instant::now();
@@ -119,16 +98,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         e.1 += s.elapsed();
     }
     let total = start.elapsed();
-    println!(
-        "dequantize_into a reused buffer, all tensors: {:.3} s",
-        total.as_secs_f64()
-    );
+    println!("dequantize_into a reused buffer, all tensors: {:.3} s", total.as_secs_f64());
     for (ty, (n, d)) in &per_type {
-        println!(
-            "  {ty:5} {:7.1} ms  {:.2} G elem/s",
-            d.as_secs_f64() * 1e3,
-            *n as f64 / d.as_secs_f64() / 1e9
-        );
+        println!("  {ty:5} {:7.1} ms  {:.2} G elem/s", d.as_secs_f64() * 1e3, *n as f64 / d.as_secs_f64() / 1e9);
     }
 
     let start = Instant::now();

@@ -83,11 +83,7 @@ type AffineKernel = fn(&[u8], &mut [u8], &mut [f32], &mut [f32]);
 /// or `Ok(None)` if the type has none (F32, F16, BF16). Q6_K's form has
 /// groups of 16 (`group_size` says so); all others groups of 32. Errors as
 /// [`crate::dequantize`] for unsupported types and size mismatches.
-pub fn to_affine(
-    ty: GgmlType,
-    bytes: &[u8],
-    n_elements: usize,
-) -> Result<Option<AffineQuant>, GgufError> {
+pub fn to_affine(ty: GgmlType, bytes: &[u8], n_elements: usize) -> Result<Option<AffineQuant>, GgufError> {
     let ty = ty.normalized();
     let (bits, gs, kernel): (u8, usize, AffineKernel) = match ty {
         GgmlType::Q4_0 => (4, AFFINE_GROUP_SIZE, q4_0),
@@ -104,12 +100,7 @@ pub fn to_affine(
             check_layout(ty, bytes.len(), n_elements)?;
             return Ok(None);
         }
-        GgmlType::Other(_) => {
-            return Err(GgufError::UnsupportedType {
-                tensor: "<buffer>".into(),
-                ty: ty.to_string(),
-            })
-        }
+        GgmlType::Other(_) => return Err(GgufError::UnsupportedType { tensor: "<buffer>".into(), ty: ty.to_string() }),
     };
     let (bs, ts) = check_layout(ty, bytes.len(), n_elements)?;
     let n_groups = n_elements / gs;
@@ -118,20 +109,10 @@ pub fn to_affine(
     let mut biases = vec![0.0f32; n_groups];
 
     let (per, n_threads) = plan(bytes.len() / ts, bs);
-    let pieces = bytes
-        .chunks(per * ts)
-        .zip(codes.chunks_mut(per * bs))
-        .zip(scales.chunks_mut(per * bs / gs))
-        .zip(biases.chunks_mut(per * bs / gs));
+    let pieces = bytes.chunks(per * ts).zip(codes.chunks_mut(per * bs)).zip(scales.chunks_mut(per * bs / gs)).zip(biases.chunks_mut(per * bs / gs));
     run_pieces(pieces, n_threads, |(((src, c), s), b)| kernel(src, c, s, b));
 
-    Ok(Some(AffineQuant {
-        bits,
-        group_size: gs,
-        codes,
-        scales,
-        biases,
-    }))
+    Ok(Some(AffineQuant { bits, group_size: gs, codes, scales, biases }))
 }
 
 /// Runs `f` on each block with fixed-size views of its outputs.
@@ -143,27 +124,13 @@ fn each_block<const TS: usize, const BS: usize, const G: usize>(
     biases: &mut [f32],
     mut f: impl FnMut(&[u8; TS], Out<'_, BS, G>),
 ) {
-    let blocks = src
-        .chunks_exact(TS)
-        .zip(codes.chunks_exact_mut(BS))
-        .zip(scales.chunks_exact_mut(G))
-        .zip(biases.chunks_exact_mut(G));
+    let blocks = src.chunks_exact(TS).zip(codes.chunks_exact_mut(BS)).zip(scales.chunks_exact_mut(G)).zip(biases.chunks_exact_mut(G));
     for (((b, c), s), m) in blocks {
         // Always Ok: chunks_exact yields exactly the requested lengths.
-        if let (Ok(b), Ok(codes), Ok(scales), Ok(biases)) = (
-            <&[u8; TS]>::try_from(b),
-            <&mut [u8; BS]>::try_from(c),
-            <&mut [f32; G]>::try_from(s),
-            <&mut [f32; G]>::try_from(m),
-        ) {
-            f(
-                b,
-                Out {
-                    codes,
-                    scales,
-                    biases,
-                },
-            );
+        if let (Ok(b), Ok(codes), Ok(scales), Ok(biases)) =
+            (<&[u8; TS]>::try_from(b), <&mut [u8; BS]>::try_from(c), <&mut [f32; G]>::try_from(s), <&mut [f32; G]>::try_from(m))
+        {
+            f(b, Out { codes, scales, biases });
         }
     }
 }

@@ -44,11 +44,7 @@ pub fn dequantize_into(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()
     Ok(())
 }
 
-fn prepare(
-    ty: GgmlType,
-    n_bytes: usize,
-    n_elements: usize,
-) -> Result<(Kernel, usize, usize), GgufError> {
+fn prepare(ty: GgmlType, n_bytes: usize, n_elements: usize) -> Result<(Kernel, usize, usize), GgufError> {
     let ty = ty.normalized();
     let kernel: Kernel = match ty {
         GgmlType::F32 => f32_kernel,
@@ -62,12 +58,7 @@ fn prepare(
         GgmlType::Q4_K => q4_k,
         GgmlType::Q5_K => q5_k,
         GgmlType::Q6_K => q6_k,
-        GgmlType::Other(_) => {
-            return Err(GgufError::UnsupportedType {
-                tensor: "<buffer>".into(),
-                ty: ty.to_string(),
-            })
-        }
+        GgmlType::Other(_) => return Err(GgufError::UnsupportedType { tensor: "<buffer>".into(), ty: ty.to_string() }),
     };
     let (bs, ts) = check_layout(ty, n_bytes, n_elements)?;
     Ok((kernel, bs, ts))
@@ -75,33 +66,16 @@ fn prepare(
 
 /// Checks that `n_elements` is whole blocks and `n_bytes` is exactly their size.
 /// Returns `(block_size, type_size)`.
-pub(crate) fn check_layout(
-    ty: GgmlType,
-    n_bytes: usize,
-    n_elements: usize,
-) -> Result<(usize, usize), GgufError> {
-    let unsupported = || GgufError::UnsupportedType {
-        tensor: "<buffer>".into(),
-        ty: ty.to_string(),
-    };
+pub(crate) fn check_layout(ty: GgmlType, n_bytes: usize, n_elements: usize) -> Result<(usize, usize), GgufError> {
+    let unsupported = || GgufError::UnsupportedType { tensor: "<buffer>".into(), ty: ty.to_string() };
     let bs = ty.block_size().ok_or_else(unsupported)?;
     let ts = ty.type_size().ok_or_else(unsupported)?;
     if n_elements % bs != 0 {
-        return Err(GgufError::ShapeMismatch {
-            what: "buffer".into(),
-            ty: ty.to_string(),
-            n: n_elements,
-            block_size: bs,
-        });
+        return Err(GgufError::ShapeMismatch { what: "buffer".into(), ty: ty.to_string(), n: n_elements, block_size: bs });
     }
     let expected = (n_elements / bs).checked_mul(ts);
     if expected != Some(n_bytes) {
-        return Err(GgufError::SizeMismatch {
-            ty: ty.to_string(),
-            n_elements,
-            expected: expected.unwrap_or(usize::MAX),
-            got: n_bytes,
-        });
+        return Err(GgufError::SizeMismatch { ty: ty.to_string(), n_elements, expected: expected.unwrap_or(usize::MAX), got: n_bytes });
     }
     Ok((bs, ts))
 }
@@ -109,11 +83,7 @@ pub(crate) fn check_layout(
 /// Runs `f` on each (block, output) pair as fixed-size arrays, so that the
 /// kernels index with constants and carry no bounds checks in their loops.
 #[inline(always)]
-pub(crate) fn each_block<const TS: usize, const BS: usize>(
-    src: &[u8],
-    dst: &mut [f32],
-    mut f: impl FnMut(&[u8; TS], &mut [f32; BS]),
-) {
+pub(crate) fn each_block<const TS: usize, const BS: usize>(src: &[u8], dst: &mut [f32], mut f: impl FnMut(&[u8; TS], &mut [f32; BS])) {
     for (b, y) in src.chunks_exact(TS).zip(dst.chunks_exact_mut(BS)) {
         // Always Ok: chunks_exact yields exactly TS / BS items.
         if let (Ok(b), Ok(y)) = (<&[u8; TS]>::try_from(b), <&mut [f32; BS]>::try_from(y)) {
@@ -138,10 +108,7 @@ pub(crate) fn scale_min_k4(j: usize, q: &[u8; 12]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
-        (
-            (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4),
-            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
-        )
+        ((q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
     }
 }
 
@@ -174,9 +141,7 @@ fn f16_kernel(src: &[u8], dst: &mut [f32]) {
 
 fn bf16_kernel(src: &[u8], dst: &mut [f32]) {
     // bf16 is the top half of an f32.
-    each_block::<2, 1>(src, dst, |b, y| {
-        y[0] = f32::from_bits((u16::from_le_bytes(*b) as u32) << 16)
-    });
+    each_block::<2, 1>(src, dst, |b, y| y[0] = f32::from_bits((u16::from_le_bytes(*b) as u32) << 16));
 }
 
 /// Q4_0: `{f16 d; u8 qs[16]}`, w = d * (q - 8); byte j holds element j in its

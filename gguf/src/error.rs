@@ -28,10 +28,7 @@ pub enum GgufError {
     },
 
     /// The first four bytes are not `GGUF`.
-    #[error(
-        "not a GGUF file: expected magic \"GGUF\", found {}",
-        describe_magic(found)
-    )]
+    #[error("not a GGUF file: expected magic \"GGUF\", found {}", describe_magic(found))]
     NotGguf { found: [u8; 4] },
 
     /// The header's version field is not 2 or 3.
@@ -39,9 +36,7 @@ pub enum GgufError {
     UnsupportedVersion(u32),
 
     /// A fixed-size field runs past the end of the file.
-    #[error(
-        "GGUF file is truncated: {what} at byte offset {offset} runs past the end of the file"
-    )]
+    #[error("GGUF file is truncated: {what} at byte offset {offset} runs past the end of the file")]
     Truncated { what: String, offset: u64 },
 
     /// A length/count prefix claims more data than the rest of the file can hold.
@@ -49,12 +44,7 @@ pub enum GgufError {
         "corrupt GGUF file: {what} at byte offset {offset} declares length {len}, \
          but only {available} bytes remain in the file"
     )]
-    ImplausibleLength {
-        what: String,
-        len: u64,
-        offset: u64,
-        available: u64,
-    },
+    ImplausibleLength { what: String, len: u64, offset: u64, available: u64 },
 
     /// Structurally readable metadata that breaks a GGUF rule (bad UTF-8,
     /// duplicate key, unknown value type, bad alignment, ...).
@@ -71,12 +61,7 @@ pub enum GgufError {
         "tensor '{tensor}' lies outside the file: its data spans bytes {start}..{end} \
          of the data section, which is only {data_len} bytes long (truncated file?)"
     )]
-    TensorOutOfBounds {
-        tensor: String,
-        start: u64,
-        end: u64,
-        data_len: u64,
-    },
+    TensorOutOfBounds { tensor: String, start: u64, end: u64, data_len: u64 },
 
     /// The tensor type is unknown, or known but not dequantizable by Tether.
     #[error("tensor '{tensor}' has type {ty}, which Tether does not support here")]
@@ -86,21 +71,11 @@ pub enum GgufError {
     /// (for a tensor: its row length `ne[0]`, which ggml requires to be a
     /// multiple of the block size).
     #[error("{what}: {n} elements is not a multiple of the {ty} block size {block_size}")]
-    ShapeMismatch {
-        what: String,
-        ty: String,
-        n: usize,
-        block_size: usize,
-    },
+    ShapeMismatch { what: String, ty: String, n: usize, block_size: usize },
 
     /// A byte buffer whose length does not match the element count for its type.
     #[error("{ty} data for {n_elements} elements must be {expected} bytes, got {got}")]
-    SizeMismatch {
-        ty: String,
-        n_elements: usize,
-        expected: usize,
-        got: usize,
-    },
+    SizeMismatch { ty: String, n_elements: usize, expected: usize, got: usize },
 }
 
 impl GgufError {
@@ -110,24 +85,11 @@ impl GgufError {
     /// formats strings.
     pub(crate) fn context(self, ctx: impl FnOnce() -> String) -> Self {
         match self {
-            GgufError::Truncated { what, offset } => GgufError::Truncated {
-                what: format!("{} ({what})", ctx()),
-                offset,
-            },
-            GgufError::ImplausibleLength {
-                what,
-                len,
-                offset,
-                available,
-            } => GgufError::ImplausibleLength {
-                what: format!("{} ({what})", ctx()),
-                len,
-                offset,
-                available,
-            },
-            GgufError::InvalidMetadata(msg) => {
-                GgufError::InvalidMetadata(format!("{}: {msg}", ctx()))
+            GgufError::Truncated { what, offset } => GgufError::Truncated { what: format!("{} ({what})", ctx()), offset },
+            GgufError::ImplausibleLength { what, len, offset, available } => {
+                GgufError::ImplausibleLength { what: format!("{} ({what})", ctx()), len, offset, available }
             }
+            GgufError::InvalidMetadata(msg) => GgufError::InvalidMetadata(format!("{}: {msg}", ctx())),
             other => other,
         }
     }
@@ -136,15 +98,9 @@ impl GgufError {
 /// Renders the magic as printable ASCII with escapes, plus a hint for the
 /// formats people most often hand us by mistake.
 fn describe_magic(found: &[u8; 4]) -> String {
-    let escaped: String = found
-        .iter()
-        .flat_map(|b| std::ascii::escape_default(*b))
-        .map(char::from)
-        .collect();
+    let escaped: String = found.iter().flat_map(|b| std::ascii::escape_default(*b)).map(char::from).collect();
     let hint = match found {
-        b"GGML" | b"lmgg" | b"GGJT" | b"tjgg" | b"GGMF" | b"fmgg" => {
-            " (a pre-GGUF ggml/GGJT file; convert it to GGUF)"
-        }
+        b"GGML" | b"lmgg" | b"GGJT" | b"tjgg" | b"GGMF" | b"fmgg" => " (a pre-GGUF ggml/GGJT file; convert it to GGUF)",
         b"FUGG" => " (byte-swapped magic)",
         [b'P', b'K', 3, 4] => " (a zip archive, e.g. a PyTorch checkpoint)",
         [b'<', ..] => " (an HTML/XML page; a failed download?)",

@@ -25,17 +25,10 @@ impl GgufFile {
     /// Reads and parses the file at `path`, validating the whole header and
     /// the position of every tensor. Tensor data is not read until used.
     pub fn open(path: &Path) -> Result<GgufFile, GgufError> {
-        let io_err = |source| GgufError::Io {
-            path: path.to_path_buf(),
-            source,
-        };
+        let io_err = |source| GgufError::Io { path: path.to_path_buf(), source };
         let bytes = std::fs::read(path).map_err(io_err)?;
         let header = Header::parse(&bytes)?;
-        Ok(GgufFile {
-            path: path.to_path_buf(),
-            bytes,
-            header,
-        })
+        Ok(GgufFile { path: path.to_path_buf(), bytes, header })
     }
 
     pub fn path(&self) -> &Path {
@@ -155,33 +148,21 @@ impl GgufFile {
 
     /// Dequantizes tensor `t` to `f32`, row-major with shape `t.shape()`.
     pub fn dequantize_f32(&self, t: &TensorInfo) -> Result<Vec<f32>, GgufError> {
-        dequantize(t.ggml_type, self.tensor_bytes(t), t.n_elements())
-            .map_err(|e| name_tensor(e, &t.name))
+        dequantize(t.ggml_type, self.tensor_bytes(t), t.n_elements()).map_err(|e| name_tensor(e, &t.name))
     }
 
     /// The exact affine form of tensor `t` (see [`AffineQuant`]), or `None`
     /// for types that have no exact group-32 affine form.
     pub fn affine(&self, t: &TensorInfo) -> Result<Option<AffineQuant>, GgufError> {
-        to_affine(t.ggml_type, self.tensor_bytes(t), t.n_elements())
-            .map_err(|e| name_tensor(e, &t.name))
+        to_affine(t.ggml_type, self.tensor_bytes(t), t.n_elements()).map_err(|e| name_tensor(e, &t.name))
     }
 }
 
 /// The free-standing dequantizers do not know tensor names; fill them in.
 fn name_tensor(e: GgufError, name: &str) -> GgufError {
     match e {
-        GgufError::UnsupportedType { ty, .. } => GgufError::UnsupportedType {
-            tensor: name.to_string(),
-            ty,
-        },
-        GgufError::ShapeMismatch {
-            ty, n, block_size, ..
-        } => GgufError::ShapeMismatch {
-            what: format!("tensor '{name}'"),
-            ty,
-            n,
-            block_size,
-        },
+        GgufError::UnsupportedType { ty, .. } => GgufError::UnsupportedType { tensor: name.to_string(), ty },
+        GgufError::ShapeMismatch { ty, n, block_size, .. } => GgufError::ShapeMismatch { what: format!("tensor '{name}'"), ty, n, block_size },
         other => other,
     }
 }

@@ -53,9 +53,7 @@ impl TensorInfo {
     /// Product of the dimensions (1 for a zero-dimensional tensor).
     /// Validated not to overflow for tensors that come from a [`GgufFile`](crate::GgufFile).
     pub fn n_elements(&self) -> usize {
-        self.dims
-            .iter()
-            .fold(1usize, |acc, &d| acc.saturating_mul(d as usize))
+        self.dims.iter().fold(1usize, |acc, &d| acc.saturating_mul(d as usize))
     }
 
     /// Size of the tensor's data in bytes. 0 for a type without a known block
@@ -114,12 +112,7 @@ impl Header {
                 let v = &metadata[i].1;
                 match v.as_u64() {
                     Some(a) if a.is_power_of_two() && a <= 1 << 30 => a,
-                    _ => {
-                        return Err(GgufError::InvalidMetadata(format!(
-                            "general.alignment must be a power-of-two integer, got {v} ({})",
-                            v.type_name()
-                        )))
-                    }
+                    _ => return Err(GgufError::InvalidMetadata(format!("general.alignment must be a power-of-two integer, got {v} ({})", v.type_name()))),
                 }
             }
         };
@@ -128,10 +121,7 @@ impl Header {
         let mut tensor_index = HashMap::with_capacity(tensors.len());
         for (i, t) in tensors.iter().enumerate() {
             if tensor_index.insert(t.name.clone(), i).is_some() {
-                return Err(GgufError::InvalidTensor {
-                    tensor: t.name.clone(),
-                    reason: "duplicate tensor name".into(),
-                });
+                return Err(GgufError::InvalidTensor { tensor: t.name.clone(), reason: "duplicate tensor name".into() });
             }
         }
 
@@ -142,15 +132,7 @@ impl Header {
         let data_len = buf.len().saturating_sub(data_offset) as u64;
         check_tensor_placement(&tensors, data_len)?;
 
-        Ok(Header {
-            version,
-            alignment,
-            data_offset,
-            metadata,
-            meta_index,
-            tensors,
-            tensor_index,
-        })
+        Ok(Header { version, alignment, data_offset, metadata, meta_index, tensors, tensor_index })
     }
 }
 
@@ -160,18 +142,11 @@ fn parse_metadata(c: &mut Cursor<'_>, kv_count: u64) -> Result<Vec<(String, Valu
     let mut out = Vec::with_capacity(n);
     for i in 0..n {
         let key_at = c.pos();
-        let key = c
-            .string("metadata key")
-            .map_err(|e| e.context(|| format!("metadata entry #{i}")))?;
+        let key = c.string("metadata key").map_err(|e| e.context(|| format!("metadata entry #{i}")))?;
         if key.is_empty() || key.len() > MAX_NAME_LEN {
-            return Err(GgufError::InvalidMetadata(format!(
-                "metadata key #{i} at byte offset {key_at} has invalid length {}",
-                key.len()
-            )));
+            return Err(GgufError::InvalidMetadata(format!("metadata key #{i} at byte offset {key_at} has invalid length {}", key.len())));
         }
-        let ty = c
-            .u32("value type")
-            .map_err(|e| e.context(|| format!("key '{key}'")))?;
+        let ty = c.u32("value type").map_err(|e| e.context(|| format!("key '{key}'")))?;
         let value = Value::parse(c, ty).map_err(|e| e.context(|| format!("key '{key}'")))?;
         out.push((key, value));
     }
@@ -181,59 +156,28 @@ fn parse_metadata(c: &mut Cursor<'_>, kv_count: u64) -> Result<Vec<(String, Valu
 /// Checks a count read from the fixed header against the remaining bytes
 /// (the same rule as [`Cursor::count`], for counts that precede their items
 /// by more than one field).
-fn bounded_count(
-    c: &Cursor<'_>,
-    n: u64,
-    min_item: usize,
-    what: &str,
-    offset: u64,
-) -> Result<usize, GgufError> {
+fn bounded_count(c: &Cursor<'_>, n: u64, min_item: usize, what: &str, offset: u64) -> Result<usize, GgufError> {
     let available = c.remaining() as u64;
     match n.checked_mul(min_item as u64) {
         Some(need) if need <= available => Ok(n as usize),
-        _ => Err(GgufError::ImplausibleLength {
-            what: what.to_string(),
-            len: n,
-            offset,
-            available,
-        }),
+        _ => Err(GgufError::ImplausibleLength { what: what.to_string(), len: n, offset, available }),
     }
 }
 
-fn parse_tensor_infos(
-    c: &mut Cursor<'_>,
-    tensor_count: u64,
-    alignment: u64,
-) -> Result<Vec<TensorInfo>, GgufError> {
+fn parse_tensor_infos(c: &mut Cursor<'_>, tensor_count: u64, alignment: u64) -> Result<Vec<TensorInfo>, GgufError> {
     // Smallest record: empty name (8) + n_dims (4) + type (4) + offset (8).
-    let n = bounded_count(
-        c,
-        tensor_count,
-        8 + 4 + 4 + 8,
-        "tensor count",
-        TENSOR_COUNT_OFFSET,
-    )?;
+    let n = bounded_count(c, tensor_count, 8 + 4 + 4 + 8, "tensor count", TENSOR_COUNT_OFFSET)?;
     let mut out = Vec::with_capacity(n);
     for i in 0..n {
-        let name = c
-            .string("tensor name")
-            .map_err(|e| e.context(|| format!("tensor info #{i}")))?;
+        let name = c.string("tensor name").map_err(|e| e.context(|| format!("tensor info #{i}")))?;
         let ctx = |e: GgufError| e.context(|| format!("tensor '{name}'"));
-        let invalid = |reason: String| GgufError::InvalidTensor {
-            tensor: name.clone(),
-            reason,
-        };
+        let invalid = |reason: String| GgufError::InvalidTensor { tensor: name.clone(), reason };
         if name.is_empty() || name.len() > MAX_NAME_LEN {
-            return Err(invalid(format!(
-                "tensor #{i} has a name of invalid length {}",
-                name.len()
-            )));
+            return Err(invalid(format!("tensor #{i} has a name of invalid length {}", name.len())));
         }
         let n_dims = c.u32("n_dims").map_err(ctx)?;
         if n_dims > MAX_DIMS {
-            return Err(invalid(format!(
-                "{n_dims} dimensions (ggml allows at most {MAX_DIMS})"
-            )));
+            return Err(invalid(format!("{n_dims} dimensions (ggml allows at most {MAX_DIMS})")));
         }
         let mut dims = Vec::with_capacity(n_dims as usize);
         for _ in 0..n_dims {
@@ -248,46 +192,26 @@ fn parse_tensor_infos(
         let fits = |n: u64| n <= i64::MAX as u64 && usize::try_from(n).is_ok();
         let n_elements = dims
             .iter()
-            .try_fold(
-                1u64,
-                |acc, &d| if fits(d) { acc.checked_mul(d) } else { None },
-            )
+            .try_fold(1u64, |acc, &d| if fits(d) { acc.checked_mul(d) } else { None })
             .filter(|&n| fits(n))
             .map(|n| n as usize)
             .ok_or_else(|| invalid(format!("element count of dims {dims:?} overflows")))?;
         let (Some(block_size), Some(_)) = (ggml_type.block_size(), ggml_type.type_size()) else {
-            return Err(GgufError::UnsupportedType {
-                tensor: name.clone(),
-                ty: ggml_type.to_string(),
-            });
+            return Err(GgufError::UnsupportedType { tensor: name.clone(), ty: ggml_type.to_string() });
         };
         // ggml quantizes along rows, so each row must be whole blocks; that
         // also makes every quantization group lie within a single row.
         let row_len = dims.first().copied().unwrap_or(1) as usize;
         if row_len % block_size != 0 {
-            return Err(GgufError::ShapeMismatch {
-                what: format!("tensor '{name}' row (ne[0])"),
-                ty: ggml_type.to_string(),
-                n: row_len,
-                block_size,
-            });
+            return Err(GgufError::ShapeMismatch { what: format!("tensor '{name}' row (ne[0])"), ty: ggml_type.to_string(), n: row_len, block_size });
         }
         if ggml_type.bytes_for(n_elements).is_none() {
-            return Err(invalid(format!(
-                "byte size of {n_elements} {ggml_type} elements overflows"
-            )));
+            return Err(invalid(format!("byte size of {n_elements} {ggml_type} elements overflows")));
         }
         if offset % alignment != 0 {
-            return Err(invalid(format!(
-                "data offset {offset} is not a multiple of the alignment {alignment}"
-            )));
+            return Err(invalid(format!("data offset {offset} is not a multiple of the alignment {alignment}")));
         }
-        out.push(TensorInfo {
-            name,
-            dims,
-            ggml_type,
-            offset,
-        });
+        out.push(TensorInfo { name, dims, ggml_type, offset });
     }
     Ok(out)
 }
@@ -302,14 +226,7 @@ fn check_tensor_placement(tensors: &[TensorInfo], data_len: u64) -> Result<(), G
         let end = start.checked_add(t.n_bytes() as u64);
         match end {
             Some(end) if end <= data_len => spans.push((start, end, i)),
-            _ => {
-                return Err(GgufError::TensorOutOfBounds {
-                    tensor: t.name.clone(),
-                    start,
-                    end: end.unwrap_or(u64::MAX),
-                    data_len,
-                })
-            }
+            _ => return Err(GgufError::TensorOutOfBounds { tensor: t.name.clone(), start, end: end.unwrap_or(u64::MAX), data_len }),
         }
     }
     spans.sort_unstable();
@@ -323,10 +240,7 @@ fn check_tensor_placement(tensors: &[TensorInfo], data_len: u64) -> Result<(), G
             if start < prev_end {
                 return Err(GgufError::InvalidTensor {
                     tensor: tensors[i].name.clone(),
-                    reason: format!(
-                        "data at {start}..{end} overlaps tensor '{}' (which ends at {prev_end})",
-                        tensors[j].name
-                    ),
+                    reason: format!("data at {start}..{end} overlaps tensor '{}' (which ends at {prev_end})", tensors[j].name),
                 });
             }
         }

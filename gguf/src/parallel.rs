@@ -60,17 +60,9 @@ where
 
 /// Applies `kernel` to all of `src` (whole blocks of `type_size` bytes)
 /// writing `block_size` elements per block into `dst`, in parallel.
-pub(crate) fn par_blocks(
-    src: &[u8],
-    dst: &mut [f32],
-    block_size: usize,
-    type_size: usize,
-    kernel: fn(&[u8], &mut [f32]),
-) {
+pub(crate) fn par_blocks(src: &[u8], dst: &mut [f32], block_size: usize, type_size: usize, kernel: fn(&[u8], &mut [f32])) {
     let (per_piece, n_threads) = plan(src.len() / type_size, block_size);
-    let pieces = src
-        .chunks(per_piece * type_size)
-        .zip(dst.chunks_mut(per_piece * block_size));
+    let pieces = src.chunks(per_piece * type_size).zip(dst.chunks_mut(per_piece * block_size));
     run_pieces(pieces, n_threads, |(s, d)| kernel(s, d));
 }
 
@@ -80,14 +72,7 @@ mod tests {
 
     #[test]
     fn plan_covers_all_blocks() {
-        for &(n_blocks, bs) in &[
-            (0, 32),
-            (1, 32),
-            (100, 256),
-            (1 << 20, 32),
-            (12345, 256),
-            (7, 1),
-        ] {
+        for &(n_blocks, bs) in &[(0, 32), (1, 32), (100, 256), (1 << 20, 32), (12345, 256), (7, 1)] {
             let (per, threads) = plan(n_blocks, bs);
             assert!(per >= 1 && threads >= 1);
             let pieces = n_blocks.div_ceil(per);
@@ -95,10 +80,7 @@ mod tests {
             assert!(threads <= pieces.max(1) && threads <= max_threads());
         }
         assert_eq!(plan(10, 32).1, 1, "small work runs inline");
-        assert!(
-            plan(1 << 20, 32).0 * 32 >= MIN_ELEMS_PER_PIECE,
-            "pieces are not tiny"
-        );
+        assert!(plan(1 << 20, 32).0 * 32 >= MIN_ELEMS_PER_PIECE, "pieces are not tiny");
     }
 
     #[test]

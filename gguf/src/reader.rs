@@ -29,10 +29,7 @@ impl<'a> Cursor<'a> {
     /// Takes exactly `n` bytes. A shortfall is [`GgufError::Truncated`].
     pub(crate) fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8], GgufError> {
         if n > self.remaining() {
-            return Err(GgufError::Truncated {
-                what: what.to_string(),
-                offset: self.pos as u64,
-            });
+            return Err(GgufError::Truncated { what: what.to_string(), offset: self.pos as u64 });
         }
         let s = &self.buf[self.pos..self.pos + n];
         self.pos += n;
@@ -77,12 +74,7 @@ impl<'a> Cursor<'a> {
         let needed = n.checked_mul(min_item_size.max(1) as u64);
         match needed {
             Some(needed) if needed <= available => Ok(n as usize),
-            _ => Err(GgufError::ImplausibleLength {
-                what: what.to_string(),
-                len: n,
-                offset,
-                available,
-            }),
+            _ => Err(GgufError::ImplausibleLength { what: what.to_string(), len: n, offset, available }),
         }
     }
 
@@ -97,9 +89,7 @@ impl<'a> Cursor<'a> {
         let bytes = self.take(len, what)?;
         match std::str::from_utf8(bytes) {
             Ok(s) => Ok(s.to_owned()),
-            Err(e) => Err(GgufError::InvalidMetadata(format!(
-                "{what} at byte offset {start} is not valid UTF-8 ({e})"
-            ))),
+            Err(e) => Err(GgufError::InvalidMetadata(format!("{what} at byte offset {start} is not valid UTF-8 ({e})"))),
         }
     }
 }
@@ -141,26 +131,12 @@ mod tests {
         buf.extend_from_slice(&[0u8; 39]);
         // 10 items * 4 bytes = 40 > 39 remaining.
         let err = Cursor::new(&buf).count(4, "things").unwrap_err();
-        assert!(
-            matches!(
-                err,
-                GgufError::ImplausibleLength {
-                    len: 10,
-                    available: 39,
-                    offset: 0,
-                    ..
-                }
-            ),
-            "{err:?}"
-        );
+        assert!(matches!(err, GgufError::ImplausibleLength { len: 10, available: 39, offset: 0, .. }), "{err:?}");
         // Exactly fitting is fine.
         assert_eq!(Cursor::new(&buf).count(3, "things").unwrap(), 10);
         // Overflow in len * size is also rejected, not wrapped.
         let huge = u64::MAX.to_le_bytes();
-        assert!(matches!(
-            Cursor::new(&huge).count(8, "x"),
-            Err(GgufError::ImplausibleLength { .. })
-        ));
+        assert!(matches!(Cursor::new(&huge).count(8, "x"), Err(GgufError::ImplausibleLength { .. })));
     }
 
     #[test]
@@ -170,9 +146,6 @@ mod tests {
         assert_eq!(Cursor::new(&buf).string("s").unwrap(), "abc");
         let mut bad = 2u64.to_le_bytes().to_vec();
         bad.extend_from_slice(&[0xff, 0xfe]);
-        assert!(matches!(
-            Cursor::new(&bad).string("s"),
-            Err(GgufError::InvalidMetadata(_))
-        ));
+        assert!(matches!(Cursor::new(&bad).string("s"), Err(GgufError::InvalidMetadata(_))));
     }
 }

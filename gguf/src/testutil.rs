@@ -33,12 +33,7 @@ pub(crate) struct Builder {
 
 impl Builder {
     pub fn new() -> Self {
-        Builder {
-            version: 3,
-            kvs: Vec::new(),
-            tensors: Vec::new(),
-            alignment: 32,
-        }
+        Builder { version: 3, kvs: Vec::new(), tensors: Vec::new(), alignment: 32 }
     }
 
     pub fn kv(mut self, key: &str, v: Value) -> Self {
@@ -47,13 +42,7 @@ impl Builder {
     }
 
     pub fn tensor(mut self, name: &str, dims: &[u64], ty: GgmlType, data: Vec<u8>) -> Self {
-        self.tensors.push(TestTensor {
-            name: name.to_string(),
-            dims: dims.to_vec(),
-            type_id: ty.id(),
-            data,
-            offset_override: None,
-        });
+        self.tensors.push(TestTensor { name: name.to_string(), dims: dims.to_vec(), type_id: ty.id(), data, offset_override: None });
         self
     }
 
@@ -169,11 +158,7 @@ pub(crate) struct TempFile(pub PathBuf);
 impl TempFile {
     pub fn new(bytes: &[u8]) -> TempFile {
         static N: AtomicUsize = AtomicUsize::new(0);
-        let path = std::env::temp_dir().join(format!(
-            "tether-gguf-test-{}-{}.gguf",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
+        let path = std::env::temp_dir().join(format!("tether-gguf-test-{}-{}.gguf", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
         std::fs::write(&path, bytes).expect("write temp file");
         TempFile(path)
     }

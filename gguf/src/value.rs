@@ -89,28 +89,18 @@ impl Value {
                 match c.u8("bool value")? {
                     0 => Value::Bool(false),
                     1 => Value::Bool(true),
-                    b => {
-                        return Err(GgufError::InvalidMetadata(format!(
-                            "bool at byte offset {at} has value {b} (must be 0 or 1)"
-                        )))
-                    }
+                    b => return Err(GgufError::InvalidMetadata(format!("bool at byte offset {at} has value {b} (must be 0 or 1)"))),
                 }
             }
             tag::STRING => Value::String(c.string("string value")?),
             tag::ARRAY => {
                 if depth >= MAX_ARRAY_DEPTH {
-                    return Err(GgufError::InvalidMetadata(format!(
-                        "arrays nested deeper than {MAX_ARRAY_DEPTH} levels at byte offset {}",
-                        c.pos()
-                    )));
+                    return Err(GgufError::InvalidMetadata(format!("arrays nested deeper than {MAX_ARRAY_DEPTH} levels at byte offset {}", c.pos())));
                 }
                 let at = c.pos();
                 let elem = c.u32("array element type")?;
-                let min = min_encoded_size(elem).ok_or_else(|| {
-                    GgufError::InvalidMetadata(format!(
-                        "array at byte offset {at} has unknown element type {elem}"
-                    ))
-                })?;
+                let min =
+                    min_encoded_size(elem).ok_or_else(|| GgufError::InvalidMetadata(format!("array at byte offset {at} has unknown element type {elem}")))?;
                 let n = c.count(min, "array length")?;
                 // `count` bounded n by the file size; still, reserve lazily so
                 // the Vec grows only as elements are actually decoded.
@@ -120,12 +110,7 @@ impl Value {
                 }
                 Value::Array(items)
             }
-            other => {
-                return Err(GgufError::InvalidMetadata(format!(
-                    "unknown value type {other} at byte offset {}",
-                    c.pos().saturating_sub(4)
-                )))
-            }
+            other => return Err(GgufError::InvalidMetadata(format!("unknown value type {other} at byte offset {}", c.pos().saturating_sub(4)))),
         })
     }
 
@@ -282,14 +267,8 @@ mod tests {
 
     #[test]
     fn bool_must_be_zero_or_one() {
-        assert_eq!(
-            Value::parse(&mut Cursor::new(&[1]), tag::BOOL).unwrap(),
-            Value::Bool(true)
-        );
-        assert!(matches!(
-            Value::parse(&mut Cursor::new(&[2]), tag::BOOL),
-            Err(GgufError::InvalidMetadata(_))
-        ));
+        assert_eq!(Value::parse(&mut Cursor::new(&[1]), tag::BOOL).unwrap(), Value::Bool(true));
+        assert!(matches!(Value::parse(&mut Cursor::new(&[2]), tag::BOOL), Err(GgufError::InvalidMetadata(_))));
     }
 
     #[test]

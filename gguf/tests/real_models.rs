@@ -38,39 +38,22 @@ fn check_against_fixture(model: &str) {
     assert!(!tensors.is_empty());
     for t in tensors {
         let name = t.get("name").str();
-        let info = f
-            .tensor(name)
-            .unwrap_or_else(|| panic!("tensor {name} missing"));
+        let info = f.tensor(name).unwrap_or_else(|| panic!("tensor {name} missing"));
         assert_eq!(info.ggml_type.to_string(), t.get("type").str(), "{name}");
-        let shape: Vec<usize> = t
-            .get("shape")
-            .arr()
-            .iter()
-            .map(|d| d.num() as usize)
-            .collect();
+        let shape: Vec<usize> = t.get("shape").arr().iter().map(|d| d.num() as usize).collect();
         assert_eq!(info.shape(), shape, "{name}");
-        assert_eq!(
-            info.n_elements(),
-            t.get("n_elements").num() as usize,
-            "{name}"
-        );
+        assert_eq!(info.n_elements(), t.get("n_elements").num() as usize, "{name}");
 
         let w = f.dequantize_f32(info).unwrap();
         assert_eq!(w.len(), info.n_elements());
         for (i, want) in t.get("first").arr().iter().enumerate() {
             let (got, want) = (w[i] as f64, want.num());
-            assert!(
-                close(got, want, REL_TOL),
-                "{name}[{i}]: {got} vs reference {want}"
-            );
+            assert!(close(got, want, REL_TOL), "{name}[{i}]: {got} vs reference {want}");
         }
         for s in t.get("samples").arr() {
             let (i, want) = (s.arr()[0].num() as usize, s.arr()[1].num());
             let got = w[i] as f64;
-            assert!(
-                close(got, want, REL_TOL),
-                "{name}[{i}]: {got} vs reference {want}"
-            );
+            assert!(close(got, want, REL_TOL), "{name}[{i}]: {got} vs reference {want}");
         }
         // Whole-tensor checks. Values should be bit-identical, so sums differ
         // only by f64 summation order (~n * 1e-16 relative to sum_abs).
@@ -82,24 +65,11 @@ fn check_against_fixture(model: &str) {
             sum_abs += v.abs();
         }
         let ref_abs = t.get("sum_abs").num();
-        assert!(
-            close(sum_abs, ref_abs, 1e-9),
-            "{name}: sum_abs {sum_abs} vs {ref_abs}"
-        );
-        assert!(
-            close(sum_sq, t.get("sum_sq").num(), 1e-9),
-            "{name}: sum_sq {sum_sq}"
-        );
+        assert!(close(sum_abs, ref_abs, 1e-9), "{name}: sum_abs {sum_abs} vs {ref_abs}");
+        assert!(close(sum_sq, t.get("sum_sq").num(), 1e-9), "{name}: sum_sq {sum_sq}");
         let ref_sum = t.get("sum").num();
-        assert!(
-            (sum - ref_sum).abs() <= 1e-9 * ref_abs,
-            "{name}: sum {sum} vs {ref_sum}"
-        );
-        eprintln!(
-            "ok: {model} {name} ({}, {} elements)",
-            info.ggml_type,
-            w.len()
-        );
+        assert!((sum - ref_sum).abs() <= 1e-9 * ref_abs, "{name}: sum {sum} vs {ref_sum}");
+        eprintln!("ok: {model} {name} ({}, {} elements)", info.ggml_type, w.len());
     }
 }
 
@@ -124,10 +94,7 @@ fn check_affine(model: &str) {
         let info = f.tensor(t.get("name").str()).unwrap();
         let w = f.dequantize_f32(info).unwrap();
         let Some(a) = f.affine(info).unwrap() else {
-            assert!(matches!(
-                info.ggml_type,
-                GgmlType::F32 | GgmlType::F16 | GgmlType::BF16
-            ));
+            assert!(matches!(info.ggml_type, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16));
             continue;
         };
         assert_eq!(a.codes.len(), w.len());
@@ -145,11 +112,7 @@ fn check_affine(model: &str) {
             let got = a.scales[g] * q as f32 + a.biases[g];
             if got != want {
                 mismatches += 1;
-                assert!(
-                    (got - want).abs() <= 1e-6 * want.abs(),
-                    "{}[{i}]: affine {got} vs {want}",
-                    info.name
-                );
+                assert!((got - want).abs() <= 1e-6 * want.abs(), "{}[{i}]: affine {got} vs {want}", info.name);
             }
         }
         assert_eq!(mismatches, 0, "{}: affine form not exact", info.name);
@@ -179,10 +142,7 @@ fn check_common_structure(f: &GgufFile, n_vocab: usize) {
     assert_eq!(types.len(), n_vocab);
     let merges = f.get_str_array("tokenizer.ggml.merges").unwrap();
     assert!(merges.len() > 40_000 && merges.iter().all(|m| m.contains(' ')));
-    assert!(f
-        .get_str("tokenizer.chat_template")
-        .unwrap()
-        .contains("im_start"));
+    assert!(f.get_str("tokenizer.chat_template").unwrap().contains("im_start"));
     assert_eq!(f.get_u64("general.quantization_version"), Some(2));
     for t in f.tensors() {
         assert_eq!(f.tensor_bytes(t).len(), t.n_bytes(), "{}", t.name);
@@ -200,10 +160,7 @@ fn smollm2_metadata() {
     let f = GgufFile::open(&path).unwrap();
     assert_eq!(f.architecture(), Some("llama"));
     assert_eq!(f.get_u64("llama.block_count"), Some(30));
-    assert_eq!(
-        f.arch_get("embedding_length").and_then(|v| v.as_u64()),
-        Some(576)
-    );
+    assert_eq!(f.arch_get("embedding_length").and_then(|v| v.as_u64()), Some(576));
     assert_eq!(f.get_u64("llama.attention.head_count"), Some(9));
     assert_eq!(f.get_u64("llama.attention.head_count_kv"), Some(3));
     assert_eq!(f.get_u64("llama.context_length"), Some(8192));
@@ -214,10 +171,7 @@ fn smollm2_metadata() {
     assert_eq!(f.metadata().len(), 33);
     assert_eq!(f.tensors().len(), 272);
     let emb = f.tensor("token_embd.weight").unwrap();
-    assert_eq!(
-        (emb.ggml_type, emb.shape()),
-        (GgmlType::Q8_0, vec![49152, 576])
-    );
+    assert_eq!((emb.ggml_type, emb.shape()), (GgmlType::Q8_0, vec![49152, 576]));
     check_common_structure(&f, 49152);
 }
 
@@ -235,15 +189,8 @@ fn qwen_metadata() {
     assert_eq!(f.get_str("tokenizer.ggml.pre"), Some("qwen2"));
     assert_eq!(f.metadata().len(), 26);
     assert_eq!(f.tensors().len(), 291);
-    let types: std::collections::BTreeSet<String> = f
-        .tensors()
-        .iter()
-        .map(|t| t.ggml_type.to_string())
-        .collect();
-    assert_eq!(
-        types.into_iter().collect::<Vec<_>>(),
-        ["F32", "Q4_K", "Q5_0", "Q6_K", "Q8_0"]
-    );
+    let types: std::collections::BTreeSet<String> = f.tensors().iter().map(|t| t.ggml_type.to_string()).collect();
+    assert_eq!(types.into_iter().collect::<Vec<_>>(), ["F32", "Q4_K", "Q5_0", "Q6_K", "Q8_0"]);
     check_common_structure(&f, 151_936);
 }
 
@@ -263,17 +210,9 @@ fn every_tensor_dequantizes_and_affine_is_exact() {
         for t in f.tensors() {
             let w = f.dequantize_f32(t).unwrap();
             assert_eq!(w.len(), t.n_elements());
-            assert!(
-                w.iter().all(|v| v.is_finite()),
-                "{model}: {} has non-finite values",
-                t.name
-            );
+            assert!(w.iter().all(|v| v.is_finite()), "{model}: {} has non-finite values", t.name);
             if let Some(a) = f.affine(t).unwrap() {
-                assert!(
-                    a.dequantize() == w,
-                    "{model}: {} affine form differs",
-                    t.name
-                );
+                assert!(a.dequantize() == w, "{model}: {} affine form differs", t.name);
             }
         }
     }

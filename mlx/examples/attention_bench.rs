@@ -28,7 +28,6 @@ fn random(shape: &[usize], seed: u64) -> Array {
     a
 }
 
-
 /// `rows` of (n, kv_len): times MLX (per-row sdpa + layout ops + concat) and
 /// the fused kernel, alternating, and prints both and their ratio.
 fn compare(label: &str, heads: usize, kv_heads: usize, dim: usize, rows: &[(usize, usize)], iters: usize) {
@@ -38,7 +37,9 @@ fn compare(label: &str, heads: usize, kv_heads: usize, dim: usize, rows: &[(usiz
     let caches: Vec<(Array, Array)> = rows
         .iter()
         .enumerate()
-        .map(|(r, &(_, len))| (random(&[1, kv_heads, len.next_multiple_of(256), dim], 2 + r as u64), random(&[1, kv_heads, len.next_multiple_of(256), dim], 900 + r as u64)))
+        .map(|(r, &(_, len))| {
+            (random(&[1, kv_heads, len.next_multiple_of(256), dim], 2 + r as u64), random(&[1, kv_heads, len.next_multiple_of(256), dim], 900 + r as u64))
+        })
         .collect();
     let scale = 1.0 / (dim as f32).sqrt();
     let view = |a: &Array, len: usize| a.slice(&[0, 0, 0, 0], &[1, kv_heads as i32, len as i32, dim as i32]).unwrap();
@@ -53,7 +54,11 @@ fn compare(label: &str, heads: usize, kv_heads: usize, dim: usize, rows: &[(usiz
             outs.push(o.transpose(&[0, 2, 1, 3]).unwrap().reshape(&[1, n, width]).unwrap());
             s += n;
         }
-        if outs.len() == 1 { outs.pop().unwrap() } else { mlx::concatenate(&outs.iter().collect::<Vec<_>>(), 1).unwrap() }
+        if outs.len() == 1 {
+            outs.pop().unwrap()
+        } else {
+            mlx::concatenate(&outs.iter().collect::<Vec<_>>(), 1).unwrap()
+        }
     };
     // (The timing does not depend on the keys' values, so the same random
     // buffers serve as keys in either layout.)

@@ -9,7 +9,6 @@ mod common;
 use common::{activation_rows, best_ms, projection_weight, SMOLLM2_PROJECTIONS};
 use mlx::Dtype;
 
-
 fn main() {
     mlx::set_default_device(mlx::Device::Cpu).unwrap();
     println!("{:>6} {:>6} {:>4} {:>5} {:>10} {:>10} {:>8}", "K", "N", "bits", "rows", "kernel", "f32 BLAS", "ratio");

@@ -299,10 +299,7 @@ pub fn dequantize(q: &QuantizedWeights, dtype: Dtype) -> Result<Array> {
 
 /// `x @ w^T` for a quantized `w` of shape `[out, in]` (as nn.Linear stores it).
 pub fn quantized_matmul(x: &Array, q: &QuantizedWeights) -> Result<Array> {
-    wrap(
-        "quantized_matmul",
-        bridge::quantized_matmul(x.raw(), q.packed.raw(), q.scales.raw(), q.biases.raw(), true, q.group_size, q.bits),
-    )
+    wrap("quantized_matmul", bridge::quantized_matmul(x.raw(), q.packed.raw(), q.scales.raw(), q.biases.raw(), true, q.group_size, q.bits))
 }
 
 /// The CPU decode kernel for affine-quantized weights (4 or 8 bits, float32
@@ -310,10 +307,7 @@ pub fn quantized_matmul(x: &Array, q: &QuantizedWeights) -> Result<Array> {
 /// it in registers, where MLX's own CPU kernel is compute-bound. Handles at
 /// most [`cpu_quantized_matmul_max_rows`] rows of `x`.
 pub fn cpu_quantized_matmul(x: &Array, q: &QuantizedWeights) -> Result<Array> {
-    wrap(
-        "cpu_quantized_matmul",
-        bridge::cpu_quantized_matmul(x.raw(), q.packed.raw(), q.scales.raw(), q.biases.raw(), q.group_size, q.bits),
-    )
+    wrap("cpu_quantized_matmul", bridge::cpu_quantized_matmul(x.raw(), q.packed.raw(), q.scales.raw(), q.biases.raw(), q.group_size, q.bits))
 }
 
 /// Rows of activations [`cpu_quantized_matmul`] accepts in one call.

@@ -20,7 +20,10 @@ pub mod memory;
 pub mod random;
 mod safetensors;
 
-pub use array::{async_eval, concatenate, cpu_pack_panels, cpu_panel_matmul, cpu_panels_supported, cpu_quantized_matmul, cpu_quantized_matmul_max_rows, dequantize, eval, quantize, quantized_matmul, stack, where_, Array, QuantizedWeights};
+pub use array::{
+    async_eval, concatenate, cpu_pack_panels, cpu_panel_matmul, cpu_panels_supported, cpu_quantized_matmul, cpu_quantized_matmul_max_rows, dequantize, eval,
+    quantize, quantized_matmul, stack, where_, Array, QuantizedWeights,
+};
 pub use dtype::Dtype;
 pub use error::{Error, Result};
 pub use safetensors::load_safetensors;

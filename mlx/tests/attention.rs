@@ -74,7 +74,13 @@ fn check(case: &Case, seed: u64) {
     let mut want = Vec::new();
     let mut start = 0;
     for (&(n, kv_len), (k, v)) in case.rows.iter().zip(&caches) {
-        let qr = q.slice(&[0, start as i32, 0], &[1, (start + n) as i32, width as i32]).unwrap().reshape(&[1, n as i32, hq as i32, d as i32]).unwrap().transpose(&[0, 2, 1, 3]).unwrap();
+        let qr = q
+            .slice(&[0, start as i32, 0], &[1, (start + n) as i32, width as i32])
+            .unwrap()
+            .reshape(&[1, n as i32, hq as i32, d as i32])
+            .unwrap()
+            .transpose(&[0, 2, 1, 3])
+            .unwrap();
         let view = |a: &Array| a.slice(&[0, 0, 0, 0], &[1, hkv as i32, kv_len as i32, d as i32]).unwrap();
         let mask = if n > 1 { Mask::Causal } else { Mask::None };
         let o = fast::sdpa(&qr, &view(k), &view(v), scale, mask).unwrap();
@@ -101,7 +107,8 @@ fn check(case: &Case, seed: u64) {
     // products in the same order. Positions past kv_len hold NaN, as stale
     // keys of a block would, and must not show.
     let blocked: Vec<Array> = case.rows.iter().zip(&caches).map(|(&(_, kv_len), (k, _))| keys_in_blocks(k, kv_len)).collect();
-    let rows: Vec<AttentionRow> = case.rows.iter().zip(&caches).zip(&blocked).map(|((&(n, kv_len), (_, v)), k)| AttentionRow { keys: k, values: v, n, kv_len }).collect();
+    let rows: Vec<AttentionRow> =
+        case.rows.iter().zip(&caches).zip(&blocked).map(|((&(n, kv_len), (_, v)), k)| AttentionRow { keys: k, values: v, n, kv_len }).collect();
     let in_blocks = fast::cpu_attention(&q, &rows, KeyLayout::Blocks).unwrap().to_vec_f32().unwrap();
     assert!(in_blocks == got.to_vec_f32().unwrap(), "heads {hq}/{hkv} dim {d} rows {:?}: keys in blocks differ", case.rows);
 }
@@ -161,7 +168,8 @@ fn kv_write_matches_slice_update_and_respects_snapshots() {
     let (heads, cap, dim, tokens) = (3, 40, 64, 7);
     let fresh = Array::from_f32(&noise(tokens * heads * dim, 9, 1.0), &[1, tokens, heads * dim]).unwrap();
     // Reference: tokens 2..6 written at positions 10..14 with slice_update.
-    let update = fresh.slice(&[0, 2, 0], &[1, 6, (heads * dim) as i32]).unwrap().reshape(&[1, 4, heads as i32, dim as i32]).unwrap().transpose(&[0, 2, 1, 3]).unwrap();
+    let update =
+        fresh.slice(&[0, 2, 0], &[1, 6, (heads * dim) as i32]).unwrap().reshape(&[1, 4, heads as i32, dim as i32]).unwrap().transpose(&[0, 2, 1, 3]).unwrap();
     let base = Array::from_f32(&noise(heads * cap * dim, 10, 1.0), &[1, heads, cap, dim]).unwrap();
     base.eval().unwrap();
     let want = base.slice_update(&update, &[0, 0, 10, 0], &[1, heads as i32, 14, dim as i32]).unwrap().to_vec_f32().unwrap();
@@ -227,7 +235,13 @@ fn rope_with_per_token_offsets_matches_per_row_rope() {
     let mut want = Vec::new();
     let mut s = 0;
     for &(offset, n) in &rows {
-        let xr = x.slice(&[0, s as i32, 0], &[1, (s + n) as i32, (heads * dim) as i32]).unwrap().reshape(&[1, n as i32, heads as i32, dim as i32]).unwrap().transpose(&[0, 2, 1, 3]).unwrap();
+        let xr = x
+            .slice(&[0, s as i32, 0], &[1, (s + n) as i32, (heads * dim) as i32])
+            .unwrap()
+            .reshape(&[1, n as i32, heads as i32, dim as i32])
+            .unwrap()
+            .transpose(&[0, 2, 1, 3])
+            .unwrap();
         let r = fast::rope(&xr, dim as i32, false, 10000.0, 1.0, offset as i32).unwrap();
         want.extend(r.transpose(&[0, 2, 1, 3]).unwrap().reshape(&[1, n as i32, (heads * dim) as i32]).unwrap().to_vec_f32().unwrap());
         s += n;

@@ -218,7 +218,14 @@ fn panel_matmul_matches_blas_and_is_the_same_alone_or_batched() {
     // prefill chunk's.
     let (n, k) = (70usize, 90usize);
     // Uniform in [-1, 1): values of mixed sign, as activations and weights are.
-    let values = |shape: &[i32], seed: u64| random::uniform(shape, &random::key(seed).unwrap()).unwrap().multiply(&Array::scalar(2.0, Dtype::F32).unwrap()).unwrap().subtract(&Array::scalar(1.0, Dtype::F32).unwrap()).unwrap();
+    let values = |shape: &[i32], seed: u64| {
+        random::uniform(shape, &random::key(seed).unwrap())
+            .unwrap()
+            .multiply(&Array::scalar(2.0, Dtype::F32).unwrap())
+            .unwrap()
+            .subtract(&Array::scalar(1.0, Dtype::F32).unwrap())
+            .unwrap()
+    };
     let w = values(&[n as i32, k as i32], 11);
     let panels = mlx::cpu_pack_panels(&w).unwrap();
     panels.eval().unwrap();

@@ -215,11 +215,7 @@ pub struct ProtocolError {
 
 impl ProtocolError {
     pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
-        ProtocolError {
-            code,
-            message: message.into(),
-            request_id: None,
-        }
+        ProtocolError { code, message: message.into(), request_id: None }
     }
 
     /// Sets `request_id` (replacing any previous one).
@@ -251,20 +247,12 @@ impl ProtocolError {
 
     /// The `error` frame for this failure.
     pub fn to_message(&self) -> crate::ServerMessage {
-        crate::ServerMessage::Error(crate::ErrorFrame {
-            request_id: self.request_id.clone(),
-            code: self.code,
-            message: self.message.clone(),
-        })
+        crate::ServerMessage::Error(crate::ErrorFrame { request_id: self.request_id.clone(), code: self.code, message: self.message.clone() })
     }
 }
 
 impl From<ProtocolError> for crate::ServerMessage {
     fn from(e: ProtocolError) -> Self {
-        crate::ServerMessage::Error(crate::ErrorFrame {
-            request_id: e.request_id,
-            code: e.code,
-            message: e.message,
-        })
+        crate::ServerMessage::Error(crate::ErrorFrame { request_id: e.request_id, code: e.code, message: e.message })
     }
 }

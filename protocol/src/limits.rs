@@ -30,13 +30,7 @@ impl Limits {
     /// `frame_too_large` if a frame of `len` bytes exceeds `max_frame_bytes`.
     pub fn check_frame_len(&self, len: usize) -> Result<(), ProtocolError> {
         if len > self.max_frame_bytes as usize {
-            Err(ProtocolError::new(
-                ErrorCode::FrameTooLarge,
-                format!(
-                    "frame is {len} bytes, the limit is {}",
-                    self.max_frame_bytes
-                ),
-            ))
+            Err(ProtocolError::new(ErrorCode::FrameTooLarge, format!("frame is {len} bytes, the limit is {}", self.max_frame_bytes)))
         } else {
             Ok(())
         }

@@ -6,9 +6,7 @@ use serde::de::{DeserializeOwned, Deserializer, Error as _, MapAccess, SeqAccess
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
-use crate::client::{
-    Cancel, ClientMessage, GenerateRequest, Ping, SessionClose, SessionOpen, CLIENT_MESSAGE_TYPES,
-};
+use crate::client::{Cancel, ClientMessage, GenerateRequest, Ping, SessionClose, SessionOpen, CLIENT_MESSAGE_TYPES};
 use crate::error::{ErrorCode, ProtocolError};
 
 /// Parses and validates one client text frame.
@@ -31,36 +29,19 @@ pub fn parse_client(text: &str) -> Result<ClientMessage, ProtocolError> {
     let value = parse_json_strict(text)?;
     let mut obj = match value {
         Value::Object(obj) => obj,
-        other => {
-            return Err(unknown_type(format!(
-                "a message must be a JSON object with a `type` field, got {}",
-                json_kind(&other)
-            )))
-        }
+        other => return Err(unknown_type(format!("a message must be a JSON object with a `type` field, got {}", json_kind(&other)))),
     };
     let ty = match obj.shift_remove("type") {
         None => return Err(unknown_type("missing field `type`".to_string())),
         Some(Value::String(s)) => s,
-        Some(other) => {
-            return Err(unknown_type(format!(
-                "`type` must be a string, got {}",
-                json_kind(&other)
-            )))
-        }
+        Some(other) => return Err(unknown_type(format!("`type` must be a string, got {}", json_kind(&other)))),
     };
     let request_id = match ty.as_str() {
-        "generate" | "cancel" => obj
-            .get("request_id")
-            .and_then(Value::as_str)
-            .filter(|id| crate::client::is_valid_request_id(id))
-            .map(str::to_owned),
+        "generate" | "cancel" => obj.get("request_id").and_then(Value::as_str).filter(|id| crate::client::is_valid_request_id(id)).map(str::to_owned),
         _ => None,
     };
     if let Some(path) = find_null(&obj) {
-        return Err(ProtocolError::invalid_field(format!(
-            "`{path}`: null is not allowed; omit optional fields instead"
-        ))
-        .or_request_id(request_id.as_deref()));
+        return Err(ProtocolError::invalid_field(format!("`{path}`: null is not allowed; omit optional fields instead")).or_request_id(request_id.as_deref()));
     }
     let msg = match ty.as_str() {
         "session.open" => fields::<SessionOpen>(obj).map(ClientMessage::SessionOpen),
@@ -69,28 +50,17 @@ pub fn parse_client(text: &str) -> Result<ClientMessage, ProtocolError> {
         "session.close" => fields::<SessionClose>(obj).map(ClientMessage::SessionClose),
         "ping" => fields::<Ping>(obj).map(ClientMessage::Ping),
         _ => {
-            let shown: String = if ty.chars().count() > 64 {
-                ty.chars().take(64).chain("…".chars()).collect()
-            } else {
-                ty.clone()
-            };
+            let shown: String = if ty.chars().count() > 64 { ty.chars().take(64).chain("…".chars()).collect() } else { ty.clone() };
             return Err(unknown_type(format!("unknown message type {shown:?}")));
         }
     };
     let msg = msg.map_err(|e| e.or_request_id(request_id.as_deref()))?;
-    msg.validate()
-        .map_err(|e| e.or_request_id(request_id.as_deref()))?;
+    msg.validate().map_err(|e| e.or_request_id(request_id.as_deref()))?;
     Ok(msg)
 }
 
 fn unknown_type(what: String) -> ProtocolError {
-    ProtocolError::new(
-        ErrorCode::UnknownType,
-        format!(
-            "{what}; expected one of: {}",
-            CLIENT_MESSAGE_TYPES.join(", ")
-        ),
-    )
+    ProtocolError::new(ErrorCode::UnknownType, format!("{what}; expected one of: {}", CLIENT_MESSAGE_TYPES.join(", ")))
 }
 
 fn json_kind(v: &Value) -> &'static str {
@@ -207,9 +177,7 @@ impl<'de> Visitor<'de> for StrictVisitor {
         Ok(Value::Number(v.into()))
     }
     fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Value, E> {
-        serde_json::Number::from_f64(v)
-            .map(Value::Number)
-            .ok_or_else(|| E::custom("non-finite number"))
+        serde_json::Number::from_f64(v).map(Value::Number).ok_or_else(|| E::custom("non-finite number"))
     }
     fn visit_str<E>(self, v: &str) -> Result<Value, E> {
         Ok(Value::String(v.to_owned()))

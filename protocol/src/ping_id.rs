@@ -40,9 +40,7 @@ impl<'de> Deserialize<'de> for PingId {
                 Ok(PingId::Number(v.into()))
             }
             fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<PingId, E> {
-                serde_json::Number::from_f64(v)
-                    .map(PingId::Number)
-                    .ok_or_else(|| E::custom("ping id must be a finite number"))
+                serde_json::Number::from_f64(v).map(PingId::Number).ok_or_else(|| E::custom("ping id must be a finite number"))
             }
             fn visit_str<E>(self, v: &str) -> Result<PingId, E> {
                 Ok(PingId::String(v.to_owned()))

@@ -47,9 +47,7 @@ fn strip_null(v: &mut Value) {
             if let Some(Value::Array(alts)) = map.get_mut("anyOf") {
                 alts.retain(|a| a != &json!({"type": "null"}));
                 if alts.len() == 1 {
-                    let Some(Value::Object(only)) = alts.pop() else {
-                        unreachable!("schema alternatives are objects")
-                    };
+                    let Some(Value::Object(only)) = alts.pop() else { unreachable!("schema alternatives are objects") };
                     map.remove("anyOf");
                     for (k, val) in only {
                         map.entry(k).or_insert(val);

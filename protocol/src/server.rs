@@ -77,11 +77,7 @@ impl ServerMessage {
 
     /// An `error` frame.
     pub fn error(code: ErrorCode, message: impl Into<String>, request_id: Option<String>) -> Self {
-        ServerMessage::Error(ErrorFrame {
-            request_id,
-            code,
-            message: message.into(),
-        })
+        ServerMessage::Error(ErrorFrame { request_id, code, message: message.into() })
     }
 }
 

@@ -2,8 +2,7 @@
 //! and the limit checks.
 
 use protocol::{
-    parse_client, ChatMessage, ClientMessage, ErrorCode, FimExtra, FimInput, GenerateInput,
-    GenerateRequest, Limits, PingId, ProtocolError, Role, SessionOpen,
+    parse_client, ChatMessage, ClientMessage, ErrorCode, FimExtra, FimInput, GenerateInput, GenerateRequest, Limits, PingId, ProtocolError, Role, SessionOpen,
 };
 use serde_json::json;
 
@@ -11,13 +10,7 @@ use ErrorCode::*;
 
 /// (name, frame, expected code, substrings the message must contain,
 /// expected request_id on the error)
-type Case = (
-    &'static str,
-    String,
-    ErrorCode,
-    &'static [&'static str],
-    Option<&'static str>,
-);
+type Case = (&'static str, String, ErrorCode, &'static [&'static str], Option<&'static str>);
 
 /// A valid `generate` with request_id "r1", with `extra` merged in (a `null`
 /// in `extra` removes the key instead).
@@ -171,10 +164,7 @@ fn bad_inputs_are_classified() {
             Ok(msg) => failures.push(format!("{name}: accepted as {msg:?}")),
             Err(e) => {
                 if e.code != *code {
-                    failures.push(format!(
-                        "{name}: code {:?}, expected {code:?} (message: {})",
-                        e.code, e.message
-                    ));
+                    failures.push(format!("{name}: code {:?}, expected {code:?} (message: {})", e.code, e.message));
                 }
                 for needle in needles.iter() {
                     if !e.message.contains(needle) {
@@ -182,23 +172,14 @@ fn bad_inputs_are_classified() {
                     }
                 }
                 if e.request_id.as_deref() != *request_id {
-                    failures.push(format!(
-                        "{name}: request_id {:?}, expected {request_id:?}",
-                        e.request_id
-                    ));
+                    failures.push(format!("{name}: request_id {:?}, expected {request_id:?}", e.request_id));
                 }
                 // Only transport-level failures close the socket.
                 assert!(!e.is_fatal(), "{name}: parse errors are never fatal");
             }
         }
     }
-    assert!(
-        failures.is_empty(),
-        "{} of {} cases failed:\n{}",
-        failures.len(),
-        cases.len(),
-        failures.join("\n")
-    );
+    assert!(failures.is_empty(), "{} of {} cases failed:\n{}", failures.len(), cases.len(), failures.join("\n"));
     println!("{} bad-input cases", cases.len());
 }
 
@@ -215,18 +196,11 @@ fn bad_input_names_are_unique() {
 fn error_frame_for_a_bad_generate_carries_request_id() {
     let err = parse_client(&gen(json!({"top_p": 0}))).unwrap_err();
     let frame = err.to_message().to_json();
-    assert_eq!(
-        frame,
-        r#"{"type":"error","request_id":"r1","code":"invalid_parameter","message":"top_p must be in (0, 1], got 0"}"#
-    );
+    assert_eq!(frame, r#"{"type":"error","request_id":"r1","code":"invalid_parameter","message":"top_p must be in (0, 1], got 0"}"#);
     let err = parse_client("nope").unwrap_err();
-    let v: serde_json::Value =
-        serde_json::from_str(&protocol::ServerMessage::from(err).to_json()).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&protocol::ServerMessage::from(err).to_json()).unwrap();
     assert_eq!(v["code"], "bad_json");
-    assert!(
-        v.get("request_id").is_none(),
-        "absent request_id is omitted, not null"
-    );
+    assert!(v.get("request_id").is_none(), "absent request_id is omitted, not null");
 }
 
 // ---------------------------------------------------------------------------
@@ -246,19 +220,13 @@ fn ok_gen(extra: serde_json::Value) -> GenerateRequest {
 #[test]
 fn minimal_generate_gets_defaults() {
     let g = ok_gen(json!({}));
-    assert_eq!(
-        g,
-        GenerateRequest::new("r1", GenerateInput::Prompt("Hello".into()))
-    );
+    assert_eq!(g, GenerateRequest::new("r1", GenerateInput::Prompt("Hello".into())));
     assert_eq!(g.max_tokens, 256);
     assert_eq!(g.temperature, 0.0);
     assert!(g.is_greedy());
     assert!(!g.logprobs);
     assert!(g.stop.is_empty());
-    assert_eq!(
-        (g.top_p, g.top_k, g.min_p, g.seed, g.top_logprobs),
-        (None, None, None, None, None)
-    );
+    assert_eq!((g.top_p, g.top_k, g.min_p, g.seed, g.top_logprobs), (None, None, None, None, None));
 }
 
 #[test]
@@ -302,60 +270,23 @@ fn messages_and_fim_inputs() {
         {"role": "assistant", "content": "Hello!"},
         {"role": "tool", "content": "{}"},
     ]}));
-    let GenerateInput::Messages(m) = &g.input else {
-        panic!()
-    };
-    assert_eq!(
-        m.iter().map(|m| m.role).collect::<Vec<_>>(),
-        [Role::System, Role::User, Role::Assistant, Role::Tool]
-    );
-    assert_eq!(
-        m[1],
-        ChatMessage {
-            role: Role::User,
-            content: "Hi".into()
-        }
-    );
+    let GenerateInput::Messages(m) = &g.input else { panic!() };
+    assert_eq!(m.iter().map(|m| m.role).collect::<Vec<_>>(), [Role::System, Role::User, Role::Assistant, Role::Tool]);
+    assert_eq!(m[1], ChatMessage { role: Role::User, content: "Hi".into() });
 
     let g = ok_gen(json!({"prompt": null, "fim": {"prefix": "fn main() {", "suffix": "}"}}));
-    assert_eq!(
-        g.input,
-        GenerateInput::Fim(FimInput {
-            prefix: "fn main() {".into(),
-            suffix: "}".into(),
-            extra: vec![]
-        })
-    );
+    assert_eq!(g.input, GenerateInput::Fim(FimInput { prefix: "fn main() {".into(), suffix: "}".into(), extra: vec![] }));
 
     let g = ok_gen(json!({"prompt": null, "fim": {"prefix": "a", "suffix": "b",
         "extra": [{"path": "src/lib.rs", "content": "pub fn f() {}"}, {"content": "notes"}]}}));
-    let GenerateInput::Fim(f) = g.input else {
-        panic!()
-    };
-    assert_eq!(
-        f.extra,
-        vec![
-            FimExtra {
-                path: Some("src/lib.rs".into()),
-                content: "pub fn f() {}".into()
-            },
-            FimExtra {
-                path: None,
-                content: "notes".into()
-            },
-        ]
-    );
+    let GenerateInput::Fim(f) = g.input else { panic!() };
+    assert_eq!(f.extra, vec![FimExtra { path: Some("src/lib.rs".into()), content: "pub fn f() {}".into() }, FimExtra { path: None, content: "notes".into() },]);
 }
 
 #[test]
 fn other_client_messages() {
-    assert_eq!(
-        ok(r#"{"type":"session.open"}"#),
-        ClientMessage::SessionOpen(SessionOpen::default())
-    );
-    let ClientMessage::SessionOpen(open) = ok(
-        r#"{"type":"session.open","session_id":"s-1","resume_token":"tok_abc","last_seq":{"r1":4,"r2":0}}"#,
-    ) else {
+    assert_eq!(ok(r#"{"type":"session.open"}"#), ClientMessage::SessionOpen(SessionOpen::default()));
+    let ClientMessage::SessionOpen(open) = ok(r#"{"type":"session.open","session_id":"s-1","resume_token":"tok_abc","last_seq":{"r1":4,"r2":0}}"#) else {
         panic!()
     };
     assert!(open.is_resume());
@@ -369,26 +300,15 @@ fn other_client_messages() {
     let cancel = ok(r#"{"type":"cancel","request_id":"r1"}"#);
     assert_eq!(cancel.request_id(), Some("r1"));
     assert_eq!(cancel.type_name(), "cancel");
-    assert_eq!(
-        ok(r#"{"type":"session.close"}"#).type_name(),
-        "session.close"
-    );
+    assert_eq!(ok(r#"{"type":"session.close"}"#).type_name(), "session.close");
 
-    let ClientMessage::Ping(p) = ok(r#"{"type":"ping"}"#) else {
-        panic!()
-    };
+    let ClientMessage::Ping(p) = ok(r#"{"type":"ping"}"#) else { panic!() };
     assert_eq!(p.id, None);
-    let ClientMessage::Ping(p) = ok(r#"{"type":"ping","id":42}"#) else {
-        panic!()
-    };
+    let ClientMessage::Ping(p) = ok(r#"{"type":"ping","id":42}"#) else { panic!() };
     assert_eq!(p.id, Some(PingId::from(42)));
-    let ClientMessage::Ping(p) = ok(r#"{"type":"ping","id":-1.5}"#) else {
-        panic!()
-    };
+    let ClientMessage::Ping(p) = ok(r#"{"type":"ping","id":-1.5}"#) else { panic!() };
     assert_eq!(serde_json::to_string(&p.id).unwrap(), "-1.5");
-    let ClientMessage::Ping(p) = ok(r#"{"type":"ping","id":"hb-7"}"#) else {
-        panic!()
-    };
+    let ClientMessage::Ping(p) = ok(r#"{"type":"ping","id":"hb-7"}"#) else { panic!() };
     assert_eq!(p.id, Some(PingId::from("hb-7")));
 }
 
@@ -450,11 +370,7 @@ fn check_limits() {
     assert_eq!(e.message, "max_tokens must be in [0, 1024], got 1025");
     assert_eq!(e.request_id.as_deref(), Some("r1"));
 
-    let small_ctx = Limits {
-        max_tokens: 8192,
-        context_length: 2048,
-        ..l.clone()
-    };
+    let small_ctx = Limits { max_tokens: 8192, context_length: 2048, ..l.clone() };
     g.max_tokens = 2048;
     let e = g.check_limits(&small_ctx).unwrap_err();
     assert_eq!(e.code, ContextOverflow);
@@ -470,18 +386,12 @@ fn check_prompt_tokens() {
     g.max_tokens = 1000;
     assert_eq!(g.check_prompt_tokens(3000, &l), Ok(()));
     let e = g.check_prompt_tokens(3001, &l).unwrap_err();
-    assert_eq!(
-        (e.code, e.request_id.as_deref()),
-        (PromptTooLong, Some("r7"))
-    );
+    assert_eq!((e.code, e.request_id.as_deref()), (PromptTooLong, Some("r7")));
     assert_eq!(e.message, "prompt is 3001 tokens, the limit is 3000");
     g.max_tokens = 1097;
     let e = g.check_prompt_tokens(3000, &l).unwrap_err();
     assert_eq!(e.code, ContextOverflow);
-    assert_eq!(
-        e.message,
-        "prompt (3000 tokens) + max_tokens (1097) = 4097 exceeds the context length 4096"
-    );
+    assert_eq!(e.message, "prompt (3000 tokens) + max_tokens (1097) = 4097 exceeds the context length 4096");
     g.max_tokens = 1096;
     assert_eq!(g.check_prompt_tokens(3000, &l), Ok(()));
 }
@@ -500,11 +410,7 @@ fn check_frame_len() {
 fn validate_is_callable_on_built_requests() {
     let mut g = GenerateRequest::new("ok", GenerateInput::Messages(vec![]));
     let e = g.validate().unwrap_err();
-    assert_eq!(
-        e,
-        ProtocolError::invalid_parameter("messages must contain at least 1 message, got 0")
-            .with_request_id("ok")
-    );
+    assert_eq!(e, ProtocolError::invalid_parameter("messages must contain at least 1 message, got 0").with_request_id("ok"));
     g.input = GenerateInput::Prompt("p".into());
     assert_eq!(ClientMessage::Generate(g).validate(), Ok(()));
 }

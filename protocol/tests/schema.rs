@@ -21,12 +21,7 @@ fn schema_file_is_up_to_date() {
         std::fs::write(&path, &generated).unwrap();
         return;
     }
-    let committed = std::fs::read_to_string(&path).unwrap_or_else(|e| {
-        panic!(
-            "cannot read {}: {e}; run with UPDATE_SCHEMA=1",
-            path.display()
-        )
-    });
+    let committed = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {}: {e}; run with UPDATE_SCHEMA=1", path.display()));
     assert!(
         committed == generated,
         "{} is out of date with the protocol types; regenerate it with \
@@ -85,34 +80,19 @@ fn validate(root: &Value, schema: &Value, v: &Value, path: &str, errs: &mut Vec<
     }
     if let Some(n) = v.as_f64() {
         let num = |k: &str| s.get(k).and_then(Value::as_f64);
-        if num("minimum").is_some_and(|m| n < m)
-            || num("maximum").is_some_and(|m| n > m)
-            || num("exclusiveMinimum").is_some_and(|m| n <= m)
-        {
+        if num("minimum").is_some_and(|m| n < m) || num("maximum").is_some_and(|m| n > m) || num("exclusiveMinimum").is_some_and(|m| n <= m) {
             errs.push(format!("{path}: {n} out of range"));
         }
     }
     if let Some(st) = v.as_str() {
         let len = st.chars().count() as u64;
-        if s.get("minLength")
-            .and_then(Value::as_u64)
-            .is_some_and(|m| len < m)
-            || s.get("maxLength")
-                .and_then(Value::as_u64)
-                .is_some_and(|m| len > m)
-        {
+        if s.get("minLength").and_then(Value::as_u64).is_some_and(|m| len < m) || s.get("maxLength").and_then(Value::as_u64).is_some_and(|m| len > m) {
             errs.push(format!("{path}: string length {len} out of range"));
         }
     }
     if let Some(items) = v.as_array() {
         let len = items.len() as u64;
-        if s.get("minItems")
-            .and_then(Value::as_u64)
-            .is_some_and(|m| len < m)
-            || s.get("maxItems")
-                .and_then(Value::as_u64)
-                .is_some_and(|m| len > m)
-        {
+        if s.get("minItems").and_then(Value::as_u64).is_some_and(|m| len < m) || s.get("maxItems").and_then(Value::as_u64).is_some_and(|m| len > m) {
             errs.push(format!("{path}: {len} items out of range"));
         }
         if let Some(item_schema) = s.get("items") {
@@ -146,9 +126,7 @@ fn validate(root: &Value, schema: &Value, v: &Value, path: &str, errs: &mut Vec<
                 Some(ps) => validate(root, ps, val, &format!("{path}.{k}"), errs),
                 None => match s.get("additionalProperties") {
                     Some(Value::Bool(false)) => errs.push(format!("{path}: unknown property {k}")),
-                    Some(ap @ Value::Object(_)) => {
-                        validate(root, ap, val, &format!("{path}.{k}"), errs)
-                    }
+                    Some(ap @ Value::Object(_)) => validate(root, ap, val, &format!("{path}.{k}"), errs),
                     _ => {}
                 },
             }
@@ -175,13 +153,7 @@ fn validate(root: &Value, schema: &Value, v: &Value, path: &str, errs: &mut Vec<
 fn schema_errors(def: &str, frame: &Value) -> Vec<String> {
     let root = protocol::json_schema();
     let mut errs = Vec::new();
-    validate(
-        &root,
-        &json!({"$ref": format!("#/$defs/{def}")}),
-        frame,
-        "$",
-        &mut errs,
-    );
+    validate(&root, &json!({"$ref": format!("#/$defs/{def}")}), frame, "$", &mut errs);
     errs
 }
 
@@ -195,14 +167,9 @@ fn check_client_frame(text: &str) {
 /// A server frame must parse as a `ServerMessage`, re-serialize to the same
 /// JSON, and be valid per the schema.
 fn check_server_frame(text: &str) {
-    let msg = ServerMessage::from_json(text)
-        .unwrap_or_else(|e| panic!("not a server message: {text}\n{e}"));
+    let msg = ServerMessage::from_json(text).unwrap_or_else(|e| panic!("not a server message: {text}\n{e}"));
     let value: Value = serde_json::from_str(text).unwrap();
-    assert_eq!(
-        serde_json::from_str::<Value>(&msg.to_json()).unwrap(),
-        value,
-        "re-serialized differently: {text}"
-    );
+    assert_eq!(serde_json::from_str::<Value>(&msg.to_json()).unwrap(), value, "re-serialized differently: {text}");
     let errs = schema_errors("ServerMessage", &value);
     assert!(errs.is_empty(), "rejected by the schema: {text}\n{errs:?}");
 }
@@ -258,10 +225,7 @@ fn schema_rejects_shape_and_range_errors() {
         r#"{"type":"nope"}"#,
         r#"{"request_id":"r1"}"#,
     ] {
-        assert!(
-            parse_client(frame).is_err(),
-            "parse_client accepted {frame}"
-        );
+        assert!(parse_client(frame).is_err(), "parse_client accepted {frame}");
         let errs = schema_errors("ClientMessage", &serde_json::from_str(frame).unwrap());
         assert!(!errs.is_empty(), "schema accepted {frame}");
     }
@@ -298,15 +262,10 @@ fn code_blocks(md: &str, lang: &str) -> Vec<String> {
 #[test]
 fn readme_json_examples_are_valid_frames() {
     let blocks = code_blocks(&readme(), "json");
-    assert!(
-        blocks.len() >= 10,
-        "found only {} json examples",
-        blocks.len()
-    );
+    assert!(blocks.len() >= 10, "found only {} json examples", blocks.len());
     let (mut client, mut server) = (0, 0);
     for block in &blocks {
-        let v: Value = serde_json::from_str(block)
-            .unwrap_or_else(|e| panic!("README example is not JSON: {e}\n{block}"));
+        let v: Value = serde_json::from_str(block).unwrap_or_else(|e| panic!("README example is not JSON: {e}\n{block}"));
         let ty = v["type"].as_str().expect("example has a type");
         if protocol::CLIENT_MESSAGE_TYPES.contains(&ty) {
             check_client_frame(block);
@@ -317,10 +276,7 @@ fn readme_json_examples_are_valid_frames() {
         }
     }
     // Every message type has at least one example.
-    let mut seen: Vec<String> = blocks
-        .iter()
-        .map(|b| serde_json::from_str::<Value>(b).unwrap()["type"].to_string())
-        .collect();
+    let mut seen: Vec<String> = blocks.iter().map(|b| serde_json::from_str::<Value>(b).unwrap()["type"].to_string()).collect();
     seen.sort();
     seen.dedup();
     assert_eq!(seen.len(), 10, "types with examples: {seen:?}");
@@ -330,10 +286,7 @@ fn readme_json_examples_are_valid_frames() {
 #[test]
 fn readme_example_exchange_is_valid() {
     let blocks = code_blocks(&readme(), "text");
-    let exchange = blocks
-        .iter()
-        .find(|b| b.contains("→ {"))
-        .expect("example exchange");
+    let exchange = blocks.iter().find(|b| b.contains("→ {")).expect("example exchange");
     let frames: Vec<(bool, &str)> = exchange
         .lines()
         .filter_map(|l| match (l.strip_prefix("→ "), l.strip_prefix("← ")) {
@@ -350,26 +303,13 @@ fn readme_example_exchange_is_valid() {
         }
         // A client frame answered by a parse-level error must be rejected by
         // parse_client with exactly that error frame; otherwise it is valid.
-        let reply = frames
-            .get(i + 1)
-            .filter(|(c, _)| !c)
-            .map(|(_, f)| ServerMessage::from_json(f).unwrap());
+        let reply = frames.get(i + 1).filter(|(c, _)| !c).map(|(_, f)| ServerMessage::from_json(f).unwrap());
         match reply {
             Some(ServerMessage::Error(e))
-                if matches!(
-                    e.code,
-                    ErrorCode::BadJson
-                        | ErrorCode::UnknownType
-                        | ErrorCode::InvalidField
-                        | ErrorCode::InvalidParameter
-                ) =>
+                if matches!(e.code, ErrorCode::BadJson | ErrorCode::UnknownType | ErrorCode::InvalidField | ErrorCode::InvalidParameter) =>
             {
                 let got = parse_client(frame).expect_err(frame).to_message();
-                assert_eq!(
-                    got,
-                    ServerMessage::Error(e),
-                    "README shows a different error for {frame}"
-                );
+                assert_eq!(got, ServerMessage::Error(e), "README shows a different error for {frame}");
             }
             _ => check_client_frame(frame),
         }
@@ -381,10 +321,7 @@ fn readme_example_exchange_is_valid() {
 fn readme_documents_every_error_code() {
     let md = readme();
     for code in ErrorCode::ALL {
-        let row = md
-            .lines()
-            .find(|l| l.starts_with(&format!("| `{}` |", code.as_str())))
-            .unwrap_or_else(|| panic!("README error table lacks {code}"));
+        let row = md.lines().find(|l| l.starts_with(&format!("| `{}` |", code.as_str()))).unwrap_or_else(|| panic!("README error table lacks {code}"));
         let fatal_cell = row.trim_end_matches('|').rsplit('|').next().unwrap().trim();
         let expected = match code.close_code() {
             Some(c) => format!("yes ({c})"),

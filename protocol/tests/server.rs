@@ -4,9 +4,8 @@
 use std::collections::HashSet;
 
 use protocol::{
-    Delta, Done, ErrorCode, ErrorFrame, FinishReason, Limits, ModelInfo, PingId, Pong,
-    ServerMessage, SessionReady, SpeculativeStats, Timing, TokenLogprob, TopLogprob, Usage,
-    PROTOCOL_VERSION, SERVER_MESSAGE_TYPES,
+    Delta, Done, ErrorCode, ErrorFrame, FinishReason, Limits, ModelInfo, PingId, Pong, ServerMessage, SessionReady, SpeculativeStats, Timing, TokenLogprob,
+    TopLogprob, Usage, PROTOCOL_VERSION, SERVER_MESSAGE_TYPES,
 };
 use serde_json::{json, Value};
 
@@ -14,19 +13,12 @@ use serde_json::{json, Value};
 /// as the first key), and parses back to an equal message.
 fn round_trip(msg: ServerMessage, expected: Value) {
     let text = msg.to_json();
-    assert!(
-        text.starts_with(&format!(r#"{{"type":"{}""#, msg.type_name())),
-        "type first: {text}"
-    );
+    assert!(text.starts_with(&format!(r#"{{"type":"{}""#, msg.type_name())), "type first: {text}");
     assert!(!text.contains('\n'), "one line per frame");
     let got: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(got, expected, "serialized form of {msg:?}");
-    assert!(
-        !text.contains("null"),
-        "optional fields are omitted, never null: {text}"
-    );
-    let back = ServerMessage::from_json(&text)
-        .unwrap_or_else(|e| panic!("{text} does not parse back: {e}"));
+    assert!(!text.contains("null"), "optional fields are omitted, never null: {text}");
+    let back = ServerMessage::from_json(&text).unwrap_or_else(|e| panic!("{text} does not parse back: {e}"));
     assert_eq!(back, msg);
     assert!(SERVER_MESSAGE_TYPES.contains(&msg.type_name()));
 }
@@ -50,13 +42,7 @@ fn session_ready() {
         session_id: "s_7f3a".into(),
         resume_token: "rt_9b1c".into(),
         resumed: false,
-        model: ModelInfo {
-            name: "qwen2.5-coder-1.5b".into(),
-            architecture: "qwen2".into(),
-            context_length: 32_768,
-            vocab_size: 151_936,
-            fim: true,
-        },
+        model: ModelInfo { name: "qwen2.5-coder-1.5b".into(), architecture: "qwen2".into(), context_length: 32_768, vocab_size: 151_936, fim: true },
         limits: limits(),
     });
     round_trip(
@@ -73,22 +59,10 @@ fn session_ready() {
 
 #[test]
 fn delta_plain() {
-    let msg = ServerMessage::Delta(Delta {
-        request_id: "r1".into(),
-        seq: 1,
-        text: "Hello".into(),
-        token_ids: vec![9707],
-        logprobs: None,
-    });
-    assert_eq!(
-        msg.to_json(),
-        r#"{"type":"delta","request_id":"r1","seq":1,"text":"Hello","token_ids":[9707]}"#
-    );
+    let msg = ServerMessage::Delta(Delta { request_id: "r1".into(), seq: 1, text: "Hello".into(), token_ids: vec![9707], logprobs: None });
+    assert_eq!(msg.to_json(), r#"{"type":"delta","request_id":"r1","seq":1,"text":"Hello","token_ids":[9707]}"#);
     assert_eq!((msg.request_id(), msg.seq()), (Some("r1"), Some(1)));
-    round_trip(
-        msg,
-        json!({"type": "delta", "request_id": "r1", "seq": 1, "text": "Hello", "token_ids": [9707]}),
-    );
+    round_trip(msg, json!({"type": "delta", "request_id": "r1", "seq": 1, "text": "Hello", "token_ids": [9707]}));
 }
 
 #[test]
@@ -102,22 +76,9 @@ fn delta_with_logprobs_and_unicode() {
             TokenLogprob {
                 token_id: 1917,
                 logprob: -0.25,
-                top: Some(vec![
-                    TopLogprob {
-                        token_id: 1917,
-                        logprob: -0.25,
-                    },
-                    TopLogprob {
-                        token_id: 4337,
-                        logprob: -1.5,
-                    },
-                ]),
+                top: Some(vec![TopLogprob { token_id: 1917, logprob: -0.25 }, TopLogprob { token_id: 4337, logprob: -1.5 }]),
             },
-            TokenLogprob {
-                token_id: 11,
-                logprob: -0.125,
-                top: None,
-            },
+            TokenLogprob { token_id: 11, logprob: -0.125, top: None },
         ]),
     });
     round_trip(
@@ -134,40 +95,23 @@ fn delta_with_logprobs_and_unicode() {
 fn delta_with_empty_text() {
     // A token that is only part of a multi-byte character.
     round_trip(
-        ServerMessage::Delta(Delta {
-            request_id: "r1".into(),
-            seq: 3,
-            text: String::new(),
-            token_ids: vec![158],
-            logprobs: None,
-        }),
+        ServerMessage::Delta(Delta { request_id: "r1".into(), seq: 3, text: String::new(), token_ids: vec![158], logprobs: None }),
         json!({"type": "delta", "request_id": "r1", "seq": 3, "text": "", "token_ids": [158]}),
     );
 }
 
 #[test]
 fn done_for_each_finish_reason() {
-    for (reason, wire) in [
-        (FinishReason::Stop, "stop"),
-        (FinishReason::Length, "length"),
-        (FinishReason::Cancelled, "cancelled"),
-        (FinishReason::TimeLimit, "time_limit"),
-    ] {
+    for (reason, wire) in
+        [(FinishReason::Stop, "stop"), (FinishReason::Length, "length"), (FinishReason::Cancelled, "cancelled"), (FinishReason::TimeLimit, "time_limit")]
+    {
         assert_eq!(reason.as_str(), wire);
         let msg = ServerMessage::Done(Done {
             request_id: "r1".into(),
             seq: 4,
             finish_reason: reason,
-            usage: Usage {
-                prompt_tokens: 12,
-                cached_tokens: 8,
-                completion_tokens: 3,
-            },
-            timing: Timing {
-                queue_ms: 1,
-                ttft_ms: 35,
-                total_ms: 80,
-            },
+            usage: Usage { prompt_tokens: 12, cached_tokens: 8, completion_tokens: 3 },
+            timing: Timing { queue_ms: 1, ttft_ms: 35, total_ms: 80 },
             speculative: None,
         });
         assert_eq!(msg.seq(), Some(4));
@@ -186,22 +130,9 @@ fn done_with_speculation_stats() {
         request_id: "r1".into(),
         seq: 2,
         finish_reason: FinishReason::Length,
-        usage: Usage {
-            prompt_tokens: 40,
-            cached_tokens: 0,
-            completion_tokens: 9,
-        },
-        timing: Timing {
-            queue_ms: 0,
-            ttft_ms: 20,
-            total_ms: 50,
-        },
-        speculative: Some(SpeculativeStats {
-            drafted: 8,
-            accepted: 6,
-            acceptance_by_position: vec![1.0, 0.5],
-            tokens_per_forward: 2.25,
-        }),
+        usage: Usage { prompt_tokens: 40, cached_tokens: 0, completion_tokens: 9 },
+        timing: Timing { queue_ms: 0, ttft_ms: 20, total_ms: 50 },
+        speculative: Some(SpeculativeStats { drafted: 8, accepted: 6, acceptance_by_position: vec![1.0, 0.5], tokens_per_forward: 2.25 }),
     });
     round_trip(
         msg,
@@ -214,29 +145,12 @@ fn done_with_speculation_stats() {
 
 #[test]
 fn error_with_and_without_request_id() {
-    let msg = ServerMessage::error(
-        ErrorCode::TooManyRequests,
-        "4 requests already in flight",
-        Some("r5".into()),
-    );
+    let msg = ServerMessage::error(ErrorCode::TooManyRequests, "4 requests already in flight", Some("r5".into()));
     assert_eq!(msg.request_id(), Some("r5"));
-    round_trip(
-        msg,
-        json!({"type": "error", "request_id": "r5", "code": "too_many_requests", "message": "4 requests already in flight"}),
-    );
-    let msg = ServerMessage::Error(ErrorFrame {
-        request_id: None,
-        code: ErrorCode::BadJson,
-        message: "invalid JSON".into(),
-    });
-    assert_eq!(
-        msg.to_json(),
-        r#"{"type":"error","code":"bad_json","message":"invalid JSON"}"#
-    );
-    round_trip(
-        msg,
-        json!({"type": "error", "code": "bad_json", "message": "invalid JSON"}),
-    );
+    round_trip(msg, json!({"type": "error", "request_id": "r5", "code": "too_many_requests", "message": "4 requests already in flight"}));
+    let msg = ServerMessage::Error(ErrorFrame { request_id: None, code: ErrorCode::BadJson, message: "invalid JSON".into() });
+    assert_eq!(msg.to_json(), r#"{"type":"error","code":"bad_json","message":"invalid JSON"}"#);
+    round_trip(msg, json!({"type": "error", "code": "bad_json", "message": "invalid JSON"}));
 }
 
 #[test]
@@ -251,36 +165,18 @@ fn error_frames_for_every_code() {
 
 #[test]
 fn pong_variants() {
-    round_trip(
-        ServerMessage::Pong(Pong::default()),
-        json!({"type": "pong"}),
-    );
-    round_trip(
-        ServerMessage::Pong(Pong {
-            id: Some(PingId::from(7)),
-        }),
-        json!({"type": "pong", "id": 7}),
-    );
-    round_trip(
-        ServerMessage::Pong(Pong {
-            id: Some(PingId::from("hb")),
-        }),
-        json!({"type": "pong", "id": "hb"}),
-    );
+    round_trip(ServerMessage::Pong(Pong::default()), json!({"type": "pong"}));
+    round_trip(ServerMessage::Pong(Pong { id: Some(PingId::from(7)) }), json!({"type": "pong", "id": 7}));
+    round_trip(ServerMessage::Pong(Pong { id: Some(PingId::from("hb")) }), json!({"type": "pong", "id": "hb"}));
     let float: PingId = serde_json::from_str("2.5").unwrap();
-    round_trip(
-        ServerMessage::Pong(Pong { id: Some(float) }),
-        json!({"type": "pong", "id": 2.5}),
-    );
+    round_trip(ServerMessage::Pong(Pong { id: Some(float) }), json!({"type": "pong", "id": 2.5}));
 }
 
 #[test]
 fn from_json_rejects_unknown_fields_and_types() {
     assert!(ServerMessage::from_json(r#"{"type":"pong","extra":1}"#).is_err());
     assert!(ServerMessage::from_json(r#"{"type":"ping"}"#).is_err());
-    assert!(
-        ServerMessage::from_json(r#"{"type":"error","code":"no_such_code","message":""}"#).is_err()
-    );
+    assert!(ServerMessage::from_json(r#"{"type":"error","code":"no_such_code","message":""}"#).is_err());
 }
 
 #[test]
@@ -322,30 +218,13 @@ fn error_code_catalogue() {
     for code in ErrorCode::ALL {
         // serde and as_str agree; from_wire inverts them.
         assert_eq!(serde_json::to_value(code).unwrap(), json!(code.as_str()));
-        assert_eq!(
-            serde_json::from_value::<ErrorCode>(json!(code.as_str())).unwrap(),
-            code
-        );
+        assert_eq!(serde_json::from_value::<ErrorCode>(json!(code.as_str())).unwrap(), code);
         assert_eq!(ErrorCode::from_wire(code.as_str()), Some(code));
         assert_eq!(code.to_string(), code.as_str());
         // Fatal codes, and only those, come with a WebSocket close code.
         assert_eq!(code.is_fatal(), code.close_code().is_some(), "{code}");
     }
-    let fatal: Vec<&str> = ErrorCode::ALL
-        .iter()
-        .filter(|c| c.is_fatal())
-        .map(|c| c.as_str())
-        .collect();
-    assert_eq!(
-        fatal,
-        [
-            "frame_too_large",
-            "unauthorized",
-            "origin_not_allowed",
-            "server_busy",
-            "shutting_down",
-            "idle_timeout"
-        ]
-    );
+    let fatal: Vec<&str> = ErrorCode::ALL.iter().filter(|c| c.is_fatal()).map(|c| c.as_str()).collect();
+    assert_eq!(fatal, ["frame_too_large", "unauthorized", "origin_not_allowed", "server_busy", "shutting_down", "idle_timeout"]);
     assert_eq!(ErrorCode::from_wire("nope"), None);
 }

@@ -68,12 +68,7 @@ pub fn prefill(model: &Transformer, cache: &mut KvCache, prompt: &[u32], chunk: 
 /// Generates after `prompt`, calling `on_token` with each new token id;
 /// `on_token` returning `Break` stops (e.g. a stop string matched).
 /// End-of-generation tokens are not passed to `on_token`.
-pub fn generate(
-    model: &Transformer,
-    prompt: &[u32],
-    opts: &GenerateOptions,
-    mut on_token: impl FnMut(u32) -> ControlFlow<()>,
-) -> mlx::Result<GenerateStats> {
+pub fn generate(model: &Transformer, prompt: &[u32], opts: &GenerateOptions, mut on_token: impl FnMut(u32) -> ControlFlow<()>) -> mlx::Result<GenerateStats> {
     let mut cache = model.new_cache();
     let mut sampler = Sampler::new(opts.sampling.clone())?;
     let start = Instant::now();
@@ -81,7 +76,8 @@ pub fn generate(
     let mut token = sampler.sample(&logits)?;
     mlx::async_eval(&[&token])?;
 
-    let mut stats = GenerateStats { prompt_tokens: prompt.len(), completion_tokens: 0, prefill_seconds: 0.0, decode_seconds: 0.0, finish: FinishReason::Length };
+    let mut stats =
+        GenerateStats { prompt_tokens: prompt.len(), completion_tokens: 0, prefill_seconds: 0.0, decode_seconds: 0.0, finish: FinishReason::Length };
     let mut first_token_at = None;
     for i in 0..opts.max_tokens {
         // Queue the next step before waiting on this one.

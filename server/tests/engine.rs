@@ -143,9 +143,7 @@ async fn kv_budget_bounds_running_rows_in_both_layouts() {
     assert!(prompt.len() + max_tokens <= tether::model::KV_CAPACITY_STEP);
     for (kv_layout, limit) in [(KvLayout::Rows, 3), (KvLayout::Batched, 2)] {
         let engine = start(EngineConfig { kv_budget_bytes: 3 * block_bytes, kv_layout, ..Default::default() });
-        let handles: Vec<_> = (0..4)
-            .map(|_| tokio::spawn(collect(engine.submit(request(prompt.clone(), max_tokens)).unwrap().1)))
-            .collect();
+        let handles: Vec<_> = (0..4).map(|_| tokio::spawn(collect(engine.submit(request(prompt.clone(), max_tokens)).unwrap().1))).collect();
         let mut most = 0;
         while !handles.iter().all(|h| h.is_finished()) {
             most = most.max(engine.stats().await.unwrap().running);

@@ -23,7 +23,6 @@ use tether::tokenizer::TextTokenizer;
 
 const MAX_RELATIVE_ERROR: f64 = 1e-3;
 
-
 fn load(name: &str) -> LoadedModel {
     mlx::set_default_device(mlx::Device::Cpu).unwrap();
     let opts = LoadOptions { dtype: mlx::Dtype::F32, weights: WeightFormat::Dense };
@@ -139,8 +138,7 @@ const PARIS: usize = 7042;
 fn smollm2_mlx_4bit_folder_matches_mlx_lm() {
     mlx::set_default_device(mlx::Device::Cpu).unwrap();
     let name = "smollm2-135m-mlx4";
-    let model = LoadedModel::load_path(name, &peer_dir(name), LoadOptions::for_device(mlx::Device::Cpu))
-        .unwrap_or_else(|e| panic!("loading {name}: {e}"));
+    let model = LoadedModel::load_path(name, &peer_dir(name), LoadOptions::for_device(mlx::Device::Cpu)).unwrap_or_else(|e| panic!("loading {name}: {e}"));
     let prompt = model.encode_prompt("The capital of France is").unwrap();
     assert_eq!(prompt, [504, 3575, 282, 4649, 314]);
 

@@ -54,10 +54,9 @@ async fn bad_inputs_get_typed_errors_and_the_session_keeps_serving() {
     let mut c = srv.client().await;
 
     // Before session.open.
-    for (frame, rid) in [
-        (json!({"type": "generate", "request_id": "early", "prompt": "hi"}), "early"),
-        (json!({"type": "cancel", "request_id": "early"}), "early"),
-    ] {
+    for (frame, rid) in
+        [(json!({"type": "generate", "request_id": "early", "prompt": "hi"}), "early"), (json!({"type": "cancel", "request_id": "early"}), "early")]
+    {
         c.send(&frame).await;
         let e = c.expect_error().await;
         assert_eq!((e.code, e.request_id.as_deref()), (NoSession, Some(rid)));
@@ -95,12 +94,7 @@ async fn bad_inputs_get_typed_errors_and_the_session_keeps_serving() {
         // Duplicate keys are caught while parsing the JSON, before the request_id is known.
         ("duplicate key", t(r#"{"type": "generate", "request_id": "bad-1", "prompt": "x", "prompt": "y"}"#), InvalidField, None),
         ("request_id a number", t(r#"{"type": "generate", "request_id": 7, "prompt": "x"}"#), InvalidField, None),
-        (
-            "unknown role",
-            t(r#"{"type": "generate", "request_id": "bad-1", "messages": [{"role": "robot", "content": "x"}]}"#),
-            InvalidField,
-            rid,
-        ),
+        ("unknown role", t(r#"{"type": "generate", "request_id": "bad-1", "messages": [{"role": "robot", "content": "x"}]}"#), InvalidField, rid),
         ("fim without suffix", t(r#"{"type": "generate", "request_id": "bad-1", "fim": {"prefix": "a"}}"#), InvalidField, rid),
         ("cancel without id", t(r#"{"type": "cancel"}"#), InvalidField, None),
         ("half a resume", t(r#"{"type": "session.open", "session_id": "s_1"}"#), InvalidField, None),
@@ -119,12 +113,7 @@ async fn bad_inputs_get_typed_errors_and_the_session_keeps_serving() {
         ("top_logprobs without logprobs", gen(json!({"top_logprobs": 2})), InvalidParameter, rid),
         ("top_logprobs 21", gen(json!({"logprobs": true, "top_logprobs": 21})), InvalidParameter, rid),
         ("bad request_id", t(r#"{"type": "generate", "request_id": "bad id!", "prompt": "x"}"#), InvalidParameter, None),
-        (
-            "request_id too long",
-            F::Text(json!({"type": "generate", "request_id": rid65, "prompt": "x"}).to_string()),
-            InvalidParameter,
-            None,
-        ),
+        ("request_id too long", F::Text(json!({"type": "generate", "request_id": rid65, "prompt": "x"}).to_string()), InvalidParameter, None),
         ("no messages", t(r#"{"type": "generate", "request_id": "bad-1", "messages": []}"#), InvalidParameter, rid),
         ("max_time_ms 0", gen(json!({"max_time_ms": 0})), InvalidParameter, rid),
         ("chunk_size 0", gen(json!({"chunk_size": 0})), InvalidParameter, rid),
@@ -137,18 +126,11 @@ async fn bad_inputs_get_typed_errors_and_the_session_keeps_serving() {
         ),
         (
             "prompt + max_tokens over the context",
-            F::Text(
-                json!({"type": "generate", "request_id": "bad-1", "prompt": overflow_prompt, "max_tokens": limits.max_tokens}).to_string(),
-            ),
+            F::Text(json!({"type": "generate", "request_id": "bad-1", "prompt": overflow_prompt, "max_tokens": limits.max_tokens}).to_string()),
             ContextOverflow,
             rid,
         ),
-        (
-            "fim on a model without FIM",
-            t(r#"{"type": "generate", "request_id": "bad-1", "fim": {"prefix": "a", "suffix": "b"}}"#),
-            FimUnsupported,
-            rid,
-        ),
+        ("fim on a model without FIM", t(r#"{"type": "generate", "request_id": "bad-1", "fim": {"prefix": "a", "suffix": "b"}}"#), FimUnsupported, rid),
         ("cancel of an unknown request", t(r#"{"type": "cancel", "request_id": "nope"}"#), UnknownRequest, Some("nope")),
         ("second session.open", t(r#"{"type": "session.open"}"#), SessionAlreadyOpen, None),
         ("binary frame", F::Binary(b"{\"type\": \"ping\"}".to_vec()), BinaryFrame, None),
@@ -339,13 +321,8 @@ async fn idle_sockets_time_out_and_the_session_survives() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auth_and_origin() {
     let h = harness();
-    let srv = h
-        .start(ServerConfig {
-            auth_token: Some("s3cret-token".into()),
-            allowed_origins: vec!["https://app.example".into()],
-            ..ServerConfig::default()
-        })
-        .await;
+    let srv =
+        h.start(ServerConfig { auth_token: Some("s3cret-token".into()), allowed_origins: vec!["https://app.example".into()], ..ServerConfig::default() }).await;
     let url = srv.url("/v1/ws");
     // Missing or wrong token: 401 with the protocol's error body.
     for headers in [vec![], vec![("authorization", "Bearer nope")], vec![("sec-websocket-protocol", "tether.bearer.nope")]] {
@@ -356,17 +333,14 @@ async fn auth_and_origin() {
     let Err((status, _)) = Client::connect_with(&format!("{url}?token=nope"), &[]).await else { panic!() };
     assert_eq!(status, 401);
     // A disallowed Origin: 403, even with the token.
-    let Err((status, body)) =
-        Client::connect_with(&url, &[("authorization", "Bearer s3cret-token"), ("origin", "https://evil.example")]).await
-    else {
+    let Err((status, body)) = Client::connect_with(&url, &[("authorization", "Bearer s3cret-token"), ("origin", "https://evil.example")]).await else {
         panic!("accepted a disallowed origin")
     };
     assert_eq!(status, 403);
     assert!(body.contains("origin_not_allowed"), "{body}");
 
     // Header, query and subprotocol tokens all work.
-    let (mut c, _) =
-        Client::connect_with(&url, &[("authorization", "Bearer s3cret-token"), ("origin", "https://app.example")]).await.unwrap();
+    let (mut c, _) = Client::connect_with(&url, &[("authorization", "Bearer s3cret-token"), ("origin", "https://app.example")]).await.unwrap();
     c.open().await;
     let (mut c, _) = Client::connect_with(&format!("{url}?token=s3cret-token"), &[]).await.unwrap();
     c.open().await;

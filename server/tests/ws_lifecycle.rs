@@ -47,12 +47,7 @@ async fn wait_for(h: &Harness, what: &str, done: impl Fn(&EngineStats) -> bool) 
 fn assert_freed(base: &EngineStats, after: &EngineStats) {
     assert_eq!(after.running, 0);
     assert_eq!(after.kv_bytes, base.kv_bytes, "KV cache back to the baseline");
-    assert!(
-        after.active_memory <= base.active_memory + MEMORY_TOLERANCE,
-        "MLX active memory {} vs baseline {}",
-        after.active_memory,
-        base.active_memory
-    );
+    assert!(after.active_memory <= base.active_memory + MEMORY_TOLERANCE, "MLX active memory {} vs baseline {}", after.active_memory, base.active_memory);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -110,8 +105,7 @@ async fn a_dropped_socket_keeps_its_requests_until_the_ttl_then_frees_them() {
     assert!(dropped.elapsed() >= ttl, "freed after {:?}, before the TTL", dropped.elapsed());
     assert_freed(&base, &after);
     let mut c = srv.client().await;
-    c.send(&json!({"type": "session.open", "session_id": ready.session_id, "resume_token": ready.resume_token, "last_seq": {"long": 3}}))
-        .await;
+    c.send(&json!({"type": "session.open", "session_id": ready.session_id, "resume_token": ready.resume_token, "last_seq": {"long": 3}})).await;
     assert_eq!(c.expect_error().await.code, ErrorCode::SessionExpired);
 }
 

@@ -84,7 +84,8 @@ async fn stop_sequence_cuts_the_text_and_logprobs_follow_tokens() {
     let h = harness();
     let mut c = server().await.client().await;
     c.open().await;
-    c.generate("stop.1", json!({"prompt": COUNT, "speculation": {"source": "off"}, "max_tokens": 24, "stop": [" 8,"], "logprobs": true, "top_logprobs": 2})).await;
+    c.generate("stop.1", json!({"prompt": COUNT, "speculation": {"source": "off"}, "max_tokens": 24, "stop": [" 8,"], "logprobs": true, "top_logprobs": 2}))
+        .await;
     let out = c.collect("stop.1").await;
     out.assert_contiguous();
     let (_, full) = h.greedy(COUNT, 24);
@@ -169,11 +170,9 @@ async fn two_sessions_are_isolated() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ping_works_before_and_after_session_open() {
     let mut c = server().await.client().await;
-    for (ping, id) in [
-        (json!({"type": "ping", "id": 17}), Some(json!(17))),
-        (json!({"type": "ping", "id": "hb-1"}), Some(json!("hb-1"))),
-        (json!({"type": "ping"}), None),
-    ] {
+    for (ping, id) in
+        [(json!({"type": "ping", "id": 17}), Some(json!(17))), (json!({"type": "ping", "id": "hb-1"}), Some(json!("hb-1"))), (json!({"type": "ping"}), None)]
+    {
         c.send(&ping).await;
         match c.recv().await {
             ServerMessage::Pong(p) => assert_eq!(p.id.map(|i| serde_json::to_value(i).unwrap()), id),

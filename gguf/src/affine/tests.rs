@@ -4,15 +4,8 @@ use super::*;
 use crate::dequant::dequantize;
 use crate::testutil::{random_blocks, Rng};
 
-const AFFINE_TYPES: [(GgmlType, u8); 7] = [
-    (GgmlType::Q4_0, 4),
-    (GgmlType::Q4_1, 4),
-    (GgmlType::Q5_0, 5),
-    (GgmlType::Q5_1, 5),
-    (GgmlType::Q8_0, 8),
-    (GgmlType::Q4_K, 4),
-    (GgmlType::Q5_K, 5),
-];
+const AFFINE_TYPES: [(GgmlType, u8); 7] =
+    [(GgmlType::Q4_0, 4), (GgmlType::Q4_1, 4), (GgmlType::Q5_0, 5), (GgmlType::Q5_1, 5), (GgmlType::Q8_0, 8), (GgmlType::Q4_K, 4), (GgmlType::Q5_K, 5)];
 
 /// Checks `a` against `w` element-wise: `scale * code + bias` in f32 must be
 /// equal (`==`, so +0 and -0 match) or, failing that, within 1e-6 relative.
@@ -23,21 +16,14 @@ pub(crate) fn check_affine(a: &AffineQuant, w: &[f32], what: &str) -> usize {
     assert_eq!(a.scales.len(), w.len() / a.group_size, "{what}");
     assert_eq!(a.biases.len(), a.scales.len(), "{what}");
     let limit = 1u16 << a.bits;
-    assert!(
-        a.codes.iter().all(|&c| (c as u16) < limit),
-        "{what}: code exceeds {} bits",
-        a.bits
-    );
+    assert!(a.codes.iter().all(|&c| (c as u16) < limit), "{what}: code exceeds {} bits", a.bits);
     let mut inexact = 0;
     for (i, (&q, &want)) in a.codes.iter().zip(w).enumerate() {
         let g = i / a.group_size;
         let got = a.scales[g] * q as f32 + a.biases[g];
         if got != want {
             inexact += 1;
-            assert!(
-                (got - want).abs() <= 1e-6 * want.abs().max(got.abs()),
-                "{what}: element {i}: affine {got} vs dequantized {want}"
-            );
+            assert!((got - want).abs() <= 1e-6 * want.abs().max(got.abs()), "{what}: element {i}: affine {got} vs dequantized {want}");
         }
     }
     inexact
@@ -59,11 +45,7 @@ fn affine_equals_dequantize_exactly() {
             assert!(a.dequantize().iter().zip(&w).all(|(x, y)| x == y), "{ty}");
             // The full code range is exercised.
             if n_blocks > 1000 {
-                assert_eq!(
-                    *a.codes.iter().max().unwrap() as u16,
-                    (1u16 << bits) - 1,
-                    "{ty}"
-                );
+                assert_eq!(*a.codes.iter().max().unwrap() as u16, (1u16 << bits) - 1, "{ty}");
             }
         }
     }
@@ -94,22 +76,10 @@ fn types_without_affine_form_and_errors() {
         let n = ty.block_size().unwrap() * 2;
         let bytes = random_blocks(ty, 2, &mut rng);
         assert!(to_affine(ty, &bytes, n).unwrap().is_none(), "{ty}");
-        assert!(
-            matches!(
-                to_affine(ty, &bytes[1..], n),
-                Err(GgufError::SizeMismatch { .. })
-            ),
-            "{ty}"
-        );
+        assert!(matches!(to_affine(ty, &bytes[1..], n), Err(GgufError::SizeMismatch { .. })), "{ty}");
     }
-    assert!(matches!(
-        to_affine(GgmlType::Other(10), &[0; 84], 256),
-        Err(GgufError::UnsupportedType { .. })
-    ));
-    assert!(matches!(
-        to_affine(GgmlType::Q4_K, &[0; 144], 128),
-        Err(GgufError::ShapeMismatch { .. })
-    ));
+    assert!(matches!(to_affine(GgmlType::Other(10), &[0; 84], 256), Err(GgufError::UnsupportedType { .. })));
+    assert!(matches!(to_affine(GgmlType::Q4_K, &[0; 144], 128), Err(GgufError::ShapeMismatch { .. })));
 }
 
 #[test]

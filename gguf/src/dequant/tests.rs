@@ -32,38 +32,17 @@ fn float_types() {
     let xs = [0.0f32, -0.0, 1.0, -2.5, 65504.0, 6.0e-8, f32::INFINITY];
     let bytes: Vec<u8> = xs.iter().flat_map(|x| x.to_le_bytes()).collect();
     let y = dequantize(GgmlType::F32, &bytes, xs.len()).unwrap();
-    assert_eq!(
-        y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-        xs.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
-    );
+    assert_eq!(y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), xs.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
 
     // f16: every representable value is exact in f32, including subnormals.
-    let f16_bits: Vec<u16> = vec![
-        0x0000, 0x8000, 0x3C00, 0xC100, 0x7BFF, 0x0001, 0x03FF, 0x7C00, 0xFC00,
-    ];
-    let expect = [
-        0.0f32,
-        -0.0,
-        1.0,
-        -2.5,
-        65504.0,
-        5.960_464_5e-8,
-        6.097_555e-5,
-        f32::INFINITY,
-        f32::NEG_INFINITY,
-    ];
+    let f16_bits: Vec<u16> = vec![0x0000, 0x8000, 0x3C00, 0xC100, 0x7BFF, 0x0001, 0x03FF, 0x7C00, 0xFC00];
+    let expect = [0.0f32, -0.0, 1.0, -2.5, 65504.0, 5.960_464_5e-8, 6.097_555e-5, f32::INFINITY, f32::NEG_INFINITY];
     // Long enough to cross the 256-element conversion chunk.
     let n = 1000;
-    let bytes: Vec<u8> = (0..n)
-        .flat_map(|i| f16_bits[i % f16_bits.len()].to_le_bytes())
-        .collect();
+    let bytes: Vec<u8> = (0..n).flat_map(|i| f16_bits[i % f16_bits.len()].to_le_bytes()).collect();
     let y = dequantize(GgmlType::F16, &bytes, n).unwrap();
     for (i, v) in y.iter().enumerate() {
-        assert_eq!(
-            v.to_bits(),
-            expect[i % expect.len()].to_bits(),
-            "f16 element {i}"
-        );
+        assert_eq!(v.to_bits(), expect[i % expect.len()].to_bits(), "f16 element {i}");
     }
     assert!(dequantize(GgmlType::F16, &0x7E00u16.to_le_bytes(), 1).unwrap()[0].is_nan());
 
@@ -111,11 +90,7 @@ fn q5_0_known_block() {
     b.extend(nibbles16());
     let y = dequantize(GgmlType::Q5_0, &b, 32).unwrap();
     for i in 0..32 {
-        assert_eq!(
-            y[i],
-            0.5 * (q5_code(&b[6..], i) as f32 - 16.0),
-            "element {i}"
-        );
+        assert_eq!(y[i], 0.5 * (q5_code(&b[6..], i) as f32 - 16.0), "element {i}");
     }
     // Element 0: nibble 0, high bit 1 -> 16 -> 0. Element 4: nibble 4, bit 4 of
     // 0x0F0F is 0 -> -6. Element 16: nibble 15, bit 16 set -> 31 -> 7.5.
@@ -234,9 +209,7 @@ fn q5_k_known_block() {
 
 #[test]
 fn q6_k_known_block() {
-    let scales: [i8; 16] = [
-        -128, -1, 1, 127, 3, -7, 64, -64, 2, 5, -3, 100, -100, 0, 9, 11,
-    ];
+    let scales: [i8; 16] = [-128, -1, 1, 127, 3, -7, 64, -64, 2, 5, -3, 100, -100, 0, 9, 11];
     let ql: Vec<u8> = (0..128).map(|i| (i * 13 % 256) as u8).collect();
     let qh: Vec<u8> = (0..64).map(|i| ((i * 29 + 3) % 256) as u8).collect();
     let mut b = ql.clone();
@@ -263,48 +236,18 @@ fn q6_k_known_block() {
 
 #[test]
 fn rejects_bad_sizes_and_types() {
-    assert!(matches!(
-        dequantize(GgmlType::Q4_0, &[0; 18], 16),
-        Err(GgufError::ShapeMismatch {
-            n: 16,
-            block_size: 32,
-            ..
-        })
-    ));
-    assert!(matches!(
-        dequantize(GgmlType::Q4_0, &[0; 17], 32),
-        Err(GgufError::SizeMismatch {
-            expected: 18,
-            got: 17,
-            ..
-        })
-    ));
-    assert!(matches!(
-        dequantize(GgmlType::Q4_0, &[0; 36], 32),
-        Err(GgufError::SizeMismatch {
-            expected: 18,
-            got: 36,
-            ..
-        })
-    ));
+    assert!(matches!(dequantize(GgmlType::Q4_0, &[0; 18], 16), Err(GgufError::ShapeMismatch { n: 16, block_size: 32, .. })));
+    assert!(matches!(dequantize(GgmlType::Q4_0, &[0; 17], 32), Err(GgufError::SizeMismatch { expected: 18, got: 17, .. })));
+    assert!(matches!(dequantize(GgmlType::Q4_0, &[0; 36], 32), Err(GgufError::SizeMismatch { expected: 18, got: 36, .. })));
     assert!(matches!(
         dequantize(GgmlType::Other(10), &[0; 84], 256),
         Err(GgufError::UnsupportedType { ty, .. }) if ty == "Q2_K"
     ));
-    assert!(matches!(
-        dequantize(GgmlType::Other(99), &[], 0),
-        Err(GgufError::UnsupportedType { .. })
-    ));
+    assert!(matches!(dequantize(GgmlType::Other(99), &[], 0), Err(GgufError::UnsupportedType { .. })));
     // A huge claimed element count fails before any allocation.
-    assert!(matches!(
-        dequantize(GgmlType::F32, &[0; 4], usize::MAX / 2),
-        Err(GgufError::SizeMismatch { .. })
-    ));
+    assert!(matches!(dequantize(GgmlType::F32, &[0; 4], usize::MAX / 2), Err(GgufError::SizeMismatch { .. })));
     // Other(id) of a named type is handled as that type.
-    assert_eq!(
-        dequantize(GgmlType::Other(0), &1.0f32.to_le_bytes(), 1).unwrap(),
-        vec![1.0]
-    );
+    assert_eq!(dequantize(GgmlType::Other(0), &1.0f32.to_le_bytes(), 1).unwrap(), vec![1.0]);
     let mut out = [0.0f32; 2];
     dequantize_into(GgmlType::BF16, &[0x80, 0x3F, 0x00, 0x40], &mut out).unwrap();
     assert_eq!(out, [1.0, 2.0]);

@@ -31,30 +31,11 @@ fn all_types() -> Vec<(&'static str, Value)> {
         ("t.false", Value::Bool(false)),
         ("t.string", Value::String("héllo, wörld ✓".into())),
         ("t.empty_string", Value::String(String::new())),
-        (
-            "t.strings",
-            Value::Array(vec![
-                Value::String("a".into()),
-                Value::String("".into()),
-                Value::String("ĠHello".into()),
-            ]),
-        ),
-        (
-            "t.i32s",
-            Value::Array(vec![Value::I32(1), Value::I32(-2), Value::I32(3)]),
-        ),
-        (
-            "t.f32s",
-            Value::Array(vec![Value::F32(0.5), Value::F32(-1.0)]),
-        ),
+        ("t.strings", Value::Array(vec![Value::String("a".into()), Value::String("".into()), Value::String("ĠHello".into())])),
+        ("t.i32s", Value::Array(vec![Value::I32(1), Value::I32(-2), Value::I32(3)])),
+        ("t.f32s", Value::Array(vec![Value::F32(0.5), Value::F32(-1.0)])),
         ("t.empty", Value::Array(vec![])),
-        (
-            "t.nested",
-            Value::Array(vec![
-                Value::Array(vec![Value::U8(1), Value::U8(2)]),
-                Value::Array(vec![Value::U8(3)]),
-            ]),
-        ),
+        ("t.nested", Value::Array(vec![Value::Array(vec![Value::U8(1), Value::U8(2)]), Value::Array(vec![Value::U8(3)])])),
     ]
 }
 
@@ -96,27 +77,14 @@ fn typed_getters_convert_loosely_but_never_lie() {
     assert_eq!(f.get_str("t.string"), Some("héllo, wörld ✓"));
     assert_eq!(f.get_str("t.u8"), None);
     assert_eq!(f.get_str("missing"), None);
-    assert_eq!(
-        f.get_str_array("t.strings").unwrap(),
-        vec!["a", "", "ĠHello"]
-    );
-    assert_eq!(
-        f.get_str_array("t.i32s"),
-        None,
-        "GGUF arrays are homogeneous"
-    );
+    assert_eq!(f.get_str_array("t.strings").unwrap(), vec!["a", "", "ĠHello"]);
+    assert_eq!(f.get_str_array("t.i32s"), None, "GGUF arrays are homogeneous");
     assert_eq!(f.get_f32_array("t.strings"), None);
     assert_eq!(f.get_str_array("t.string"), None);
     assert_eq!(f.get_i64_array("t.i32s").unwrap(), vec![1, -2, 3]);
     assert_eq!(f.get_f32_array("t.f32s").unwrap(), vec![0.5, -1.0]);
     assert_eq!(f.get_array("t.empty").unwrap().len(), 0);
-    assert_eq!(
-        f.get_array("t.nested").unwrap()[0]
-            .as_array()
-            .unwrap()
-            .len(),
-        2
-    );
+    assert_eq!(f.get_array("t.nested").unwrap()[0].as_array().unwrap().len(), 2);
     assert_eq!(f.architecture(), Some("llama"));
     assert_eq!(f.arch_get("block_count").and_then(Value::as_u64), Some(30));
 }
@@ -160,10 +128,12 @@ fn tensor_table_shapes_offsets_and_bytes() {
 
 #[test]
 fn honours_custom_alignment_and_v2() {
-    let mut b = Builder::new()
-        .kv("general.alignment", Value::U32(64))
-        .tensor("x", &[5], GgmlType::F32, f32_bytes(&[1.0; 5]))
-        .tensor("y", &[3], GgmlType::F32, f32_bytes(&[2.0; 3]));
+    let mut b = Builder::new().kv("general.alignment", Value::U32(64)).tensor("x", &[5], GgmlType::F32, f32_bytes(&[1.0; 5])).tensor(
+        "y",
+        &[3],
+        GgmlType::F32,
+        f32_bytes(&[2.0; 3]),
+    );
     b.alignment = 64;
     b.version = 2;
     let f = open(&b.build()).unwrap();
@@ -171,20 +141,12 @@ fn honours_custom_alignment_and_v2() {
     assert_eq!(f.alignment(), 64);
     assert_eq!(f.data_offset() % 64, 0);
     assert_eq!(f.tensor("y").unwrap().offset, 64);
-    assert_eq!(
-        f.dequantize_f32(f.tensor("y").unwrap()).unwrap(),
-        vec![2.0; 3]
-    );
+    assert_eq!(f.dequantize_f32(f.tensor("y").unwrap()).unwrap(), vec![2.0; 3]);
 }
 
 #[test]
 fn zero_element_tensor_is_fine() {
-    let f = open(
-        &Builder::new()
-            .tensor("e", &[0, 4], GgmlType::F32, vec![])
-            .build(),
-    )
-    .unwrap();
+    let f = open(&Builder::new().tensor("e", &[0, 4], GgmlType::F32, vec![]).build()).unwrap();
     let t = f.tensor("e").unwrap();
     assert_eq!(t.n_elements(), 0);
     assert!(f.dequantize_f32(t).unwrap().is_empty());
@@ -197,40 +159,24 @@ fn bad_magic_says_what_was_found() {
     let mut bytes = Builder::new().build();
     bytes[..4].copy_from_slice(b"PK\x03\x04");
     let err = open(&bytes).unwrap_err();
-    assert!(
-        matches!(err, GgufError::NotGguf { found } if &found == b"PK\x03\x04"),
-        "{err:?}"
-    );
+    assert!(matches!(err, GgufError::NotGguf { found } if &found == b"PK\x03\x04"), "{err:?}");
     let msg = err.to_string();
     assert!(msg.contains("PK\\x03\\x04") && msg.contains("zip"), "{msg}");
 }
 
 #[test]
 fn empty_and_tiny_files_are_truncated() {
-    assert!(matches!(
-        open(b"").unwrap_err(),
-        GgufError::Truncated { offset: 0, .. }
-    ));
-    assert!(matches!(
-        open(b"GG").unwrap_err(),
-        GgufError::Truncated { offset: 0, .. }
-    ));
+    assert!(matches!(open(b"").unwrap_err(), GgufError::Truncated { offset: 0, .. }));
+    assert!(matches!(open(b"GG").unwrap_err(), GgufError::Truncated { offset: 0, .. }));
 }
 
 #[test]
 fn unsupported_versions() {
-    for (v, hint) in [
-        (1u32, "obsolete"),
-        (4, "v2 and v3"),
-        (0x0300_0000, "big-endian"),
-    ] {
+    for (v, hint) in [(1u32, "obsolete"), (4, "v2 and v3"), (0x0300_0000, "big-endian")] {
         let mut b = Builder::new();
         b.version = v;
         let err = open(&b.build()).unwrap_err();
-        assert!(
-            matches!(err, GgufError::UnsupportedVersion(x) if x == v),
-            "{err:?}"
-        );
+        assert!(matches!(err, GgufError::UnsupportedVersion(x) if x == v), "{err:?}");
         assert!(err.to_string().contains(hint), "{err}");
     }
 }
@@ -282,12 +228,7 @@ fn absurd_array_length_is_rejected_before_allocating() {
     body.extend_from_slice(&[0u8; 64]);
     let err = open(&raw(0, 1, &body)).unwrap_err();
     match &err {
-        GgufError::ImplausibleLength {
-            what,
-            len,
-            available,
-            ..
-        } => {
+        GgufError::ImplausibleLength { what, len, available, .. } => {
             assert_eq!(*len, 1 << 60);
             assert_eq!(*available, 64);
             assert!(what.contains("tokenizer.ggml.tokens"), "{what}");
@@ -303,37 +244,21 @@ fn absurd_string_and_counts_are_rejected() {
     put_u32(&mut body, tag::STRING);
     put_u64(&mut body, u64::MAX);
     let err = open(&raw(0, 1, &body)).unwrap_err();
-    assert!(
-        matches!(err, GgufError::ImplausibleLength { len: u64::MAX, .. }),
-        "{err:?}"
-    );
+    assert!(matches!(err, GgufError::ImplausibleLength { len: u64::MAX, .. }), "{err:?}");
 
     let err = open(&raw(0, u64::MAX / 2, &[])).unwrap_err();
-    assert!(
-        matches!(err, GgufError::ImplausibleLength { offset: 16, .. }),
-        "{err:?}"
-    );
+    assert!(matches!(err, GgufError::ImplausibleLength { offset: 16, .. }), "{err:?}");
     let err = open(&raw(1 << 40, 0, &[0; 100])).unwrap_err();
-    assert!(
-        matches!(err, GgufError::ImplausibleLength { offset: 8, .. }),
-        "{err:?}"
-    );
+    assert!(matches!(err, GgufError::ImplausibleLength { offset: 8, .. }), "{err:?}");
 }
 
 #[test]
 fn tensor_past_end_of_file_is_out_of_bounds() {
-    let bytes = Builder::new()
-        .tensor("w", &[64], GgmlType::F32, f32_bytes(&[1.0; 64]))
-        .build();
+    let bytes = Builder::new().tensor("w", &[64], GgmlType::F32, f32_bytes(&[1.0; 64])).build();
     // Drop the last 4 bytes of the tensor data.
     let err = open(&bytes[..bytes.len() - 4]).unwrap_err();
     match &err {
-        GgufError::TensorOutOfBounds {
-            tensor,
-            start,
-            end,
-            data_len,
-        } => {
+        GgufError::TensorOutOfBounds { tensor, start, end, data_len } => {
             assert_eq!(tensor, "w");
             assert_eq!((*start, *end, *data_len), (0, 256, 252));
         }
@@ -344,61 +269,37 @@ fn tensor_past_end_of_file_is_out_of_bounds() {
     let mut b = Builder::new().tensor("w", &[8], GgmlType::F32, f32_bytes(&[1.0; 8]));
     b.tensors[0].offset_override = Some(u64::MAX - 31);
     let err = open(&b.build()).unwrap_err();
-    assert!(
-        matches!(err, GgufError::TensorOutOfBounds { end: u64::MAX, .. }),
-        "{err:?}"
-    );
+    assert!(matches!(err, GgufError::TensorOutOfBounds { end: u64::MAX, .. }), "{err:?}");
 }
 
 #[test]
 fn misaligned_and_overlapping_tensors() {
-    let mut b = Builder::new()
-        .tensor("a", &[16], GgmlType::F32, f32_bytes(&[0.0; 16]))
-        .tensor("b", &[16], GgmlType::F32, f32_bytes(&[0.0; 16]));
+    let mut b = Builder::new().tensor("a", &[16], GgmlType::F32, f32_bytes(&[0.0; 16])).tensor("b", &[16], GgmlType::F32, f32_bytes(&[0.0; 16]));
     b.tensors[1].offset_override = Some(4);
     let err = open(&b.build()).unwrap_err();
-    assert!(
-        matches!(&err, GgufError::InvalidTensor { tensor, reason } if tensor == "b" && reason.contains("alignment")),
-        "{err:?}"
-    );
+    assert!(matches!(&err, GgufError::InvalidTensor { tensor, reason } if tensor == "b" && reason.contains("alignment")), "{err:?}");
     b.tensors[1].offset_override = Some(32);
     let err = open(&b.build()).unwrap_err();
-    assert!(
-        matches!(&err, GgufError::InvalidTensor { tensor, reason } if tensor == "b" && reason.contains("overlaps tensor 'a'")),
-        "{err:?}"
-    );
+    assert!(matches!(&err, GgufError::InvalidTensor { tensor, reason } if tensor == "b" && reason.contains("overlaps tensor 'a'")), "{err:?}");
 }
 
 #[test]
 fn duplicates_are_rejected() {
     let b = Builder::new().kv("k", Value::U8(1)).kv("k", Value::U8(2));
-    assert!(
-        matches!(open(&b.build()).unwrap_err(), GgufError::InvalidMetadata(m) if m.contains("duplicate key 'k'"))
-    );
-    let b = Builder::new()
-        .tensor("t", &[1], GgmlType::F32, f32_bytes(&[0.0]))
-        .tensor("t", &[1], GgmlType::F32, f32_bytes(&[0.0]));
-    assert!(
-        matches!(open(&b.build()).unwrap_err(), GgufError::InvalidTensor { reason, .. } if reason.contains("duplicate"))
-    );
+    assert!(matches!(open(&b.build()).unwrap_err(), GgufError::InvalidMetadata(m) if m.contains("duplicate key 'k'")));
+    let b = Builder::new().tensor("t", &[1], GgmlType::F32, f32_bytes(&[0.0])).tensor("t", &[1], GgmlType::F32, f32_bytes(&[0.0]));
+    assert!(matches!(open(&b.build()).unwrap_err(), GgufError::InvalidTensor { reason, .. } if reason.contains("duplicate")));
 }
 
 #[test]
 fn bad_dims() {
     let b = Builder::new().tensor("t", &[1, 1, 1, 1, 1], GgmlType::F32, f32_bytes(&[0.0]));
-    assert!(
-        matches!(open(&b.build()).unwrap_err(), GgufError::InvalidTensor { reason, .. } if reason.contains("5 dimensions"))
-    );
+    assert!(matches!(open(&b.build()).unwrap_err(), GgufError::InvalidTensor { reason, .. } if reason.contains("5 dimensions")));
     let b = Builder::new().tensor("t", &[1 << 32, 1 << 32], GgmlType::F32, vec![]);
-    assert!(
-        matches!(open(&b.build()).unwrap_err(), GgufError::InvalidTensor { reason, .. } if reason.contains("overflows"))
-    );
+    assert!(matches!(open(&b.build()).unwrap_err(), GgufError::InvalidTensor { reason, .. } if reason.contains("overflows")));
     // Fits u64 and i64 as an element count, but not as a byte count.
     let b = Builder::new().tensor("t", &[1 << 31, 1 << 31], GgmlType::F32, vec![]);
-    assert!(matches!(
-        open(&b.build()).unwrap_err(),
-        GgufError::InvalidTensor { .. }
-    ));
+    assert!(matches!(open(&b.build()).unwrap_err(), GgufError::InvalidTensor { .. }));
 }
 
 #[test]
@@ -406,60 +307,28 @@ fn types_are_checked() {
     let mut b = Builder::new().tensor("t", &[32], GgmlType::F32, vec![0; 18]);
     b.tensors[0].type_id = 4; // removed Q4_2: no known layout
     let err = open(&b.build()).unwrap_err();
-    assert!(
-        matches!(&err, GgufError::UnsupportedType { tensor, ty } if tensor == "t" && ty.contains('4')),
-        "{err:?}"
-    );
+    assert!(matches!(&err, GgufError::UnsupportedType { tensor, ty } if tensor == "t" && ty.contains('4')), "{err:?}");
 
     // Known layout but no dequantizer: opens; using it names the tensor.
-    let f = open(
-        &Builder::new()
-            .tensor("q2", &[256], GgmlType::Other(10), vec![0; 84])
-            .build(),
-    )
-    .unwrap();
+    let f = open(&Builder::new().tensor("q2", &[256], GgmlType::Other(10), vec![0; 84]).build()).unwrap();
     let t = f.tensor("q2").unwrap();
     let err = f.dequantize_f32(t).unwrap_err();
-    assert!(
-        matches!(&err, GgufError::UnsupportedType { tensor, ty } if tensor == "q2" && ty == "Q2_K"),
-        "{err:?}"
-    );
-    assert!(matches!(
-        f.affine(t).unwrap_err(),
-        GgufError::UnsupportedType { .. }
-    ));
+    assert!(matches!(&err, GgufError::UnsupportedType { tensor, ty } if tensor == "q2" && ty == "Q2_K"), "{err:?}");
+    assert!(matches!(f.affine(t).unwrap_err(), GgufError::UnsupportedType { .. }));
 
     // Rows must be whole blocks.
     let b = Builder::new().tensor("odd", &[16, 2], GgmlType::Q4_0, vec![0; 18]);
     let err = open(&b.build()).unwrap_err();
-    assert!(
-        matches!(
-            &err,
-            GgufError::ShapeMismatch {
-                n: 16,
-                block_size: 32,
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+    assert!(matches!(&err, GgufError::ShapeMismatch { n: 16, block_size: 32, .. }), "{err:?}");
     assert!(err.to_string().contains("odd"), "{err}");
 }
 
 #[test]
 fn bad_alignment_values() {
-    for v in [
-        Value::U32(0),
-        Value::U32(3),
-        Value::String("32".into()),
-        Value::I32(-32),
-    ] {
+    for v in [Value::U32(0), Value::U32(3), Value::String("32".into()), Value::I32(-32)] {
         let b = Builder::new().kv("general.alignment", v.clone());
         let err = open(&b.build()).unwrap_err();
-        assert!(
-            matches!(&err, GgufError::InvalidMetadata(m) if m.contains("alignment")),
-            "{v:?}: {err:?}"
-        );
+        assert!(matches!(&err, GgufError::InvalidMetadata(m) if m.contains("alignment")), "{v:?}: {err:?}");
     }
 }
 
@@ -470,10 +339,7 @@ fn unknown_value_type_and_bad_utf8() {
     put_u32(&mut body, 13);
     body.extend_from_slice(&[0; 16]);
     let err = open(&raw(0, 1, &body)).unwrap_err();
-    assert!(
-        matches!(&err, GgufError::InvalidMetadata(m) if m.contains("unknown value type 13") && m.contains("'k'")),
-        "{err:?}"
-    );
+    assert!(matches!(&err, GgufError::InvalidMetadata(m) if m.contains("unknown value type 13") && m.contains("'k'")), "{err:?}");
 
     let mut body = Vec::new();
     put_u64(&mut body, 2);
@@ -481,10 +347,7 @@ fn unknown_value_type_and_bad_utf8() {
     put_u32(&mut body, tag::U8);
     body.push(0);
     let err = open(&raw(0, 1, &body)).unwrap_err();
-    assert!(
-        matches!(&err, GgufError::InvalidMetadata(m) if m.contains("UTF-8")),
-        "{err:?}"
-    );
+    assert!(matches!(&err, GgufError::InvalidMetadata(m) if m.contains("UTF-8")), "{err:?}");
 }
 
 #[test]
@@ -500,9 +363,7 @@ fn sample_file() -> Vec<u8> {
     for (k, v) in all_types() {
         b = b.kv(k, v);
     }
-    b.tensor("a", &[4, 2], GgmlType::F32, f32_bytes(&[1.0; 8]))
-        .tensor("q", &[32], GgmlType::Q4_0, vec![0x11; 18])
-        .build()
+    b.tensor("a", &[4, 2], GgmlType::F32, f32_bytes(&[1.0; 8])).tensor("q", &[32], GgmlType::Q4_0, vec![0x11; 18]).build()
 }
 
 #[test]
@@ -543,10 +404,7 @@ fn random_corruption_never_panics() {
             }
         }
     }
-    assert!(
-        n_err > 100,
-        "corruption should usually be detected ({n_err})"
-    );
+    assert!(n_err > 100, "corruption should usually be detected ({n_err})");
 }
 
 #[test]

@@ -9,23 +9,15 @@ use std::path::PathBuf;
 
 /// `$TETHER_MODELS_DIR/<name>` or `~/.cache/tether/models/<name>`, if it exists.
 pub fn model_path(name: &str) -> Option<PathBuf> {
-    let dirs = [
-        std::env::var_os("TETHER_MODELS_DIR").map(PathBuf::from),
-        std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/tether/models")),
-    ];
-    dirs.into_iter()
-        .flatten()
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
+    let dirs = [std::env::var_os("TETHER_MODELS_DIR").map(PathBuf::from), std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/tether/models"))];
+    dirs.into_iter().flatten().map(|d| d.join(name)).find(|p| p.is_file())
 }
 
 /// Like [`model_path`], printing why the calling test is skipped if missing.
 pub fn model_or_skip(name: &str) -> Option<PathBuf> {
     let p = model_path(name);
     if p.is_none() {
-        eprintln!(
-            "skipped: model file not found: {name} (looked in $TETHER_MODELS_DIR and ~/.cache/tether/models)"
-        );
+        eprintln!("skipped: model file not found: {name} (looked in $TETHER_MODELS_DIR and ~/.cache/tether/models)");
     }
     p
 }
@@ -42,10 +34,7 @@ pub enum Json {
 
 impl Json {
     pub fn parse(s: &str) -> Result<Json, String> {
-        let mut p = Parser {
-            s: s.as_bytes(),
-            i: 0,
-        };
+        let mut p = Parser { s: s.as_bytes(), i: 0 };
         let v = p.value()?;
         p.ws();
         if p.i != p.s.len() {
@@ -163,18 +152,12 @@ impl Parser<'_> {
             Some(_) => {
                 let start = self.i;
                 while self.i < self.s.len()
-                    && matches!(
-                        self.s[self.i],
-                        b'-' | b'+' | b'.' | b'e' | b'E' | b'0'
-                            ..=b'9' | b'I' | b'n' | b'f' | b'i' | b't' | b'y'
-                    )
+                    && matches!(self.s[self.i], b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9' | b'I' | b'n' | b'f' | b'i' | b't' | b'y')
                 {
                     self.i += 1;
                 }
                 let t = std::str::from_utf8(&self.s[start..self.i]).map_err(|e| e.to_string())?;
-                t.parse::<f64>()
-                    .map(Json::Num)
-                    .map_err(|e| format!("bad number {t:?}: {e}"))
+                t.parse::<f64>().map(Json::Num).map_err(|e| format!("bad number {t:?}: {e}"))
             }
             None => Err("unexpected end".into()),
         }
@@ -206,10 +189,7 @@ impl Parser<'_> {
                         b'b' => out.push('\u{8}'),
                         b'f' => out.push('\u{c}'),
                         b'u' => {
-                            let hex = std::str::from_utf8(
-                                self.s.get(self.i..self.i + 4).ok_or("bad \\u")?,
-                            )
-                            .map_err(|e| e.to_string())?;
+                            let hex = std::str::from_utf8(self.s.get(self.i..self.i + 4).ok_or("bad \\u")?).map_err(|e| e.to_string())?;
                             let cp = u32::from_str_radix(hex, 16).map_err(|e| e.to_string())?;
                             self.i += 4;
                             out.push(char::from_u32(cp).unwrap_or('\u{FFFD}'));
@@ -225,8 +205,7 @@ impl Parser<'_> {
 
 #[test]
 fn json_reader_basics() {
-    let j =
-        Json::parse(r#"{"a": [1, -2.5e-3, "x\"y\u00e9"], "b": {}, "c": true, "d": null}"#).unwrap();
+    let j = Json::parse(r#"{"a": [1, -2.5e-3, "x\"y\u00e9"], "b": {}, "c": true, "d": null}"#).unwrap();
     assert_eq!(j.get("a").arr()[1].num(), -2.5e-3);
     assert_eq!(j.get("a").arr()[2].str(), "x\"yé");
     assert_eq!(j.get("c"), &Json::Bool(true));

@@ -12,13 +12,7 @@ use crate::ping_id::PingId;
 pub const DEFAULT_MAX_TOKENS: u32 = 256;
 
 /// Every client message `type`, in the order the protocol documents them.
-pub const CLIENT_MESSAGE_TYPES: [&str; 5] = [
-    "session.open",
-    "generate",
-    "cancel",
-    "session.close",
-    "ping",
-];
+pub const CLIENT_MESSAGE_TYPES: [&str; 5] = ["session.open", "generate", "cancel", "session.close", "ping"];
 
 /// A frame sent by the client to the server.
 ///

@@ -42,22 +42,12 @@ impl SessionOpen {
     /// Checks field pairing (`invalid_field`) and id formats (`invalid_parameter`).
     pub fn validate(&self) -> Result<(), ProtocolError> {
         match (&self.session_id, &self.resume_token) {
-            (Some(_), None) => {
-                return Err(ProtocolError::invalid_field(
-                    "missing field `resume_token`: resuming needs both `session_id` and `resume_token`",
-                ))
-            }
-            (None, Some(_)) => {
-                return Err(ProtocolError::invalid_field(
-                    "missing field `session_id`: `resume_token` is only valid together with `session_id`",
-                ))
-            }
+            (Some(_), None) => return Err(ProtocolError::invalid_field("missing field `resume_token`: resuming needs both `session_id` and `resume_token`")),
+            (None, Some(_)) => return Err(ProtocolError::invalid_field("missing field `session_id`: `resume_token` is only valid together with `session_id`")),
             _ => {}
         }
         if self.last_seq.is_some() && self.session_id.is_none() {
-            return Err(ProtocolError::invalid_field(
-                "`last_seq` is only valid when resuming (with `session_id` and `resume_token`)",
-            ));
+            return Err(ProtocolError::invalid_field("`last_seq` is only valid when resuming (with `session_id` and `resume_token`)"));
         }
         if let Some(id) = &self.session_id {
             check_session_token("session_id", id)?;
@@ -88,9 +78,7 @@ fn check_session_token(field: &str, v: &str) -> Result<(), ProtocolError> {
     } else {
         return Ok(());
     };
-    Err(ProtocolError::invalid_parameter(format!(
-        "{field} must be 1 to {MAX_SESSION_TOKEN_LEN} printable ASCII characters without spaces, {why}"
-    )))
+    Err(ProtocolError::invalid_parameter(format!("{field} must be 1 to {MAX_SESSION_TOKEN_LEN} printable ASCII characters without spaces, {why}")))
 }
 
 // ---------------------------------------------------------------------------
@@ -109,21 +97,15 @@ fn request_id_problem(id: &str) -> Result<(), String> {
     if n > MAX_REQUEST_ID_LEN {
         return Err(format!("got {n} characters"));
     }
-    if let Some(c) = id
-        .chars()
-        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | ':' | '-')))
-    {
+    if let Some(c) = id.chars().find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | ':' | '-'))) {
         return Err(format!("got invalid character {c:?}"));
     }
     Ok(())
 }
 
 fn check_request_id(id: &str) -> Result<(), ProtocolError> {
-    request_id_problem(id).map_err(|why| {
-        ProtocolError::invalid_parameter(format!(
-            "request_id must be 1 to {MAX_REQUEST_ID_LEN} characters from [A-Za-z0-9._:-], {why}"
-        ))
-    })
+    request_id_problem(id)
+        .map_err(|why| ProtocolError::invalid_parameter(format!("request_id must be 1 to {MAX_REQUEST_ID_LEN} characters from [A-Za-z0-9._:-], {why}")))
 }
 
 // ---------------------------------------------------------------------------
@@ -134,8 +116,7 @@ impl GenerateRequest {
     /// `invalid_parameter` and carry `request_id` when it is itself valid.
     pub fn validate(&self) -> Result<(), ProtocolError> {
         check_request_id(&self.request_id)?;
-        self.validate_params()
-            .map_err(|e| e.with_request_id(self.request_id.clone()))
+        self.validate_params().map_err(|e| e.with_request_id(self.request_id.clone()))
     }
 
     fn validate_params(&self) -> Result<(), ProtocolError> {
@@ -148,10 +129,7 @@ impl GenerateRequest {
             }
         }
         if !(self.temperature >= 0.0 && self.temperature <= MAX_TEMPERATURE) {
-            return Err(bad(format!(
-                "temperature must be in [0, 2], got {}",
-                self.temperature
-            )));
+            return Err(bad(format!("temperature must be in [0, 2], got {}", self.temperature)));
         }
         if let Some(p) = self.top_p {
             if !(p > 0.0 && p <= 1.0) {
@@ -160,9 +138,7 @@ impl GenerateRequest {
         }
         if let Some(k) = self.top_k {
             if k > MAX_TOP_K {
-                return Err(bad(format!(
-                    "top_k must be in [0, {MAX_TOP_K}] (0 = off), got {k}"
-                )));
+                return Err(bad(format!("top_k must be in [0, {MAX_TOP_K}] (0 = off), got {k}")));
             }
         }
         if let Some(p) = self.min_p {
@@ -171,24 +147,16 @@ impl GenerateRequest {
             }
         }
         if self.stop.len() > MAX_STOP_SEQUENCES {
-            return Err(bad(format!(
-                "stop must have at most {MAX_STOP_SEQUENCES} entries, got {}",
-                self.stop.len()
-            )));
+            return Err(bad(format!("stop must have at most {MAX_STOP_SEQUENCES} entries, got {}", self.stop.len())));
         }
         for (i, s) in self.stop.iter().enumerate() {
             if s.is_empty() || s.len() > MAX_STOP_BYTES {
-                return Err(bad(format!(
-                    "stop[{i}] must be 1 to {MAX_STOP_BYTES} bytes long, got {} bytes",
-                    s.len()
-                )));
+                return Err(bad(format!("stop[{i}] must be 1 to {MAX_STOP_BYTES} bytes long, got {} bytes", s.len())));
             }
         }
         if let Some(n) = self.top_logprobs {
             if n > MAX_TOP_LOGPROBS {
-                return Err(bad(format!(
-                    "top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {n}"
-                )));
+                return Err(bad(format!("top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {n}")));
             }
             if !self.logprobs {
                 return Err(bad("top_logprobs requires logprobs: true"));
@@ -202,9 +170,7 @@ impl GenerateRequest {
         }
         if let Some(n) = self.speculation.and_then(|s| s.max_draft) {
             if n == 0 || n > MAX_DRAFT_TOKENS {
-                return Err(bad(format!(
-                    "speculation.max_draft must be in [1, {MAX_DRAFT_TOKENS}], got {n}"
-                )));
+                return Err(bad(format!("speculation.max_draft must be in [1, {MAX_DRAFT_TOKENS}], got {n}")));
             }
         }
         Ok(())
@@ -215,25 +181,14 @@ impl GenerateRequest {
     /// and `max_tokens < limits.context_length` (`context_overflow`: even a
     /// one-token prompt would not fit). Errors carry `request_id`.
     pub fn check_limits(&self, limits: &Limits) -> Result<(), ProtocolError> {
-        let err = |code, msg: String| {
-            Err(ProtocolError::new(code, msg).with_request_id(self.request_id.clone()))
-        };
+        let err = |code, msg: String| Err(ProtocolError::new(code, msg).with_request_id(self.request_id.clone()));
         if self.max_tokens > limits.max_tokens {
-            return err(
-                ErrorCode::InvalidParameter,
-                format!(
-                    "max_tokens must be in [0, {}], got {}",
-                    limits.max_tokens, self.max_tokens
-                ),
-            );
+            return err(ErrorCode::InvalidParameter, format!("max_tokens must be in [0, {}], got {}", limits.max_tokens, self.max_tokens));
         }
         if self.max_tokens >= limits.context_length {
             return err(
                 ErrorCode::ContextOverflow,
-                format!(
-                    "max_tokens {} leaves no room for the prompt in the {}-token context",
-                    self.max_tokens, limits.context_length
-                ),
+                format!("max_tokens {} leaves no room for the prompt in the {}-token context", self.max_tokens, limits.context_length),
             );
         }
         Ok(())
@@ -242,31 +197,16 @@ impl GenerateRequest {
     /// Checks after tokenization: `prompt_tokens <= limits.max_prompt_tokens`
     /// (`prompt_too_long`) and `prompt_tokens + max_tokens <= limits.context_length`
     /// (`context_overflow`). Errors carry `request_id`.
-    pub fn check_prompt_tokens(
-        &self,
-        prompt_tokens: usize,
-        limits: &Limits,
-    ) -> Result<(), ProtocolError> {
-        let err = |code, msg: String| {
-            Err(ProtocolError::new(code, msg).with_request_id(self.request_id.clone()))
-        };
+    pub fn check_prompt_tokens(&self, prompt_tokens: usize, limits: &Limits) -> Result<(), ProtocolError> {
+        let err = |code, msg: String| Err(ProtocolError::new(code, msg).with_request_id(self.request_id.clone()));
         if prompt_tokens > limits.max_prompt_tokens as usize {
-            return err(
-                ErrorCode::PromptTooLong,
-                format!(
-                    "prompt is {prompt_tokens} tokens, the limit is {}",
-                    limits.max_prompt_tokens
-                ),
-            );
+            return err(ErrorCode::PromptTooLong, format!("prompt is {prompt_tokens} tokens, the limit is {}", limits.max_prompt_tokens));
         }
         let total = prompt_tokens as u64 + self.max_tokens as u64;
         if total > limits.context_length as u64 {
             return err(
                 ErrorCode::ContextOverflow,
-                format!(
-                    "prompt ({prompt_tokens} tokens) + max_tokens ({}) = {total} exceeds the context length {}",
-                    self.max_tokens, limits.context_length
-                ),
+                format!("prompt ({prompt_tokens} tokens) + max_tokens ({}) = {total} exceeds the context length {}", self.max_tokens, limits.context_length),
             );
         }
         Ok(())

@@ -9,10 +9,7 @@ use schemars::JsonSchema;
 use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::messages::{
-    CacheScopeName, ChatMessage, FimInput, GenerateInput, GenerateRequest, SpeculationOptions,
-    DEFAULT_MAX_TOKENS,
-};
+use super::messages::{CacheScopeName, ChatMessage, FimInput, GenerateInput, GenerateRequest, SpeculationOptions, DEFAULT_MAX_TOKENS};
 
 /// The flat wire form of `generate` (what the JSON looks like).
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
@@ -117,22 +114,12 @@ impl TryFrom<GenerateWire> for GenerateRequest {
             (None, Some(m), None) => GenerateInput::Messages(m),
             (None, None, Some(f)) => GenerateInput::Fim(f),
             (p, m, f) => {
-                let given: Vec<&str> = [
-                    ("`prompt`", p.is_some()),
-                    ("`messages`", m.is_some()),
-                    ("`fim`", f.is_some()),
-                ]
-                .into_iter()
-                .filter_map(|(n, on)| on.then_some(n))
-                .collect();
-                let got = if given.is_empty() {
-                    "none".to_string()
-                } else {
-                    given.join(" and ")
-                };
-                return Err(InputChoiceError(format!(
-                    "exactly one of `prompt`, `messages` or `fim` is required, got {got}"
-                )));
+                let given: Vec<&str> = [("`prompt`", p.is_some()), ("`messages`", m.is_some()), ("`fim`", f.is_some())]
+                    .into_iter()
+                    .filter_map(|(n, on)| on.then_some(n))
+                    .collect();
+                let got = if given.is_empty() { "none".to_string() } else { given.join(" and ") };
+                return Err(InputChoiceError(format!("exactly one of `prompt`, `messages` or `fim` is required, got {got}")));
             }
         };
         Ok(GenerateRequest {

@@ -11,9 +11,9 @@ mod draft_cost;
 mod pool;
 mod prefix;
 mod row;
+pub mod speculate;
 mod step_cost;
 mod warmup;
-pub mod speculate;
 mod worker;
 
 /// Whether `TETHER_TRACE_STEPS=1` asks for traces on stderr: every engine
@@ -31,9 +31,9 @@ use std::time::Instant;
 
 use crate::sample::SamplingParams;
 
+pub use config::{EngineConfig, KvLayout};
 pub use pool::EnginePool;
 pub use prefix::{PrefixStats, Scope};
-pub use config::{EngineConfig, KvLayout};
 
 /// An engine-assigned request id (unique per engine).
 pub type RequestId = u64;
@@ -192,14 +192,28 @@ pub struct EngineModelInfo {
 }
 
 pub(crate) enum Command {
-    Submit { id: RequestId, request: SubmitRequest, events: tokio::sync::mpsc::Sender<EngineEvent>, queued_at: Instant },
-    Cancel { id: RequestId },
-    Stats { reply: tokio::sync::oneshot::Sender<EngineStats> },
+    Submit {
+        id: RequestId,
+        request: SubmitRequest,
+        events: tokio::sync::mpsc::Sender<EngineEvent>,
+        queued_at: Instant,
+    },
+    Cancel {
+        id: RequestId,
+    },
+    Stats {
+        reply: tokio::sync::oneshot::Sender<EngineStats>,
+    },
     /// Drop a scope's prefix-cache entries (its session ended).
-    DropScope { scope: Scope },
+    DropScope {
+        scope: Scope,
+    },
     /// A scope's session attached (`live`) or detached: idle scopes' prefix
     /// entries are evicted first.
-    SetScopeLive { scope: Scope, live: bool },
+    SetScopeLive {
+        scope: Scope,
+        live: bool,
+    },
     /// Stop admitting; finish running requests; then exit.
     Shutdown,
 }
@@ -234,9 +248,7 @@ impl EngineHandle {
         let (tx, rx) = mpsc::channel();
         let (info_tx, info_rx) = mpsc::channel();
         let cfg = config.clone();
-        let thread = std::thread::Builder::new()
-            .name("tether-engine".into())
-            .spawn(move || worker::run(cfg, load, rx, info_tx))?;
+        let thread = std::thread::Builder::new().name("tether-engine".into()).spawn(move || worker::run(cfg, load, rx, info_tx))?;
         let info = info_rx.recv().map_err(|_| anyhow::anyhow!("engine thread exited while loading the model"))??;
         let handle = EngineHandle {
             tx,
@@ -277,9 +289,7 @@ impl EngineHandle {
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (events, rx) = tokio::sync::mpsc::channel(self.config.event_buffer);
-        self.tx
-            .send(Command::Submit { id, request, events, queued_at: Instant::now() })
-            .map_err(|_| EngineError::ShuttingDown)?;
+        self.tx.send(Command::Submit { id, request, events, queued_at: Instant::now() }).map_err(|_| EngineError::ShuttingDown)?;
         Ok((id, rx))
     }
 

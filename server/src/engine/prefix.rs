@@ -97,7 +97,18 @@ impl PrefixCache {
                 }
             })
             .build();
-        PrefixCache { budget_bytes, block: block.max(1), namespace, policy, evicted, entries: HashMap::new(), index: HashMap::new(), next_id: 1, idle: HashSet::new(), stats: PrefixStats::default() }
+        PrefixCache {
+            budget_bytes,
+            block: block.max(1),
+            namespace,
+            policy,
+            evicted,
+            entries: HashMap::new(),
+            index: HashMap::new(),
+            next_id: 1,
+            idle: HashSet::new(),
+            stats: PrefixStats::default(),
+        }
     }
 
     /// Chain hashes of each full block of `tokens` (block i covers tokens[..(i+1)*block]).

@@ -30,10 +30,15 @@ pub(super) struct Row {
 
 /// What a row does in one step.
 pub(super) enum Work {
-    Prefill { tokens: usize },
+    Prefill {
+        tokens: usize,
+    },
     /// The pending token, then draft tokens to verify (often none).
     /// `model_depth` drafts are still to come from the draft model.
-    Decode { drafts: Vec<u32>, model_depth: usize },
+    Decode {
+        drafts: Vec<u32>,
+        model_depth: usize,
+    },
 }
 
 impl Row {

@@ -68,7 +68,11 @@ impl StepCost {
                     // Growth is by a step at a time, however many tokens a
                     // step carried (short prompts ride along whole).
                     let roomy = seconds <= decode + GROW_BELOW * (target - decode);
-                    if roomy && tokens >= 0.9 * self.spendable(current) as f64 { current * GROW } else { current }
+                    if roomy && tokens >= 0.9 * self.spendable(current) as f64 {
+                        current * GROW
+                    } else {
+                        current
+                    }
                 } else {
                     // Shrink toward the size that would have met the target
                     // were the added time all per-token cost.

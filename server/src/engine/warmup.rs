@@ -40,7 +40,6 @@ const WARM_UP_SLOTS: usize = 16;
 /// and the gathers.
 const WARM_UP_SLOT_STEPS: [((usize, usize), (usize, usize)); 5] = [((1, 1), (1, 1)), ((2, 2), (1, 1)), ((16, 16), (1, 1)), ((8, 8), (8, 8)), ((64, 1), (0, 0))];
 
-
 /// How far past the shared scores' bound a lone slot's shapes are warmed:
 /// 4 x 256 MB of scores, a 512-token chunk over ~43k keys of a model with
 /// 12 query heads. Longer sessions meet a shape's set-up at first use.
@@ -165,4 +164,3 @@ mod tests {
         assert!(shapes.len() < 1000, "{} shapes", shapes.len());
     }
 }
-

@@ -9,12 +9,12 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc::{Receiver, Sender, TryRecvError};
 use std::time::Instant;
 
-use super::prefix::PrefixCache;
-use super::speculate::{self, DraftModel, DraftRow, Proposal};
-use super::step_cost::StepCost;
-use super::row::{logprobs_of, Row, Work};
 use super::config::EngineConfig;
 use super::draft_cost::DraftCost;
+use super::prefix::PrefixCache;
+use super::row::{logprobs_of, Row, Work};
+use super::speculate::{self, DraftModel, DraftRow, Proposal};
+use super::step_cost::StepCost;
 use super::{Command, EngineEvent, EngineModelInfo, EngineStats, Finish, RequestId, SubmitRequest};
 use crate::loaded::LoadedModel;
 use crate::model::{BatchedRows, KvBatch, RowInput, Transformer};
@@ -368,11 +368,7 @@ impl Engine {
             if remaining == 0 || !row.can_publish() || budget == 0 {
                 continue;
             }
-            let chunk = row
-                .request
-                .prefill_chunk
-                .unwrap_or(self.config.prefill_chunk)
-                .clamp(self.config.min_prefill_chunk, self.config.max_prefill_chunk);
+            let chunk = row.request.prefill_chunk.unwrap_or(self.config.prefill_chunk).clamp(self.config.min_prefill_chunk, self.config.max_prefill_chunk);
             let mut tokens = remaining.min(chunk).min(budget);
             if let Some(left) = &mut allowance {
                 // The exemption is for short prompts, not for the last
@@ -496,11 +492,8 @@ impl Engine {
             }
             let logits = logits.ok_or_else(|| mlx::Error { op: "engine", message: "a sampling row got no logits".into() })?;
             let row = &mut self.running[s.row];
-            let draw = if s.drafts.is_empty() || row.request.sampling.is_greedy() {
-                row.sampler.sample(&logits)?
-            } else {
-                row.sampler.verify(&logits, &s.drafts)?
-            };
+            let draw =
+                if s.drafts.is_empty() || row.request.sampling.is_greedy() { row.sampler.sample(&logits)? } else { row.sampler.verify(&logits, &s.drafts)? };
             let keep = row.request.logprobs.is_some().then_some(logits);
             draws.push((k, draw, keep));
         }

@@ -130,7 +130,8 @@ impl BatchStep {
             let mut ids: Vec<i32> = b.tokens.iter().flatten().copied().collect();
             ids.resize(rows, 0);
             let starts: Vec<usize> = real.iter().scan(0, |at, &r| Some(std::mem::replace(at, *at + r))).collect();
-            let to_shared: Vec<i32> = (0..slots * n).map(|p| (p / n, p % n)).map(|(s, i)| if !is_alone[s] && i < real[s] { (starts[s] + i) as i32 } else { 0 }).collect();
+            let to_shared: Vec<i32> =
+                (0..slots * n).map(|p| (p / n, p % n)).map(|(s, i)| if !is_alone[s] && i < real[s] { (starts[s] + i) as i32 } else { 0 }).collect();
             // Attention outputs: the shared attention's slots * n rows (if it
             // runs), then each alone slot's rows in slot order.
             let mut alone_base = if shared { slots * n } else { 0 };
@@ -155,7 +156,8 @@ impl BatchStep {
             }
             (ids, (0..slots).map(|s| s * n).collect(), None)
         };
-        let alone: Vec<AloneSlot> = (0..slots).filter(|&s| is_alone[s]).map(|s| AloneSlot { slot: s, start: starts[s], tokens: real[s], offset: lens[s] }).collect();
+        let alone: Vec<AloneSlot> =
+            (0..slots).filter(|&s| is_alone[s]).map(|s| AloneSlot { slot: s, start: starts[s], tokens: real[s], offset: lens[s] }).collect();
         // The shared attention writes every slot's n rows: an alone slot's
         // (all padding there) past its chunk, which it writes itself.
         let write_from: Vec<usize> = (0..slots).map(|s| lens[s] + if is_alone[s] { real[s] } else { 0 }).collect();
@@ -165,7 +167,20 @@ impl BatchStep {
         let positions = b.kv.write_positions(&write_from, &shared_real, n)?;
         let mask = b.kv.step_mask(&positions)?;
         let tokens = ids.len();
-        Ok(BatchStep { slots, n, shared, ids: Array::from_i32(&ids, &[1, tokens])?, tokens, starts, real, positions, mask, offsets: b.kv.offsets()?, alone, layout })
+        Ok(BatchStep {
+            slots,
+            n,
+            shared,
+            ids: Array::from_i32(&ids, &[1, tokens])?,
+            tokens,
+            starts,
+            real,
+            positions,
+            mask,
+            offsets: b.kv.offsets()?,
+            alone,
+            layout,
+        })
     }
 
     /// The batched part's `[1, tokens, width]` activations in the shared

@@ -212,7 +212,10 @@ impl KvCache {
     /// cache then owns buffers of its own.
     pub fn fill(&mut self, layers: &[(Array, Array)], len: usize) -> mlx::Result<()> {
         if !self.is_empty() || layers.len() != self.layers.len() {
-            return Err(mlx::Error { op: "kv_cache", message: format!("fill of {} layers into a cache of {} holding {}", layers.len(), self.layers.len(), self.len) });
+            return Err(mlx::Error {
+                op: "kv_cache",
+                message: format!("fill of {} layers into a cache of {} holding {}", layers.len(), self.layers.len(), self.len),
+            });
         }
         self.reserve(len)?;
         let stop = [1, self.kv_heads as i32, len as i32, self.head_dim as i32];

@@ -111,14 +111,26 @@ impl Linear {
     pub fn fuse(parts: &[Linear]) -> mlx::Result<Linear> {
         let weight = match &parts[0].weight {
             Weight::Dense(_) => {
-                let ws: Vec<&Array> = parts.iter().filter_map(|p| match &p.weight { Weight::Dense(w) => Some(w), _ => None }).collect();
+                let ws: Vec<&Array> = parts
+                    .iter()
+                    .filter_map(|p| match &p.weight {
+                        Weight::Dense(w) => Some(w),
+                        _ => None,
+                    })
+                    .collect();
                 if ws.len() != parts.len() {
                     return Err(mlx::Error { op: "fuse", message: "mixed dense and quantized parts".into() });
                 }
                 Weight::Dense(mlx::concatenate(&ws, 0)?)
             }
             Weight::Quantized(first) => {
-                let qs: Vec<&QuantizedWeights> = parts.iter().filter_map(|p| match &p.weight { Weight::Quantized(q) => Some(q), _ => None }).collect();
+                let qs: Vec<&QuantizedWeights> = parts
+                    .iter()
+                    .filter_map(|p| match &p.weight {
+                        Weight::Quantized(q) => Some(q),
+                        _ => None,
+                    })
+                    .collect();
                 if qs.len() != parts.len() || qs.iter().any(|q| q.bits != first.bits || q.group_size != first.group_size) {
                     return Err(mlx::Error { op: "fuse", message: "parts differ in quantization".into() });
                 }

@@ -39,9 +39,7 @@ pub fn read_config(dir: &Path) -> Result<(ModelConfig, Option<(i32, i32)>), Load
         tied_embeddings: v["tie_word_embeddings"].as_bool().unwrap_or(false),
     };
     config.validate().map_err(LoadError::Invalid)?;
-    let quant = v.get("quantization").map(|q| {
-        (q["group_size"].as_i64().unwrap_or(64) as i32, q["bits"].as_i64().unwrap_or(4) as i32)
-    });
+    let quant = v.get("quantization").map(|q| (q["group_size"].as_i64().unwrap_or(64) as i32, q["bits"].as_i64().unwrap_or(4) as i32));
     Ok((config, quant))
 }
 

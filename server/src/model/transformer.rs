@@ -145,11 +145,14 @@ impl Transformer {
             r.cache.reserve(n)?;
         }
         // Start of each row's tokens in the flattened batch, after the batched rows' tokens.
-        let starts: Vec<i32> = lens.iter().scan(batch_tokens, |acc, &n| {
-            let s = *acc;
-            *acc += n as i32;
-            Some(s)
-        }).collect();
+        let starts: Vec<i32> = lens
+            .iter()
+            .scan(batch_tokens, |acc, &n| {
+                let s = *acc;
+                *acc += n as i32;
+                Some(s)
+            })
+            .collect();
         let total: i32 = batch_tokens + lens.iter().sum::<usize>() as i32;
         let mut all_ids: Vec<Array> = Vec::with_capacity(rows.len() + 1);
         if let Some(step) = &batch_step {
@@ -356,12 +359,8 @@ impl Transformer {
             buffers.push(row.cache.write_step(layer, &k, &v, start, n)?);
             start += n;
         }
-        let attention_rows: Vec<AttentionRow<'_>> = rows
-            .iter()
-            .zip(&buffers)
-            .zip(lens)
-            .map(|((row, (keys, values)), &n)| AttentionRow { keys, values, n, kv_len: row.cache.len() + n })
-            .collect();
+        let attention_rows: Vec<AttentionRow<'_>> =
+            rows.iter().zip(&buffers).zip(lens).map(|((row, (keys, values)), &n)| AttentionRow { keys, values, n, kv_len: row.cache.len() + n }).collect();
         let keys = rows.first().map_or(KeyLayout::Positions, |r| r.cache.key_layout());
         if rows.iter().any(|r| r.cache.key_layout() != keys) {
             return Err(mlx::Error { op: "forward", message: "rows of one step store their keys differently".into() });

@@ -38,12 +38,7 @@ pub fn pack_codes(codes: &[u8], bits: u32) -> Option<Vec<u32>> {
     if codes.len() % per_word != 0 {
         return None;
     }
-    Some(
-        codes
-            .chunks_exact(per_word)
-            .map(|chunk| chunk.iter().enumerate().fold(0u32, |w, (j, &c)| w | (u32::from(c) << (bits as usize * j))))
-            .collect(),
-    )
+    Some(codes.chunks_exact(per_word).map(|chunk| chunk.iter().enumerate().fold(0u32, |w, (j, &c)| w | (u32::from(c) << (bits as usize * j)))).collect())
 }
 
 /// The packed width for codes of `bits` significant bits: MLX's kernels and

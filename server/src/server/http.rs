@@ -72,11 +72,7 @@ fn has_token(h: &HeaderMap, name: header::HeaderName, token: &str) -> bool {
 
 /// Subprotocols the client offered, in order.
 fn offered_protocols(h: &HeaderMap) -> Vec<String> {
-    header_str(h, header::SEC_WEBSOCKET_PROTOCOL)
-        .flat_map(|v| v.split(','))
-        .map(|p| p.trim().to_string())
-        .filter(|p| !p.is_empty())
-        .collect()
+    header_str(h, header::SEC_WEBSOCKET_PROTOCOL).flat_map(|v| v.split(',')).map(|p| p.trim().to_string()).filter(|p| !p.is_empty()).collect()
 }
 
 fn percent_decode(s: &str) -> Option<String> {
@@ -133,10 +129,8 @@ fn upgrade(state: Arc<ServerState>, mut req: Request<Incoming>) -> Response<Body
     let h = req.headers();
     let is_upgrade = has_token(h, header::CONNECTION, "upgrade") && has_token(h, header::UPGRADE, "websocket");
     let Some(key) = h.get(header::SEC_WEBSOCKET_KEY).filter(|_| is_upgrade) else {
-        let mut r = json(
-            StatusCode::UPGRADE_REQUIRED,
-            serde_json::json!({"error": "this endpoint speaks WebSocket only (GET with Upgrade: websocket)"}).to_string(),
-        );
+        let mut r =
+            json(StatusCode::UPGRADE_REQUIRED, serde_json::json!({"error": "this endpoint speaks WebSocket only (GET with Upgrade: websocket)"}).to_string());
         r.headers_mut().insert(header::UPGRADE, HeaderValue::from_static("websocket"));
         return r;
     };
@@ -148,8 +142,7 @@ fn upgrade(state: Arc<ServerState>, mut req: Request<Incoming>) -> Response<Body
     let cfg = &state.config;
     if !cfg.allowed_origins.is_empty() {
         if let Some(origin) = h.get(header::ORIGIN) {
-            let allowed =
-                origin.to_str().is_ok_and(|o| cfg.allowed_origins.iter().any(|a| a.eq_ignore_ascii_case(o.trim_end_matches('/'))));
+            let allowed = origin.to_str().is_ok_and(|o| cfg.allowed_origins.iter().any(|a| a.eq_ignore_ascii_case(o.trim_end_matches('/'))));
             if !allowed {
                 state.metrics.error(ErrorCode::OriginNotAllowed);
                 let shown = String::from_utf8_lossy(origin.as_bytes()).chars().take(100).collect::<String>();
@@ -185,9 +178,7 @@ fn upgrade(state: Arc<ServerState>, mut req: Request<Incoming>) -> Response<Body
         .and_then(|p| HeaderValue::from_str(p).ok());
     let accept = derive_accept_key(key.as_bytes());
     let version = req.version();
-    let ws_config = WebSocketConfig::default()
-        .max_message_size(Some(ws_size_cap(cfg.max_frame_bytes)))
-        .max_frame_size(Some(ws_size_cap(cfg.max_frame_bytes)));
+    let ws_config = WebSocketConfig::default().max_message_size(Some(ws_size_cap(cfg.max_frame_bytes))).max_frame_size(Some(ws_size_cap(cfg.max_frame_bytes)));
     tokio::spawn(async move {
         match hyper::upgrade::on(&mut req).await {
             Ok(upgraded) => {

@@ -6,8 +6,7 @@ use std::time::{Duration, Instant};
 
 use protocol::{
     CacheScopeName, Delta, Done, DraftSourceName, ErrorCode, FimInput, FinishReason, GenerateInput, GenerateRequest, ProtocolError, ServerMessage,
-    SpeculationOptions, SpeculativeStats, Timing,
-    TokenLogprob as WireLogprob, TopLogprob, Usage,
+    SpeculationOptions, SpeculativeStats, Timing, TokenLogprob as WireLogprob, TopLogprob, Usage,
 };
 use tokio::sync::mpsc;
 
@@ -33,20 +32,13 @@ impl FimTokens {
     /// The model's FIM tokens, if it has all three.
     pub fn detect(tok: &TextTokenizer) -> Option<FimTokens> {
         let id = |t: &str| tok.token_id(t).filter(|&id| tok.token_kind(id).is_some());
-        Some(FimTokens {
-            prefix: id("<|fim_prefix|>")?,
-            suffix: id("<|fim_suffix|>")?,
-            middle: id("<|fim_middle|>")?,
-            file_sep: id("<|file_sep|>"),
-        })
+        Some(FimTokens { prefix: id("<|fim_prefix|>")?, suffix: id("<|fim_suffix|>")?, middle: id("<|fim_middle|>")?, file_sep: id("<|file_sep|>") })
     }
 }
 
 fn tokenizer_error(e: TokenizerError) -> ProtocolError {
     match e {
-        TokenizerError::NoChatTemplate => {
-            ProtocolError::invalid_parameter("this model has no chat template: send `prompt` instead of `messages`")
-        }
+        TokenizerError::NoChatTemplate => ProtocolError::invalid_parameter("this model has no chat template: send `prompt` instead of `messages`"),
         TokenizerError::TemplateRaised(m) | TokenizerError::TemplateRender(m) => {
             ProtocolError::invalid_parameter(format!("the model's chat template rejected these messages: {m}"))
         }
@@ -130,10 +122,7 @@ fn fim_ids(tok: &TextTokenizer, fim: &FimTokens, f: &FimInput, ids: &mut Vec<u32
 }
 
 pub fn fim_unsupported() -> ProtocolError {
-    ProtocolError::new(
-        ErrorCode::FimUnsupported,
-        "this model has no fill-in-the-middle tokens (model.fim is false); send `prompt` or `messages`",
-    )
+    ProtocolError::new(ErrorCode::FimUnsupported, "this model has no fill-in-the-middle tokens (model.fim is false); send `prompt` or `messages`")
 }
 
 /// The engine request for a validated, tokenized `generate`.
@@ -180,10 +169,8 @@ fn speculation_for(default: &Speculation, asked: Option<SpeculationOptions>) -> 
 fn check_speculation(state: &ServerState, req: &GenerateRequest) -> Result<(), ProtocolError> {
     let wants_model = req.speculation.and_then(|s| s.source) == Some(DraftSourceName::DraftModel);
     if wants_model && !state.config.has_draft_model {
-        return Err(ProtocolError::invalid_parameter(
-            "speculation.source \"draft_model\": this server has no draft model (start it with --draft-model)",
-        )
-        .with_request_id(req.request_id.clone()));
+        return Err(ProtocolError::invalid_parameter("speculation.source \"draft_model\": this server has no draft model (start it with --draft-model)")
+            .with_request_id(req.request_id.clone()));
     }
     Ok(())
 }
@@ -200,13 +187,7 @@ fn wire_speculative(s: &SpecStats) -> SpeculativeStats {
 
 /// Validates, tokenizes and submits a `generate`, then spawns its forwarder.
 /// Errors carry the request id; the request is not registered after one.
-pub async fn start(
-    state: &Arc<ServerState>,
-    session: &Arc<Session>,
-    conn_id: u64,
-    req: GenerateRequest,
-    received: Instant,
-) -> Result<(), ProtocolError> {
+pub async fn start(state: &Arc<ServerState>, session: &Arc<Session>, conn_id: u64, req: GenerateRequest, received: Instant) -> Result<(), ProtocolError> {
     let rid = req.request_id.clone();
     let with_id = |e: ProtocolError| e.with_request_id(rid.clone());
     if state.is_draining() {
@@ -234,9 +215,7 @@ pub async fn start(
             Ok::<_, ProtocolError>((submit_request(&state, &session.id, &req, prompt, received), tokenizing))
         })
         .await
-        .unwrap_or_else(|e| {
-            Err(ProtocolError::new(ErrorCode::Internal, format!("tokenizer task failed: {e}")).with_request_id(rid.clone()))
-        })
+        .unwrap_or_else(|e| Err(ProtocolError::new(ErrorCode::Internal, format!("tokenizer task failed: {e}")).with_request_id(rid.clone())))
     };
     let (submit, tokenizing) = match prepared {
         Ok(s) => s,
@@ -252,9 +231,7 @@ pub async fn start(
         Err(e) => {
             session.unregister(key, &rid);
             let (code, msg) = match e {
-                EngineError::Overloaded(n) => {
-                    (ErrorCode::Overloaded, format!("the generation queue is full ({n} requests waiting); retry later"))
-                }
+                EngineError::Overloaded(n) => (ErrorCode::Overloaded, format!("the generation queue is full ({n} requests waiting); retry later")),
                 EngineError::ShuttingDown => (ErrorCode::Cancelled, "the engine is shutting down".to_string()),
                 EngineError::TooLarge(m) => (ErrorCode::ContextOverflow, m),
             };
@@ -370,8 +347,7 @@ impl Forwarder {
                         }
                     };
                     seq += 1;
-                    let delta =
-                        Delta { request_id: self.request_id.clone(), seq, text, token_ids: ids, logprobs: self.wire_logprobs(&logprobs) };
+                    let delta = Delta { request_id: self.request_id.clone(), seq, text, token_ids: ids, logprobs: self.wire_logprobs(&logprobs) };
                     if !self.push(Some(seq), ServerMessage::Delta(delta), false).await {
                         alive = false;
                         self.session.engine().cancel(self.engine_id);
@@ -390,13 +366,8 @@ impl Forwarder {
                         };
                         if !text.is_empty() {
                             seq += 1;
-                            let delta = Delta {
-                                request_id: self.request_id.clone(),
-                                seq,
-                                text,
-                                token_ids: Vec::new(),
-                                logprobs: self.logprobs.map(|_| Vec::new()),
-                            };
+                            let delta =
+                                Delta { request_id: self.request_id.clone(), seq, text, token_ids: Vec::new(), logprobs: self.logprobs.map(|_| Vec::new()) };
                             alive = self.push(Some(seq), ServerMessage::Delta(delta), false).await;
                         }
                     }
@@ -409,9 +380,7 @@ impl Forwarder {
                             Finish::TimeLimit => FinishReason::TimeLimit,
                             Finish::Cancelled => match self.session.cancel_origin(self.key, &self.request_id) {
                                 Some(true) => FinishReason::Cancelled,
-                                Some(false) => {
-                                    break Err((ErrorCode::Cancelled, "the server cancelled the request (shutting down)".into()))
-                                }
+                                Some(false) => break Err((ErrorCode::Cancelled, "the server cancelled the request (shutting down)".into())),
                                 None if !alive => FinishReason::Cancelled,
                                 None => break Err((ErrorCode::Cancelled, "the engine cancelled the request".into())),
                             },

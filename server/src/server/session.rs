@@ -402,10 +402,7 @@ impl Session {
             return err(ErrorCode::DuplicateRequest, format!("request_id {request_id:?} is already used in this session ({what})"));
         }
         if g.running >= self.limits.max_in_flight {
-            return err(
-                ErrorCode::TooManyRequests,
-                format!("{} requests are already in flight; the limit is {}", g.running, self.limits.max_in_flight),
-            );
+            return err(ErrorCode::TooManyRequests, format!("{} requests are already in flight; the limit is {}", g.running, self.limits.max_in_flight));
         }
         let key = g.next_key;
         g.next_key += 1;
@@ -463,13 +460,9 @@ impl Session {
                 r.engine_id
             }
             Some(_) => {
-                return Err(ProtocolError::new(ErrorCode::UnknownRequest, format!("request {request_id:?} has already finished"))
-                    .with_request_id(request_id))
+                return Err(ProtocolError::new(ErrorCode::UnknownRequest, format!("request {request_id:?} has already finished")).with_request_id(request_id))
             }
-            None => {
-                return Err(ProtocolError::new(ErrorCode::UnknownRequest, format!("no request {request_id:?} in this session"))
-                    .with_request_id(request_id))
-            }
+            None => return Err(ProtocolError::new(ErrorCode::UnknownRequest, format!("no request {request_id:?} in this session")).with_request_id(request_id)),
         };
         drop(g);
         self.cancel_in_engine(id.into_iter().collect());
@@ -638,7 +631,15 @@ impl SessionRegistry {
     }
 
     pub fn new(max: usize, ttl: Duration, limits: SessionLimits) -> SessionRegistry {
-        SessionRegistry { map: DashMap::new(), tombstones: Mutex::new(HashMap::new()), count: AtomicUsize::new(0), max, ttl, limits, on_forget: Box::new(|_| {}) }
+        SessionRegistry {
+            map: DashMap::new(),
+            tombstones: Mutex::new(HashMap::new()),
+            count: AtomicUsize::new(0),
+            max,
+            ttl,
+            limits,
+            on_forget: Box::new(|_| {}),
+        }
     }
 
     pub fn len(&self) -> usize {

@@ -181,10 +181,8 @@ impl Reader {
     }
 
     async fn rate_limited(&mut self) {
-        let e = ProtocolError::new(
-            ErrorCode::RateLimited,
-            format!("more than {} frames per second; the frame was dropped", self.state.config.rate_limit_per_sec),
-        );
+        let e =
+            ProtocolError::new(ErrorCode::RateLimited, format!("more than {} frames per second; the frame was dropped", self.state.config.rate_limit_per_sec));
         self.error(e).await;
     }
 
@@ -233,9 +231,7 @@ impl Reader {
             (Some(id), Some(token)) => {
                 let session = match self.state.sessions.get(id) {
                     Ok(s) => s,
-                    Err(LookupError::NotFound) => {
-                        return self.error(ProtocolError::new(ErrorCode::SessionNotFound, format!("no session {id}"))).await
-                    }
+                    Err(LookupError::NotFound) => return self.error(ProtocolError::new(ErrorCode::SessionNotFound, format!("no session {id}"))).await,
                     Err(LookupError::Expired) => {
                         let e = ProtocolError::new(ErrorCode::SessionExpired, format!("session {id} has expired or was closed"));
                         return self.error(e).await;

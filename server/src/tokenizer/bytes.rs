@@ -13,8 +13,7 @@ pub fn byte_to_char() -> &'static [char; 256] {
         let mut t = ['\0'; 256];
         let mut n = 0u32;
         for b in 0..=255u32 {
-            let printable =
-                (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+            let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
             t[b as usize] = if printable {
                 char::from_u32(b).unwrap()
             } else {
@@ -106,11 +105,7 @@ impl TokenBytes {
     pub fn with_capacity(n: usize) -> Self {
         let mut offsets = Vec::with_capacity(n + 1);
         offsets.push(0);
-        TokenBytes {
-            data: Vec::with_capacity(n * 6),
-            offsets,
-            kinds: Vec::with_capacity(n),
-        }
+        TokenBytes { data: Vec::with_capacity(n * 6), offsets, kinds: Vec::with_capacity(n) }
     }
 
     /// Append the next id; `fill` writes its bytes.

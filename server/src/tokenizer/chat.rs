@@ -38,11 +38,7 @@ pub struct ChatMessage {
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        ChatMessage {
-            role: role.into(),
-            content: Some(serde_json::Value::String(content.into())),
-            ..Default::default()
-        }
+        ChatMessage { role: role.into(), content: Some(serde_json::Value::String(content.into())), ..Default::default() }
     }
     pub fn system(content: impl Into<String>) -> Self {
         Self::new("system", content)
@@ -80,20 +76,13 @@ pub struct ChatTemplate {
 
 impl std::fmt::Debug for ChatTemplate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ChatTemplate")
-            .field("bos_token", &self.bos_token)
-            .field("eos_token", &self.eos_token)
-            .finish()
+        f.debug_struct("ChatTemplate").field("bos_token", &self.bos_token).field("eos_token", &self.eos_token).finish()
     }
 }
 
 impl ChatTemplate {
     /// Compile `source`.  `bos_token`/`eos_token` are the texts exposed to the template.
-    pub fn new(
-        source: impl Into<String>,
-        bos_token: Option<&str>,
-        eos_token: Option<&str>,
-    ) -> Result<Self> {
+    pub fn new(source: impl Into<String>, bos_token: Option<&str>, eos_token: Option<&str>) -> Result<Self> {
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
@@ -102,40 +91,21 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
-        env.add_template_owned(TEMPLATE_NAME, source.into())
-            .map_err(|e| TokenizerError::TemplateSyntax(describe(&e)))?;
-        Ok(ChatTemplate {
-            env,
-            bos_token: bos_token.unwrap_or_default().to_string(),
-            eos_token: eos_token.unwrap_or_default().to_string(),
-        })
+        env.add_template_owned(TEMPLATE_NAME, source.into()).map_err(|e| TokenizerError::TemplateSyntax(describe(&e)))?;
+        Ok(ChatTemplate { env, bos_token: bos_token.unwrap_or_default().to_string(), eos_token: eos_token.unwrap_or_default().to_string() })
     }
 
     /// Render messages (no tools, no extra variables).
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
-        self.render_with(
-            messages,
-            &RenderOptions {
-                add_generation_prompt,
-                ..Default::default()
-            },
-        )
+        self.render_with(messages, &RenderOptions { add_generation_prompt, ..Default::default() })
     }
 
-    pub fn render_with(
-        &self,
-        messages: &[ChatMessage],
-        opts: &RenderOptions<'_>,
-    ) -> Result<String> {
+    pub fn render_with(&self, messages: &[ChatMessage], opts: &RenderOptions<'_>) -> Result<String> {
         self.render_value(Value::from_serialize(messages), opts)
     }
 
     /// Render messages given as a JSON array (OpenAI-style objects).
-    pub fn render_json(
-        &self,
-        messages: &serde_json::Value,
-        opts: &RenderOptions<'_>,
-    ) -> Result<String> {
+    pub fn render_json(&self, messages: &serde_json::Value, opts: &RenderOptions<'_>) -> Result<String> {
         self.render_value(Value::from_serialize(messages), opts)
     }
 
@@ -147,10 +117,7 @@ impl ChatTemplate {
             }
         }
         ctx.push(("messages".into(), messages));
-        ctx.push((
-            "add_generation_prompt".into(),
-            Value::from(opts.add_generation_prompt),
-        ));
+        ctx.push(("add_generation_prompt".into(), Value::from(opts.add_generation_prompt)));
         ctx.push(("bos_token".into(), Value::from(self.bos_token.clone())));
         ctx.push(("eos_token".into(), Value::from(self.eos_token.clone())));
         if let Some(tools) = opts.tools {
@@ -160,10 +127,7 @@ impl ChatTemplate {
             ctx.push(("documents".into(), Value::from_serialize(docs)));
         }
         let ctx: Value = ctx.into_iter().collect();
-        let tmpl = self
-            .env
-            .get_template(TEMPLATE_NAME)
-            .map_err(|e| TokenizerError::TemplateRender(describe(&e)))?;
+        let tmpl = self.env.get_template(TEMPLATE_NAME).map_err(|e| TokenizerError::TemplateRender(describe(&e)))?;
         tmpl.render(ctx).map_err(classify)
     }
 }
@@ -189,20 +153,13 @@ fn describe(e: &Error) -> String {
 }
 
 fn raise_exception(msg: String) -> std::result::Result<Value, Error> {
-    Err(Error::new(
-        ErrorKind::InvalidOperation,
-        format!("{RAISE_MARKER}{msg}"),
-    ))
+    Err(Error::new(ErrorKind::InvalidOperation, format!("{RAISE_MARKER}{msg}")))
 }
 
 // ---------------------------------------------------------------- tojson --
 
 /// Python-compatible `tojson(value, indent=None, sort_keys=False, separators=None)`.
-fn tojson(
-    value: &Value,
-    indent: Option<Value>,
-    kwargs: Kwargs,
-) -> std::result::Result<Value, Error> {
+fn tojson(value: &Value, indent: Option<Value>, kwargs: Kwargs) -> std::result::Result<Value, Error> {
     let indent = match kwargs.get::<Option<Value>>("indent")?.or(indent) {
         None => None,
         Some(v) if v.is_none() || v.is_undefined() => None,
@@ -220,21 +177,11 @@ fn tojson(
     kwargs.assert_all_used()?;
     let (item_sep, key_sep) = match separators.as_deref() {
         Some([a, b]) => (a.clone(), b.clone()),
-        Some(_) => {
-            return Err(Error::new(
-                ErrorKind::InvalidOperation,
-                "tojson: separators must be a pair",
-            ))
-        }
+        Some(_) => return Err(Error::new(ErrorKind::InvalidOperation, "tojson: separators must be a pair")),
         None if indent.is_some() => (",".to_string(), ": ".to_string()),
         None => (", ".to_string(), ": ".to_string()),
     };
-    let fmt = JsonFmt {
-        indent,
-        item_sep,
-        key_sep,
-        sort_keys,
-    };
+    let fmt = JsonFmt { indent, item_sep, key_sep, sort_keys };
     let mut out = String::new();
     fmt.write(value, 0, &mut out)?;
     Ok(Value::from_safe_string(out))
@@ -344,11 +291,7 @@ fn py_float(f: f64) -> String {
         return "NaN".into();
     }
     if f.is_infinite() {
-        return if f > 0.0 {
-            "Infinity".into()
-        } else {
-            "-Infinity".into()
-        };
+        return if f > 0.0 { "Infinity".into() } else { "-Infinity".into() };
     }
     let a = f.abs();
     if a != 0.0 && !(1e-4..1e16).contains(&a) {
@@ -368,38 +311,14 @@ fn py_float(f: f64) -> String {
 // ---------------------------------------------------------- strftime_now --
 
 fn strftime_now(fmt: String) -> std::result::Result<Value, Error> {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or(0);
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
     Ok(Value::from(strftime(&fmt, secs)))
 }
 
 /// Minimal UTC `strftime` for the codes chat templates use.
 pub(crate) fn strftime(fmt: &str, unix_secs: i64) -> String {
-    const MONTHS: [&str; 12] = [
-        "January",
-        "February",
-        "March",
-        "April",
-        "May",
-        "June",
-        "July",
-        "August",
-        "September",
-        "October",
-        "November",
-        "December",
-    ];
-    const DAYS: [&str; 7] = [
-        "Monday",
-        "Tuesday",
-        "Wednesday",
-        "Thursday",
-        "Friday",
-        "Saturday",
-        "Sunday",
-    ];
+    const MONTHS: [&str; 12] = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
+    const DAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
     let days = unix_secs.div_euclid(86_400);
     let sod = unix_secs.rem_euclid(86_400);
     let (h, mi, s) = (sod / 3600, (sod % 3600) / 60, sod % 60);
@@ -478,12 +397,7 @@ mod tests {
     #[test]
     fn python_methods_and_blocks() {
         let src = "{% for m in messages %}{% if m.content.strip().startswith('x') %}[{{ m.role.upper() }}]{% endif %}\n{% endfor %}{{ bos_token }}";
-        let out = render(
-            src,
-            &[ChatMessage::user("  xyz "), ChatMessage::user("abc")],
-            false,
-        )
-        .unwrap();
+        let out = render(src, &[ChatMessage::user("  xyz "), ChatMessage::user("abc")], false).unwrap();
         assert_eq!(out, "[USER]<s>");
     }
 
@@ -500,26 +414,18 @@ mod tests {
     fn syntax_error_is_reported() {
         let err = ChatTemplate::new("{% for %}", None, None).unwrap_err();
         assert!(matches!(err, TokenizerError::TemplateSyntax(_)), "{err}");
-        assert!(
-            err.to_string().contains("chat template failed to compile"),
-            "{err}"
-        );
+        assert!(err.to_string().contains("chat template failed to compile"), "{err}");
     }
 
     #[test]
     fn tojson_matches_python() {
         let src = "{{ messages[0].tool_calls[0] | tojson }}|{{ messages[0].tool_calls[0] | tojson(indent=2) }}";
         let mut m = ChatMessage::assistant("");
-        m.tool_calls = Some(vec![
-            serde_json::json!({"name": "f<x>", "arguments": {"a": 1, "b": [1.5, true, null], "c": "é\n"}}),
-        ]);
+        m.tool_calls = Some(vec![serde_json::json!({"name": "f<x>", "arguments": {"a": 1, "b": [1.5, true, null], "c": "é\n"}})]);
         let out = render(src, &[m], false).unwrap();
         let (flat, pretty) = out.split_once('|').unwrap();
         // Key order is preserved (workspace serde_json has `preserve_order`), like Python.
-        assert_eq!(
-            flat,
-            r#"{"name": "f<x>", "arguments": {"a": 1, "b": [1.5, true, null], "c": "é\n"}}"#
-        );
+        assert_eq!(flat, r#"{"name": "f<x>", "arguments": {"a": 1, "b": [1.5, true, null], "c": "é\n"}}"#);
         assert_eq!(
             pretty,
             "{\n  \"name\": \"f<x>\",\n  \"arguments\": {\n    \"a\": 1,\n    \"b\": [\n      1.5,\n      true,\n      null\n    ],\n    \"c\": \"é\\n\"\n  }\n}"
@@ -538,21 +444,13 @@ mod tests {
     fn strftime_known_date() {
         // 2024-07-26 13:05:09 UTC, a Friday.
         let t = 1_721_999_109;
-        assert_eq!(
-            strftime("%d %b %Y %H:%M:%S %A %j %-d", t),
-            "26 Jul 2024 13:05:09 Friday 208 26"
-        );
+        assert_eq!(strftime("%d %b %Y %H:%M:%S %A %j %-d", t), "26 Jul 2024 13:05:09 Friday 208 26");
     }
 
     #[test]
     fn loop_controls_enabled() {
         let src = "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.content }}{% endfor %}";
-        let out = render(
-            src,
-            &[ChatMessage::user("a"), ChatMessage::user("b")],
-            false,
-        )
-        .unwrap();
+        let out = render(src, &[ChatMessage::user("a"), ChatMessage::user("b")], false).unwrap();
         assert_eq!(out, "a");
     }
 }

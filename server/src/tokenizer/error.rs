@@ -16,27 +16,17 @@ pub enum TokenizerError {
     #[error("failed to open GGUF file {path}: {detail}")]
     Gguf { path: PathBuf, detail: String },
 
-    #[error(
-        "unsupported tokenizer model `{0}` (tokenizer.ggml.model); only byte-level BPE (`gpt2`) is supported"
-    )]
+    #[error("unsupported tokenizer model `{0}` (tokenizer.ggml.model); only byte-level BPE (`gpt2`) is supported")]
     UnsupportedModel(String),
 
     #[error("unknown pre-tokenizer `{name}` (tokenizer.ggml.pre); supported: {supported}")]
     UnknownPreTokenizer { name: String, supported: String },
 
     #[error("bad BPE merge #{index} `{merge}`: {reason}")]
-    BadMerge {
-        index: usize,
-        merge: String,
-        reason: String,
-    },
+    BadMerge { index: usize, merge: String, reason: String },
 
     #[error("{what} token id {id} is out of range (vocabulary has {vocab_size} tokens)")]
-    TokenIdOutOfRange {
-        what: &'static str,
-        id: u64,
-        vocab_size: usize,
-    },
+    TokenIdOutOfRange { what: &'static str, id: u64, vocab_size: usize },
 
     #[error("failed to read {path}: {source}")]
     Io {

@@ -54,17 +54,9 @@ pub struct GgufVocab {
 impl GgufVocab {
     /// Read the `tokenizer.*` keys of an open GGUF file.
     pub fn from_gguf(file: &gguf::GgufFile) -> Result<Self> {
-        let model = file
-            .get_str(KEY_MODEL)
-            .ok_or(TokenizerError::MissingKey(KEY_MODEL))?
-            .to_string();
+        let model = file.get_str(KEY_MODEL).ok_or(TokenizerError::MissingKey(KEY_MODEL))?.to_string();
         let pre = file.get_str(KEY_PRE).map(str::to_string);
-        let tokens: Vec<String> = file
-            .get_str_array(KEY_TOKENS)
-            .ok_or(TokenizerError::MissingKey(KEY_TOKENS))?
-            .into_iter()
-            .map(str::to_string)
-            .collect();
+        let tokens: Vec<String> = file.get_str_array(KEY_TOKENS).ok_or(TokenizerError::MissingKey(KEY_TOKENS))?.into_iter().map(str::to_string).collect();
         let merges: Vec<String> = match file.get_str_array(KEY_MERGES) {
             Some(m) => m.into_iter().map(str::to_string).collect(),
             None => Vec::new(), // build() reports a missing key for BPE models
@@ -77,10 +69,7 @@ impl GgufVocab {
                     let x = v
                         .as_i64()
                         .and_then(|x| i32::try_from(x).ok())
-                        .ok_or_else(|| TokenizerError::InvalidKey {
-                            key: KEY_TOKEN_TYPE,
-                            detail: format!("element {i} is {v:?}, expected an int32"),
-                        })?;
+                        .ok_or_else(|| TokenizerError::InvalidKey { key: KEY_TOKEN_TYPE, detail: format!("element {i} is {v:?}, expected an int32") })?;
                     out.push(x);
                 }
                 Some(out)
@@ -89,12 +78,7 @@ impl GgufVocab {
         let id = |key: &'static str| -> Result<Option<u32>> {
             match file.get_u64(key) {
                 None => Ok(None),
-                Some(v) => u32::try_from(v)
-                    .map(Some)
-                    .map_err(|_| TokenizerError::InvalidKey {
-                        key,
-                        detail: format!("{v} does not fit a token id"),
-                    }),
+                Some(v) => u32::try_from(v).map(Some).map_err(|_| TokenizerError::InvalidKey { key, detail: format!("{v} does not fit a token id") }),
             }
         };
         Ok(GgufVocab {

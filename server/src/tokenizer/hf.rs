@@ -11,14 +11,8 @@ use super::error::{Result, TokenizerError};
 use super::{Parts, TextTokenizer};
 
 fn read_json(path: &Path) -> Result<Value> {
-    let text = std::fs::read_to_string(path).map_err(|source| TokenizerError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    serde_json::from_str(&text).map_err(|e| TokenizerError::InvalidFile {
-        path: path.to_path_buf(),
-        detail: e.to_string(),
-    })
+    let text = std::fs::read_to_string(path).map_err(|source| TokenizerError::Io { path: path.to_path_buf(), source })?;
+    serde_json::from_str(&text).map_err(|e| TokenizerError::InvalidFile { path: path.to_path_buf(), detail: e.to_string() })
 }
 
 fn read_optional_json(path: PathBuf) -> Result<Option<Value>> {
@@ -41,36 +35,21 @@ fn token_text(v: Option<&Value>) -> Option<String> {
 /// How to turn a vocabulary entry into bytes, from the `decoder` section.
 enum Scheme {
     ByteLevel,
-    SentencePiece {
-        byte_fallback: bool,
-        strip_leading_space: bool,
-    },
+    SentencePiece { byte_fallback: bool, strip_leading_space: bool },
 }
 
 fn decoder_scheme(decoder: &Value, model_byte_fallback: bool) -> Result<Scheme> {
     let ty = decoder.get("type").and_then(Value::as_str).unwrap_or("");
     let parts: Vec<&Value> = match ty {
-        "Sequence" => decoder
-            .get("decoders")
-            .and_then(Value::as_array)
-            .map(|a| a.iter().collect())
-            .unwrap_or_default(),
+        "Sequence" => decoder.get("decoders").and_then(Value::as_array).map(|a| a.iter().collect()).unwrap_or_default(),
         "" if decoder.is_null() => return Err(TokenizerError::UnsupportedDecoder("none".into())),
         _ => vec![decoder],
     };
-    let types: Vec<&str> = parts
-        .iter()
-        .filter_map(|d| d.get("type").and_then(Value::as_str))
-        .collect();
+    let types: Vec<&str> = parts.iter().filter_map(|d| d.get("type").and_then(Value::as_str)).collect();
     if types.contains(&"ByteLevel") {
         return Ok(Scheme::ByteLevel);
     }
-    let sp = types.iter().any(|t| {
-        matches!(
-            *t,
-            "Metaspace" | "ByteFallback" | "Replace" | "Fuse" | "Strip"
-        )
-    });
+    let sp = types.iter().any(|t| matches!(*t, "Metaspace" | "ByteFallback" | "Replace" | "Fuse" | "Strip"));
     if !sp {
         return Err(TokenizerError::UnsupportedDecoder(decoder.to_string()));
     }
@@ -85,37 +64,24 @@ fn decoder_scheme(decoder: &Value, model_byte_fallback: bool) -> Result<Scheme> 
             Some("Metaspace") => {
                 let scheme = d.get("prepend_scheme").and_then(Value::as_str);
                 let add = d.get("add_prefix_space").and_then(Value::as_bool);
-                strip |= matches!(scheme, Some("always" | "first"))
-                    || (scheme.is_none() && add != Some(false));
+                strip |= matches!(scheme, Some("always" | "first")) || (scheme.is_none() && add != Some(false));
             }
             _ => {}
         }
     }
     let byte_fallback = model_byte_fallback || types.contains(&"ByteFallback");
-    Ok(Scheme::SentencePiece {
-        byte_fallback,
-        strip_leading_space: strip,
-    })
+    Ok(Scheme::SentencePiece { byte_fallback, strip_leading_space: strip })
 }
 
 pub(crate) fn from_hf_dir(dir: &Path) -> Result<TextTokenizer> {
     let tok_path = dir.join("tokenizer.json");
     let raw = read_json(&tok_path)?;
-    let tokenizer = Tokenizer::from_file(&tok_path).map_err(|e| TokenizerError::InvalidFile {
-        path: tok_path.clone(),
-        detail: e.to_string(),
-    })?;
+    let tokenizer = Tokenizer::from_file(&tok_path).map_err(|e| TokenizerError::InvalidFile { path: tok_path.clone(), detail: e.to_string() })?;
     let config = read_optional_json(dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
     let gen_config = read_optional_json(dir.join("generation_config.json"))?.unwrap_or(Value::Null);
 
-    let model_byte_fallback = raw
-        .pointer("/model/byte_fallback")
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
-    let scheme = decoder_scheme(
-        raw.get("decoder").unwrap_or(&Value::Null),
-        model_byte_fallback,
-    )?;
+    let model_byte_fallback = raw.pointer("/model/byte_fallback").and_then(Value::as_bool).unwrap_or(false);
+    let scheme = decoder_scheme(raw.get("decoder").unwrap_or(&Value::Null), model_byte_fallback)?;
 
     // id -> vocabulary string (model vocab + added tokens).
     let vocab = tokenizer.get_vocab(true);
@@ -124,20 +90,12 @@ pub(crate) fn from_hf_dir(dir: &Path) -> Result<TextTokenizer> {
     for (text, &id) in &vocab {
         id_to_text[id as usize] = Some(text.as_str());
     }
-    let added: HashMap<u32, (String, bool)> = tokenizer
-        .get_added_tokens_decoder()
-        .into_iter()
-        .map(|(id, t)| (id, (t.content, t.special)))
-        .collect();
+    let added: HashMap<u32, (String, bool)> = tokenizer.get_added_tokens_decoder().into_iter().map(|(id, t)| (id, (t.content, t.special))).collect();
 
     let mut table = TokenBytes::with_capacity(n);
     for (id, text) in id_to_text.iter().enumerate() {
         if let Some((content, special)) = added.get(&(id as u32)) {
-            let kind = if *special {
-                TokenKind::Control
-            } else {
-                TokenKind::UserDefined
-            };
+            let kind = if *special { TokenKind::Control } else { TokenKind::UserDefined };
             table.push_with(kind, |o| o.extend_from_slice(content.as_bytes()));
             continue;
         }
@@ -145,9 +103,7 @@ pub(crate) fn from_hf_dir(dir: &Path) -> Result<TextTokenizer> {
             None => table.push_with(TokenKind::Unused, |_| {}),
             Some(t) => table.push_with(TokenKind::Normal, |o| match scheme {
                 Scheme::ByteLevel => bytes::byte_level_decode(t, o),
-                Scheme::SentencePiece { byte_fallback, .. } => {
-                    bytes::sentencepiece_decode(t, byte_fallback, o)
-                }
+                Scheme::SentencePiece { byte_fallback, .. } => bytes::sentencepiece_decode(t, byte_fallback, o),
             }),
         }
     }
@@ -161,9 +117,7 @@ pub(crate) fn from_hf_dir(dir: &Path) -> Result<TextTokenizer> {
     let mut extra_eos = Vec::new();
     match gen_config.get("eos_token_id") {
         Some(Value::Number(x)) => extra_eos.extend(x.as_u64().map(|x| x as u32)),
-        Some(Value::Array(a)) => {
-            extra_eos.extend(a.iter().filter_map(Value::as_u64).map(|x| x as u32))
-        }
+        Some(Value::Array(a)) => extra_eos.extend(a.iter().filter_map(Value::as_u64).map(|x| x as u32)),
         _ => {}
     }
 
@@ -171,32 +125,18 @@ pub(crate) fn from_hf_dir(dir: &Path) -> Result<TextTokenizer> {
         Some(b) => b,
         // No explicit flag: see whether the post-processor inserts BOS.
         None => match bos_id {
-            Some(bos) => tokenizer
-                .encode_fast("a", true)
-                .map(|e| e.get_ids().first() == Some(&bos))
-                .unwrap_or(false),
+            Some(bos) => tokenizer.encode_fast("a", true).map(|e| e.get_ids().first() == Some(&bos)).unwrap_or(false),
             None => false,
         },
     };
-    let add_eos = config
-        .get("add_eos_token")
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
+    let add_eos = config.get("add_eos_token").and_then(Value::as_bool).unwrap_or(false);
 
     let chat_template = match config.get("chat_template") {
         Some(Value::String(s)) => Some(s.clone()),
         Some(Value::Array(list)) => {
-            let named = |name: &str| {
-                list.iter()
-                    .find(|e| e.get("name").and_then(Value::as_str) == Some(name))
-                    .and_then(|e| e.get("template").and_then(Value::as_str))
-            };
-            named("default")
-                .or_else(|| {
-                    list.first()
-                        .and_then(|e| e.get("template").and_then(Value::as_str))
-                })
-                .map(str::to_string)
+            let named =
+                |name: &str| list.iter().find(|e| e.get("name").and_then(Value::as_str) == Some(name)).and_then(|e| e.get("template").and_then(Value::as_str));
+            named("default").or_else(|| list.first().and_then(|e| e.get("template").and_then(Value::as_str))).map(str::to_string)
         }
         _ => None,
     };
@@ -205,23 +145,14 @@ pub(crate) fn from_hf_dir(dir: &Path) -> Result<TextTokenizer> {
         None => {
             let p = dir.join("chat_template.jinja");
             if p.is_file() {
-                Some(
-                    std::fs::read_to_string(&p)
-                        .map_err(|source| TokenizerError::Io { path: p, source })?,
-                )
+                Some(std::fs::read_to_string(&p).map_err(|source| TokenizerError::Io { path: p, source })?)
             } else {
                 None
             }
         }
     };
 
-    let strip_leading_space = matches!(
-        scheme,
-        Scheme::SentencePiece {
-            strip_leading_space: true,
-            ..
-        }
-    );
+    let strip_leading_space = matches!(scheme, Scheme::SentencePiece { strip_leading_space: true, .. });
     TextTokenizer::assemble(Parts {
         tokenizer,
         bytes: table,

@@ -29,13 +29,11 @@ use tokenizers::models::bpe::BPE;
 use tokenizers::{AddedToken, Tokenizer};
 
 pub use bytes::TokenKind;
-pub use extend::PieceEncoding;
 pub use chat::{ChatMessage, ChatTemplate, RenderOptions};
 pub use error::{Result, TokenizerError};
+pub use extend::PieceEncoding;
 pub use gguf_vocab::{token_type, GgufVocab};
-pub use pretok::{
-    spec_for as pre_tokenizer_spec, PreTokenizerSpec, SUPPORTED_NAMES as SUPPORTED_PRE_TOKENIZERS,
-};
+pub use pretok::{spec_for as pre_tokenizer_spec, PreTokenizerSpec, SUPPORTED_NAMES as SUPPORTED_PRE_TOKENIZERS};
 pub use stream::StreamDecoder;
 
 use bytes::TokenBytes;
@@ -43,18 +41,8 @@ use bytes::TokenBytes;
 /// Token texts that end generation when present in the vocabulary as special
 /// (control / user-defined) tokens, in addition to the eos/eot/eom ids from the
 /// metadata.  The FIM separators follow llama.cpp, which also stops on them.
-pub const EOG_TOKEN_TEXTS: &[&str] = &[
-    "<|im_end|>",
-    "<|endoftext|>",
-    "<|eot_id|>",
-    "<|end_of_text|>",
-    "<|eom_id|>",
-    "<|end|>",
-    "<end_of_turn>",
-    "<|fim_pad|>",
-    "<|repo_name|>",
-    "<|file_sep|>",
-];
+pub const EOG_TOKEN_TEXTS: &[&str] =
+    &["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"];
 
 /// A text tokenizer for one model.  Cheap to share behind an `Arc`; all methods
 /// take `&self` and are thread-safe.
@@ -115,10 +103,7 @@ impl TextTokenizer {
     /// Open a GGUF file and build its tokenizer.
     pub fn from_gguf_path(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let file = gguf::GgufFile::open(path).map_err(|e| TokenizerError::Gguf {
-            path: path.to_path_buf(),
-            detail: e.to_string(),
-        })?;
+        let file = gguf::GgufFile::open(path).map_err(|e| TokenizerError::Gguf { path: path.to_path_buf(), detail: e.to_string() })?;
         Self::from_gguf(&file)
     }
 
@@ -136,17 +121,11 @@ impl TextTokenizer {
         let spec = pretok::spec_for(v.pre.as_deref())?;
         let n = v.tokens.len();
         if n == 0 {
-            return Err(TokenizerError::InvalidKey {
-                key: KEY_TOKENS,
-                detail: "empty token list".into(),
-            });
+            return Err(TokenizerError::InvalidKey { key: KEY_TOKENS, detail: "empty token list".into() });
         }
         if let Some(tt) = &v.token_types {
             if tt.len() != n {
-                return Err(TokenizerError::InvalidKey {
-                    key: KEY_TOKEN_TYPE,
-                    detail: format!("{} entries but {} tokens", tt.len(), n),
-                });
+                return Err(TokenizerError::InvalidKey { key: KEY_TOKEN_TYPE, detail: format!("{} entries but {} tokens", tt.len(), n) });
             }
         }
         if v.merges.is_empty() {
@@ -161,11 +140,7 @@ impl TextTokenizer {
         }
         let mut merges = Vec::with_capacity(v.merges.len());
         for (index, m) in v.merges.iter().enumerate() {
-            let bad = |reason: String| TokenizerError::BadMerge {
-                index,
-                merge: m.clone(),
-                reason,
-            };
+            let bad = |reason: String| TokenizerError::BadMerge { index, merge: m.clone(), reason };
             // Like llama.cpp: the first space at byte index >= 1 separates the pair.
             let split = m.bytes().skip(1).position(|b| b == b' ').map(|p| p + 1);
             let Some(pos) = split else {
@@ -181,9 +156,7 @@ impl TextTokenizer {
                 }
             }
             if !vocab.contains_key(&format!("{a}{b}")) {
-                return Err(bad(format!(
-                    "merged token `{a}{b}` is not in the vocabulary"
-                )));
+                return Err(bad(format!("merged token `{a}{b}` is not in the vocabulary")));
             }
             merges.push((a.to_string(), b.to_string()));
         }
@@ -209,52 +182,33 @@ impl TextTokenizer {
                 }
                 token_type::USER_DEFINED => {
                     user.push(AddedToken::from(t.clone(), false).normalized(false));
-                    table.push_with(TokenKind::UserDefined, |o| {
-                        o.extend_from_slice(t.as_bytes())
-                    });
+                    table.push_with(TokenKind::UserDefined, |o| o.extend_from_slice(t.as_bytes()));
                 }
                 token_type::UNUSED => table.push_with(TokenKind::Unused, |_| {}),
-                token_type::BYTE => {
-                    table.push_with(TokenKind::Normal, |o| match bytes::parse_byte_token(t) {
-                        Some(b) => o.push(b),
-                        None => bytes::byte_level_decode(t, o),
-                    })
-                }
+                token_type::BYTE => table.push_with(TokenKind::Normal, |o| match bytes::parse_byte_token(t) {
+                    Some(b) => o.push(b),
+                    None => bytes::byte_level_decode(t, o),
+                }),
                 _ => table.push_with(TokenKind::Normal, |o| bytes::byte_level_decode(t, o)),
             }
         }
         tokenizer.add_special_tokens(&control);
         tokenizer.add_tokens(&user);
 
-        for (what, id) in [
-            ("bos", v.bos_id),
-            ("eos", v.eos_id),
-            ("eot", v.eot_id),
-            ("eom", v.eom_id),
-        ] {
+        for (what, id) in [("bos", v.bos_id), ("eos", v.eos_id), ("eot", v.eot_id), ("eom", v.eom_id)] {
             if let Some(id) = id {
                 if id as usize >= n {
-                    return Err(TokenizerError::TokenIdOutOfRange {
-                        what,
-                        id: id as u64,
-                        vocab_size: n,
-                    });
+                    return Err(TokenizerError::TokenIdOutOfRange { what, id: id as u64, vocab_size: n });
                 }
             }
         }
         let add_bos = v.add_bos.unwrap_or(spec.default_add_bos);
         if add_bos && v.bos_id.is_none() {
-            return Err(TokenizerError::InvalidKey {
-                key: KEY_ADD_BOS,
-                detail: format!("add_bos is true but {KEY_BOS} is not set"),
-            });
+            return Err(TokenizerError::InvalidKey { key: KEY_ADD_BOS, detail: format!("add_bos is true but {KEY_BOS} is not set") });
         }
         let add_eos = v.add_eos.unwrap_or(false);
         if add_eos && v.eos_id.is_none() {
-            return Err(TokenizerError::InvalidKey {
-                key: KEY_ADD_EOS,
-                detail: format!("add_eos is true but {KEY_EOS} is not set"),
-            });
+            return Err(TokenizerError::InvalidKey { key: KEY_ADD_EOS, detail: format!("add_eos is true but {KEY_EOS} is not set") });
         }
         Self::assemble(Parts {
             tokenizer,
@@ -280,10 +234,7 @@ impl TextTokenizer {
     pub(crate) fn assemble(p: Parts) -> Result<Self> {
         let mut special_ids = HashMap::new();
         for id in 0..p.bytes.len() as u32 {
-            if matches!(
-                p.bytes.kind(id),
-                Some(TokenKind::Control | TokenKind::UserDefined)
-            ) {
+            if matches!(p.bytes.kind(id), Some(TokenKind::Control | TokenKind::UserDefined)) {
                 if let Some(b) = p.bytes.get(id) {
                     if let Ok(s) = std::str::from_utf8(b) {
                         special_ids.entry(s.to_string()).or_insert(id);
@@ -300,10 +251,7 @@ impl TextTokenizer {
         eos_ids.sort_unstable();
         eos_ids.dedup();
 
-        let text_of = |id: Option<u32>| {
-            id.and_then(|id| p.bytes.get(id))
-                .map(|b| String::from_utf8_lossy(b).into_owned())
-        };
+        let text_of = |id: Option<u32>| id.and_then(|id| p.bytes.get(id)).map(|b| String::from_utf8_lossy(b).into_owned());
         let bos_token = text_of(p.bos_id);
         let eos_token = text_of(p.eos_id);
 
@@ -335,11 +283,7 @@ impl TextTokenizer {
     /// single id; without it, such text is tokenized as ordinary characters.
     /// User-defined added tokens (e.g. Qwen's `<tool_call>`) are always matched.
     pub fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>> {
-        let tok = if parse_special {
-            &self.with_special
-        } else {
-            &self.without_special
-        };
+        let tok = if parse_special { &self.with_special } else { &self.without_special };
         let enc = tok.encode_fast(text, false)?;
         Ok(enc.get_ids().to_vec())
     }
@@ -400,10 +344,7 @@ impl TextTokenizer {
     /// (`"<|im_end|>"`), ordinary tokens by their vocabulary spelling (for
     /// byte-level BPE, `"Ġthe"` for " the").
     pub fn token_id(&self, text: &str) -> Option<u32> {
-        self.special_ids
-            .get(text)
-            .copied()
-            .or_else(|| self.with_special.token_to_id(text))
+        self.special_ids.get(text).copied().or_else(|| self.with_special.token_to_id(text))
     }
 
     /// Vocabulary spelling of an id (`"Ġthe"`, `"<|im_end|>"`).
@@ -466,30 +407,21 @@ impl TextTokenizer {
 
     /// The compiled chat template (compiled once, on first use).
     pub fn chat_template(&self) -> Result<&ChatTemplate> {
-        let src = self
-            .chat_template_source
-            .as_deref()
-            .ok_or(TokenizerError::NoChatTemplate)?;
+        let src = self.chat_template_source.as_deref().ok_or(TokenizerError::NoChatTemplate)?;
         self.chat_template
             .get_or_init(|| {
-                ChatTemplate::new(src, self.bos_token.as_deref(), self.eos_token.as_deref())
-                    .map_err(|e| match e {
-                        TokenizerError::TemplateSyntax(m) => m,
-                        other => other.to_string(),
-                    })
+                ChatTemplate::new(src, self.bos_token.as_deref(), self.eos_token.as_deref()).map_err(|e| match e {
+                    TokenizerError::TemplateSyntax(m) => m,
+                    other => other.to_string(),
+                })
             })
             .as_ref()
             .map_err(|m| TokenizerError::TemplateSyntax(m.clone()))
     }
 
     /// Render `messages` with the model's chat template.
-    pub fn apply_chat_template(
-        &self,
-        messages: &[ChatMessage],
-        add_generation_prompt: bool,
-    ) -> Result<String> {
-        self.chat_template()?
-            .render(messages, add_generation_prompt)
+    pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.chat_template()?.render(messages, add_generation_prompt)
     }
 
     /// A fresh incremental decoder (see [`StreamDecoder`]).

@@ -21,13 +21,16 @@ use super::error::{Result, TokenizerError};
 pub const GPT2: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
 
 /// Llama 3 (tiktoken cl100k-style); `(?i:...)` contractions spelled out as llama.cpp does.
-pub const LLAMA3: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+pub const LLAMA3: &str =
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// Qwen2: like Llama 3 but single digits.
-pub const QWEN2: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+pub const QWEN2: &str =
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// Qwen3.5: Qwen2 with combining marks kept with letters.
-pub const QWEN35: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+pub const QWEN35: &str =
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// Single digits (first step of the StarCoder / SmolLM family).
 pub const DIGIT: &str = r"\p{N}";
@@ -102,43 +105,20 @@ pub const SUPPORTED_NAMES: &[&str] = &[
 /// Resolve a `tokenizer.ggml.pre` value. `None`/empty means llama.cpp's "default".
 pub fn spec_for(pre: Option<&str>) -> Result<PreTokenizerSpec> {
     let name = pre.unwrap_or("").trim();
-    let spec = |family, regexes: Vec<&'static str>| PreTokenizerSpec {
-        family,
-        regexes,
-        ignore_merges: false,
-        default_add_bos: false,
-        nfc: false,
-    };
+    let spec = |family, regexes: Vec<&'static str>| PreTokenizerSpec { family, regexes, ignore_merges: false, default_add_bos: false, nfc: false };
     Ok(match name {
         "" | "default" => spec("default", DEFAULT.to_vec()),
-        "gpt-2" | "phi-2" | "mpt" | "olmo" | "jina-es" | "jina-de" | "jina-v2-es"
-        | "jina-v2-de" | "jina-v1-en" | "jina-v2-code" | "roberta-bpe" | "gigachat" | "mellum"
-        | "modern-bert" => spec("gpt-2", vec![GPT2]),
-        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0"
-        | "lfm2" => PreTokenizerSpec {
-            ignore_merges: true,
-            default_add_bos: true,
-            ..spec("llama3", vec![LLAMA3])
-        },
+        "gpt-2" | "phi-2" | "mpt" | "olmo" | "jina-es" | "jina-de" | "jina-v2-es" | "jina-v2-de" | "jina-v1-en" | "jina-v2-code" | "roberta-bpe"
+        | "gigachat" | "mellum" | "modern-bert" => spec("gpt-2", vec![GPT2]),
+        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0" | "lfm2" => {
+            PreTokenizerSpec { ignore_merges: true, default_add_bos: true, ..spec("llama3", vec![LLAMA3]) }
+        }
         "dbrx" | "smaug-bpe" | "glm4" | "chatglm-bpe" => spec("llama3-regex", vec![LLAMA3]),
-        "qwen2" | "deepseek-r1-qwen" | "stablelm2" => PreTokenizerSpec {
-            nfc: name != "stablelm2",
-            ..spec("qwen2", vec![QWEN2])
-        },
-        "qwen35" => PreTokenizerSpec {
-            nfc: true,
-            ..spec("qwen35", vec![QWEN35])
-        },
-        "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva" => {
-            spec("starcoder", vec![DIGIT, GPT2])
-        }
+        "qwen2" | "deepseek-r1-qwen" | "stablelm2" => PreTokenizerSpec { nfc: name != "stablelm2", ..spec("qwen2", vec![QWEN2]) },
+        "qwen35" => PreTokenizerSpec { nfc: true, ..spec("qwen35", vec![QWEN35]) },
+        "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva" => spec("starcoder", vec![DIGIT, GPT2]),
         "falcon" => spec("falcon", FALCON.to_vec()),
-        other => {
-            return Err(TokenizerError::UnknownPreTokenizer {
-                name: other.to_string(),
-                supported: SUPPORTED_NAMES.join(", "),
-            })
-        }
+        other => return Err(TokenizerError::UnknownPreTokenizer { name: other.to_string(), supported: SUPPORTED_NAMES.join(", ") }),
     })
 }
 
@@ -147,16 +127,8 @@ impl PreTokenizerSpec {
     pub fn build(&self) -> Result<PreTokenizerWrapper> {
         let mut steps: Vec<PreTokenizerWrapper> = Vec::with_capacity(self.regexes.len() + 1);
         for re in &self.regexes {
-            let split = Split::new(
-                SplitPattern::Regex((*re).to_string()),
-                SplitDelimiterBehavior::Isolated,
-                false,
-            )
-            .map_err(|e| {
-                TokenizerError::Tokenizers(format!(
-                    "pre-tokenizer regex `{re}` failed to compile: {e}"
-                ))
-            })?;
+            let split = Split::new(SplitPattern::Regex((*re).to_string()), SplitDelimiterBehavior::Isolated, false)
+                .map_err(|e| TokenizerError::Tokenizers(format!("pre-tokenizer regex `{re}` failed to compile: {e}")))?;
             steps.push(split.into());
         }
         steps.push(ByteLevel::new(false, false, false).into());
@@ -185,10 +157,7 @@ mod tests {
     fn unknown_name_is_a_clear_error() {
         let err = spec_for(Some("frobnicator-9")).unwrap_err();
         let msg = err.to_string();
-        assert!(
-            msg.contains("unknown pre-tokenizer `frobnicator-9`"),
-            "{msg}"
-        );
+        assert!(msg.contains("unknown pre-tokenizer `frobnicator-9`"), "{msg}");
         assert!(msg.contains("qwen2") && msg.contains("smollm"), "{msg}");
     }
 }

@@ -31,20 +31,13 @@ impl StreamDecoder {
     /// `skip_special`: drop control tokens (`<|im_end|>` ...) from the text, like
     /// `decode(.., true)`.
     pub fn new(skip_special: bool) -> Self {
-        StreamDecoder {
-            skip_special,
-            pending: Vec::with_capacity(16),
-            at_start: true,
-            tokens: 0,
-        }
+        StreamDecoder { skip_special, pending: Vec::with_capacity(16), at_start: true, tokens: 0 }
     }
 
     /// Feed one generated token; returns newly completed text, if any.
     pub fn push(&mut self, tokenizer: &TextTokenizer, id: u32) -> Option<String> {
         self.tokens += 1;
-        let piece = tokenizer
-            .token_bytes_table()
-            .decode_piece(id, self.skip_special);
+        let piece = tokenizer.token_bytes_table().decode_piece(id, self.skip_special);
         self.push_bytes(tokenizer, piece)
     }
 

@@ -78,10 +78,7 @@ pub fn peer_dir(name: &str) -> PathBuf {
 }
 
 /// Submits `req` and waits for its tokens and final report.
-pub async fn run_request(
-    engine: &tether::engine::EngineHandle,
-    req: tether::engine::SubmitRequest,
-) -> (Vec<u32>, tether::engine::FinishInfo) {
+pub async fn run_request(engine: &tether::engine::EngineHandle, req: tether::engine::SubmitRequest) -> (Vec<u32>, tether::engine::FinishInfo) {
     use tether::engine::EngineEvent;
     let (_, mut rx) = engine.submit(req).unwrap();
     let mut ids = Vec::new();

@@ -199,12 +199,7 @@ impl Outcome {
     /// Seqs 1..=n then done at n + 1.
     pub fn assert_contiguous(&self) {
         for (i, d) in self.deltas.iter().enumerate() {
-            assert_eq!(
-                d.seq,
-                i as u64 + 1,
-                "delta seqs must be contiguous from 1: {:?}",
-                self.deltas.iter().map(|d| d.seq).collect::<Vec<_>>()
-            );
+            assert_eq!(d.seq, i as u64 + 1, "delta seqs must be contiguous from 1: {:?}", self.deltas.iter().map(|d| d.seq).collect::<Vec<_>>());
         }
         if let End::Done(d) = &self.end {
             assert_eq!(d.seq, self.deltas.len() as u64 + 1, "done takes the next seq");
@@ -228,8 +223,7 @@ impl Client {
     pub async fn connect_with(url: &str, headers: &[(&str, &str)]) -> Result<(Client, Option<String>), (u16, String)> {
         let mut req = url.into_client_request().unwrap();
         for (k, v) in headers {
-            req.headers_mut()
-                .insert(tokio_tungstenite::tungstenite::http::HeaderName::from_bytes(k.as_bytes()).unwrap(), v.parse().unwrap());
+            req.headers_mut().insert(tokio_tungstenite::tungstenite::http::HeaderName::from_bytes(k.as_bytes()).unwrap(), v.parse().unwrap());
         }
         match tokio_tungstenite::connect_async(req).await {
             Ok((ws, resp)) => {
@@ -276,9 +270,7 @@ impl Client {
     async fn recv_socket(&mut self) -> ServerMessage {
         loop {
             match self.next_raw().await {
-                Some(Message::Text(t)) => {
-                    return ServerMessage::from_json(t.as_str()).unwrap_or_else(|e| panic!("server sent an invalid frame {t}: {e}"))
-                }
+                Some(Message::Text(t)) => return ServerMessage::from_json(t.as_str()).unwrap_or_else(|e| panic!("server sent an invalid frame {t}: {e}")),
                 Some(Message::Close(c)) => panic!("connection closed while waiting for a frame: {c:?}"),
                 Some(Message::Binary(_)) => panic!("server sent a binary frame"),
                 Some(_) => continue,

@@ -27,7 +27,7 @@ impl DraftSource for PromptLookup {
         }
         let last = history[n - 1];
         let mut best: Option<(usize, usize)> = None; // (match length, end of match)
-        // Candidates end at j < n - 1 with a continuation after them; newest first.
+                                                     // Candidates end at j < n - 1 with a continuation after them; newest first.
         for j in (0..n - 1).rev() {
             if history[j] != last {
                 continue;
