@@ -96,6 +96,7 @@ pub(crate) mod bridge {
         fn reset_peak_memory();
         fn cache_memory() -> usize;
         fn clear_cache() -> Result<()>;
+        fn trim_process_heap() -> bool;
         fn set_memory_limit(bytes: usize) -> usize;
         fn set_cache_limit(bytes: usize) -> usize;
         fn set_default_device(gpu: bool) -> Result<()>;

@@ -26,6 +26,15 @@ pub fn clear_cache() -> Result<()> {
     bridge::clear_cache().map_err(|e| Error::from_cxx("clear_cache", e))
 }
 
+/// Returns MLX's cached buffers, then the C heap's free pages, to the
+/// system: the process's resident memory falls back toward what live data
+/// needs. A few milliseconds; call it when idle, not on a hot path.
+/// Returns whether the heap gave any memory back.
+pub fn release_to_system() -> Result<bool> {
+    clear_cache()?;
+    Ok(bridge::trim_process_heap())
+}
+
 /// Sets the allocator's memory limit; returns the previous one.
 pub fn set_memory_limit(bytes: usize) -> usize {
     bridge::set_memory_limit(bytes)

@@ -2,6 +2,9 @@
 #include "tether-mlx/src/shim.h"
 
 #include <stdexcept>
+#if defined(__GLIBC__)  // defined by the C library's headers, included above
+#include <malloc.h>
+#endif
 
 #include "tether-mlx/src/cpu_attention.h"
 #include "tether-mlx/src/cpu_panels.h"
@@ -260,6 +263,19 @@ size_t peak_memory() { return mx::get_peak_memory(); }
 void reset_peak_memory() { mx::reset_peak_memory(); }
 size_t cache_memory() { return mx::get_cache_memory(); }
 void clear_cache() { mx::clear_cache(); }
+
+// glibc keeps memory freed into its heaps and per-thread arenas for reuse
+// and returns it to the system only from the top of each heap (and only
+// past a threshold that grows with the largest freed mmap chunk). After a
+// burst, freed KV caches and graph buffers leave most of it in the middle
+// of the heaps: malloc_trim(0) releases every free page there too.
+bool trim_process_heap() {
+#if defined(__GLIBC__)
+  return malloc_trim(0) != 0;
+#else
+  return false;
+#endif
+}
 size_t set_memory_limit(size_t bytes) { return mx::set_memory_limit(bytes); }
 size_t set_cache_limit(size_t bytes) { return mx::set_cache_limit(bytes); }
 void set_default_device(bool gpu) { mx::set_default_device(gpu ? mx::Device::gpu : mx::Device::cpu); }

@@ -127,6 +127,7 @@ size_t peak_memory();
 void reset_peak_memory();
 size_t cache_memory();
 void clear_cache();
+bool trim_process_heap();
 size_t set_memory_limit(size_t bytes);
 size_t set_cache_limit(size_t bytes);
 void set_default_device(bool gpu);
