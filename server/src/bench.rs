@@ -120,7 +120,7 @@ pub fn run_streams_bench(engine: &crate::engine::EngineHandle, name: &str, promp
                 *first = first.wrapping_add(s as u32 % 7);
             }
             let req = SubmitRequest::new(p, gen);
-            let (_, mut rx) = engine.submit(req)?;
+            let mut rx = engine.submit(req)?.events;
             tasks.push(tokio::spawn(async move {
                 let mut ttft = None;
                 let mut n = 0usize;
@@ -130,7 +130,7 @@ pub fn run_streams_bench(engine: &crate::engine::EngineHandle, name: &str, promp
                             ttft.get_or_insert_with(|| start.elapsed());
                             n += ids.len();
                         }
-                        EngineEvent::Finished(_) | EngineEvent::Failed { .. } => break,
+                        EngineEvent::Finished(_) | EngineEvent::Failed(_) => break,
                         EngineEvent::Started { .. } => {}
                     }
                 }
@@ -191,7 +191,7 @@ pub fn run_agent_bench(
         history.extend(&text[(turn - 1) * new_tokens..turn * new_tokens]);
         let req = SubmitRequest { cache_scope: cache.then(|| Scope::Session(scope.clone())), ..SubmitRequest::new(history.clone(), gen) };
         let start = std::time::Instant::now();
-        let (_, mut rx) = engine.submit(req)?;
+        let mut rx = engine.submit(req)?.events;
         let (generated, ttft, cached) = rt.block_on(async {
             let mut ids = Vec::new();
             let mut ttft = None;
@@ -206,7 +206,7 @@ pub fn run_agent_bench(
                         cached = f.cached_tokens;
                         break;
                     }
-                    EngineEvent::Failed { message } => anyhow::bail!(message),
+                    EngineEvent::Failed(e) => anyhow::bail!(e),
                     EngineEvent::Started { .. } => {}
                 }
             }

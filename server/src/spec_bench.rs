@@ -123,14 +123,14 @@ pub fn run(engine: &EngineHandle, tok: &TextTokenizer, workload: Workload, promp
         let mut tasks = Vec::new();
         for (prompt, max_tokens) in prompts {
             let req = SubmitRequest { stop_ids: tok.eos_ids().to_vec(), speculation: speculation.clone(), ..SubmitRequest::new(prompt.clone(), *max_tokens) };
-            let (_, mut rx) = engine.submit(req)?;
+            let mut rx = engine.submit(req)?.events;
             tasks.push(tokio::spawn(async move {
                 let mut ids = Vec::new();
                 while let Some(ev) = rx.recv().await {
                     match ev {
                         EngineEvent::Tokens { ids: t, .. } => ids.extend(t),
                         EngineEvent::Finished(f) => return Ok((ids, f.speculative)),
-                        EngineEvent::Failed { message } => anyhow::bail!("request failed: {message}"),
+                        EngineEvent::Failed(e) => anyhow::bail!("request failed: {e}"),
                         EngineEvent::Started { .. } => {}
                     }
                 }

@@ -5,7 +5,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use tether::engine::{EngineConfig, EngineEvent, EngineHandle, Finish, KvLayout, SubmitRequest};
+use tether::engine::{EngineConfig, EngineError, EngineEvent, EngineHandle, Finish, KvLayout, Scope, StopReason, SubmitRequest};
 use tether::generate::greedy_tokens;
 use tether::model::{load_transformer, LoadOptions};
 
@@ -23,7 +23,7 @@ async fn collect(mut rx: tokio::sync::mpsc::Receiver<EngineEvent>) -> (Vec<u32>,
         match ev {
             EngineEvent::Tokens { ids: t, .. } => ids.extend(t),
             EngineEvent::Finished(f) => return (ids, Some(f.reason)),
-            EngineEvent::Failed { message } => panic!("request failed: {message}"),
+            EngineEvent::Failed(e) => panic!("request failed: {e}"),
             EngineEvent::Started { .. } => {}
         }
     }
@@ -71,7 +71,7 @@ async fn concurrent_requests_match_solo_greedy_with(config: EngineConfig) {
     for (i, p) in prompts.iter().enumerate() {
         let chunk = if i % 2 == 0 { Some(3) } else { None };
         // Uneven lengths, so rows finish (and free slots) while others run.
-        let (_, rx) = engine.submit(SubmitRequest { prefill_chunk: chunk, ..request(p.clone(), 12 - i % 3) }).unwrap();
+        let rx = engine.submit(SubmitRequest { prefill_chunk: chunk, ..request(p.clone(), 12 - i % 3) }).unwrap().events;
         handles.push(tokio::spawn(collect(rx)));
         // Join some requests mid-way through the others.
         tokio::time::sleep(Duration::from_millis(30 * i as u64)).await;
@@ -82,7 +82,7 @@ async fn concurrent_requests_match_solo_greedy_with(config: EngineConfig) {
         assert_eq!(got, want[..12 - i % 3], "request {i} ({kv_layout:?})");
     }
     // A second wave reuses the slots the first one freed.
-    let (_, rx) = engine.submit(request(prompts[0].clone(), 12)).unwrap();
+    let rx = engine.submit(request(prompts[0].clone(), 12)).unwrap().events;
     let (again, _) = collect(rx).await;
     assert_eq!(again, solo[0]);
 }
@@ -91,18 +91,19 @@ async fn concurrent_requests_match_solo_greedy_with(config: EngineConfig) {
 async fn cancel_and_dropped_receivers_free_rows() {
     let engine = start(EngineConfig::default());
     let prompt = prompts()[0].clone();
-    let (id, mut rx) = engine.submit(request(prompt.clone(), 10_00)).unwrap();
+    let submitted = engine.submit(request(prompt.clone(), 10_00)).unwrap();
+    let mut rx = submitted.events;
     // Wait for the first token, then cancel.
     loop {
         if let Some(EngineEvent::Tokens { .. }) = rx.recv().await {
             break;
         }
     }
-    engine.cancel(id);
+    submitted.stop.stop(StopReason::Cancel);
     let (_, finish) = collect(rx).await;
     assert_eq!(finish, Some(Finish::Cancelled));
 
-    let (_, rx) = engine.submit(request(prompt, 1000)).unwrap();
+    let rx = engine.submit(request(prompt, 1000)).unwrap().events;
     drop(rx);
     for _ in 0..100 {
         let s = engine.stats().await.unwrap();
@@ -120,7 +121,7 @@ async fn stop_ids_and_context_limit() {
     let engine = start(EngineConfig::default());
     let prompt = prompts()[0].clone();
     // Greedy " Paris" is 7042 for this prompt: stopping on it yields nothing.
-    let (_, rx) = engine.submit(SubmitRequest { stop_ids: vec![7042], ..request(prompt.clone(), 5) }).unwrap();
+    let rx = engine.submit(SubmitRequest { stop_ids: vec![7042], ..request(prompt.clone(), 5) }).unwrap().events;
     let (ids, finish) = collect(rx).await;
     assert!(ids.is_empty());
     assert_eq!(finish, Some(Finish::Stop));
@@ -143,7 +144,7 @@ async fn kv_budget_bounds_running_rows_in_both_layouts() {
     assert!(prompt.len() + max_tokens <= tether::model::KV_CAPACITY_STEP);
     for (kv_layout, limit) in [(KvLayout::Rows, 3), (KvLayout::Batched, 2)] {
         let engine = start(EngineConfig { kv_budget_bytes: 3 * block_bytes, kv_layout, ..Default::default() });
-        let handles: Vec<_> = (0..4).map(|_| tokio::spawn(collect(engine.submit(request(prompt.clone(), max_tokens)).unwrap().1))).collect();
+        let handles: Vec<_> = (0..4).map(|_| tokio::spawn(collect(engine.submit(request(prompt.clone(), max_tokens)).unwrap().events))).collect();
         let mut most = 0;
         while !handles.iter().all(|h| h.is_finished()) {
             most = most.max(engine.stats().await.unwrap().running);
@@ -154,12 +155,12 @@ async fn kv_budget_bounds_running_rows_in_both_layouts() {
         }
         assert_eq!(most, limit, "{kv_layout:?}: rows running at once");
 
-        let (_, mut rx) = engine.submit(request(prompt.clone(), 3 * tether::model::KV_CAPACITY_STEP)).unwrap();
+        let mut rx = engine.submit(request(prompt.clone(), 3 * tether::model::KV_CAPACITY_STEP)).unwrap().events;
         match rx.recv().await {
-            Some(EngineEvent::Failed { message }) => assert!(message.contains("budget"), "{message}"),
+            Some(EngineEvent::Failed(e)) => assert!(matches!(e, EngineError::OverKvBudget { .. }), "{e}"),
             other => panic!("a request over the budget must fail, got {other:?}"),
         }
-        let (again, _) = collect(engine.submit(request(prompt.clone(), 4)).unwrap().1).await;
+        let (again, _) = collect(engine.submit(request(prompt.clone(), 4)).unwrap().events).await;
         assert_eq!(again.len(), 4);
     }
 }
@@ -175,7 +176,8 @@ async fn kv_budget_bounds_running_rows_in_both_layouts() {
 async fn waiting_prompts_that_outnumber_decoding_rows_widen_the_allowance() {
     let engine = start(EngineConfig { max_itl_inflation: 1.05, ..Default::default() });
     let base = prompts()[0].clone();
-    let (decoding, mut rx) = engine.submit(request(base.clone(), 1000)).unwrap();
+    let decoding = engine.submit(request(base.clone(), 1000)).unwrap();
+    let mut rx = decoding.events;
     // A client reading its stream throughout; the first tokens tell that
     // the row decodes and the allowance has decode-only steps to go by.
     let (decoded_tx, decoded_rx) = tokio::sync::oneshot::channel();
@@ -194,13 +196,13 @@ async fn waiting_prompts_that_outnumber_decoding_rows_widen_the_allowance() {
     tokio::time::timeout(within(60), decoded_rx).await.expect("the first row decodes").unwrap();
     let before = engine.stats().await.unwrap().steps;
     let long_prompt = |i: u32| -> Vec<u32> { base.iter().cycle().take(100).enumerate().map(|(j, &t)| if j == 1 { t.wrapping_add(i) } else { t }).collect() };
-    let waiting: Vec<_> = (0..6).map(|i| engine.submit(request(long_prompt(i), 1)).unwrap().1).collect();
+    let waiting: Vec<_> = (0..6).map(|i| engine.submit(request(long_prompt(i), 1)).unwrap().events).collect();
     for rx in waiting {
         let (ids, finish) = tokio::time::timeout(within(60), collect(rx)).await.expect("every waiting prompt finishes");
         assert_eq!((ids.len(), finish), (1, Some(Finish::Length)));
     }
     let steps = engine.stats().await.unwrap().steps - before;
-    engine.cancel(decoding);
+    decoding.stop.stop(StopReason::Cancel);
     reader.await.unwrap();
     // 100 tokens in 16-token chunks is 7 steps; a few more pass before the
     // engine reads the submissions and the last stats request (7-9 seen).
@@ -216,7 +218,7 @@ async fn started_at(mut rx: tokio::sync::mpsc::Receiver<EngineEvent>) -> std::ti
         match ev {
             EngineEvent::Started { .. } => started = Some(std::time::Instant::now()),
             EngineEvent::Finished(_) => break,
-            EngineEvent::Failed { message } => panic!("request failed: {message}"),
+            EngineEvent::Failed(e) => panic!("request failed: {e}"),
             EngineEvent::Tokens { .. } => {}
         }
     }
@@ -233,7 +235,7 @@ async fn a_session_with_many_requests_takes_turns_with_others_for_rows() {
     let engine = start(EngineConfig { max_running: 2, ..Default::default() });
     let prompt = prompts()[0].clone();
     let submit = |session: &str, max_tokens: usize| {
-        let (_, rx) = engine.submit(SubmitRequest { session: Some(session.into()), ..request(prompt.clone(), max_tokens) }).unwrap();
+        let rx = engine.submit(SubmitRequest { session: Some(session.into()), ..request(prompt.clone(), max_tokens) }).unwrap().events;
         tokio::spawn(started_at(rx))
     };
     let a: Vec<_> = (0..4).map(|_| submit("a", 16)).collect();
@@ -244,4 +246,47 @@ async fn a_session_with_many_requests_takes_turns_with_others_for_rows() {
         a_started.push(tokio::time::timeout(Duration::from_secs(120), task).await.expect("a finished").unwrap());
     }
     assert!(b < a_started[3], "b was seated after all of a's requests");
+}
+
+/// A turn the edge ends on a stop string keeps its KV state for the
+/// session's next turn, like a turn ended by an end token; a cancelled one
+/// does not. Both stop after the same tokens; the next turn's prompt
+/// extends what each had read and generated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_ended_on_a_stop_string_is_cached_and_a_cancelled_one_is_not() {
+    for kv_layout in [KvLayout::Rows, KvLayout::Batched] {
+        let engine = start(EngineConfig { kv_layout, ..Default::default() });
+        let prompt: Vec<u32> = prompts()[0].iter().cycle().take(40).copied().collect();
+        let mut cached_after = Vec::new();
+        for (session, reason) in [("stopped", StopReason::StopString), ("cancelled", StopReason::Cancel)] {
+            let scoped = |prompt: Vec<u32>| SubmitRequest { cache_scope: Some(Scope::Session(session.into())), ..request(prompt, 1000) };
+            let turn = engine.submit(scoped(prompt.clone())).unwrap();
+            let mut rx = turn.events;
+            let mut generated = Vec::new();
+            while generated.len() < 12 {
+                match rx.recv().await {
+                    Some(EngineEvent::Tokens { ids, .. }) => generated.extend(ids),
+                    Some(EngineEvent::Started { .. }) => {}
+                    other => panic!("{kv_layout:?}: the turn ended early: {other:?}"),
+                }
+            }
+            turn.stop.stop(reason);
+            let (_, finish) = collect(rx).await;
+            let expected = if reason == StopReason::StopString { Finish::Stop } else { Finish::Cancelled };
+            assert_eq!(finish, Some(expected), "{kv_layout:?}");
+            let next: Vec<u32> = prompt.iter().chain(&generated[..10]).chain(&prompt[..8]).copied().collect();
+            let mut rx = engine.submit(scoped(next)).unwrap().events;
+            let cached = loop {
+                match rx.recv().await.expect("the next turn finishes") {
+                    EngineEvent::Finished(info) => break info.cached_tokens,
+                    EngineEvent::Failed(e) => panic!("{kv_layout:?}: {e}"),
+                    _ => {}
+                }
+            };
+            cached_after.push(cached);
+        }
+        // Cached in whole 16-token blocks: the prompt and the tokens
+        // generated before the stop, up to the last full block.
+        assert_eq!(cached_after, vec![48, 0], "{kv_layout:?}: tokens cached after a stopped and after a cancelled turn");
+    }
 }

@@ -302,6 +302,45 @@ async fn session_limit_gives_server_busy() {
     c.open().await;
 }
 
+/// Clients that close their socket without `session.close` (a closed
+/// browser tab) leave detached sessions awaiting a resume; at the limit a
+/// new client wins over them: the session detached longest is ended (its
+/// resume gets `session_expired`) and counted in /metrics. Attached
+/// sessions alone still make the server busy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn detached_sessions_make_room_for_new_clients_at_the_limit() {
+    let h = harness();
+    let srv = h.start(ServerConfig { max_sessions: 3, session_ttl: Duration::from_secs(600), ..ServerConfig::default() }).await;
+    let mut gone = Vec::new();
+    for i in 0..3 {
+        let mut c = srv.client().await;
+        let ready = c.open().await;
+        c.generate(&format!("tab-{i}"), json!({"prompt": "Hello", "max_tokens": 2})).await;
+        c.collect(&format!("tab-{i}")).await;
+        c.drop_connection();
+        gone.push(ready);
+        // Detached in this order, so the first is the oldest.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The server notices the last drop on its own time.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut fresh = Vec::new();
+    for _ in 0..3 {
+        let mut c = srv.client().await;
+        c.open().await;
+        fresh.push(c);
+    }
+    let mut busy = srv.client().await;
+    busy.send(&json!({"type": "session.open"})).await;
+    assert_eq!(busy.expect_error().await.code, ErrorCode::ServerBusy, "attached sessions alone fill the server");
+    let mut late = srv.client().await;
+    late.send(&json!({"type": "session.open", "session_id": gone[0].session_id, "resume_token": gone[0].resume_token})).await;
+    assert_eq!(late.expect_error().await.code, ErrorCode::SessionExpired);
+    let (_, metrics) = srv.http_get("/metrics").await;
+    let evicted = metrics.lines().find_map(|l| l.strip_prefix("tether_sessions_evicted_total ")).expect("evictions in /metrics");
+    assert_eq!(evicted.trim(), "3", "{metrics}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_sockets_time_out_and_the_session_survives() {
     let h = harness();

@@ -250,6 +250,40 @@ async fn a_sessions_second_turn_reuses_its_first_turn() {
     assert!(metrics.contains("tether_prefix_cache_bytes "), "{metrics}");
 }
 
+/// A turn that ends on a stop string leaves its KV state for the next turn
+/// as a turn ended by an end token does: editors send a stop string with
+/// nearly every completion, and their next keystroke must not pay the
+/// whole prefill again. The stop string is taken from the middle of the
+/// turn's greedy text (read first on another session), so the edge, not
+/// the model, ends the turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_ended_by_a_stop_string_is_cached_for_the_next_turn() {
+    let user1 = json!({"role": "user", "content": "Write a short poem about the sea."});
+    let turn = json!({"messages": [user1], "max_tokens": 32, "speculation": {"source": "off"}});
+    let mut reference = server().await.client().await;
+    reference.open().await;
+    reference.generate("whole", turn.clone()).await;
+    let whole = reference.collect("whole").await.text();
+    let chars: Vec<char> = whole.chars().collect();
+    assert!(chars.len() >= 24, "the greedy turn is long enough to cut: {whole:?}");
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 3].iter().collect();
+    let cut = whole.find(&stop).expect("the stop string is in the text");
+
+    let mut c = server().await.client().await;
+    c.open().await;
+    let mut stopped = turn.clone();
+    stopped["stop"] = json!([stop]);
+    c.generate("stop-turn-1", stopped).await;
+    let turn1 = c.collect("stop-turn-1").await;
+    assert_eq!(turn1.done().finish_reason, FinishReason::Stop);
+    assert_eq!(turn1.text(), whole[..cut], "the text ends before the stop string {stop:?}");
+    let history = json!([user1, {"role": "assistant", "content": turn1.text()}, {"role": "user", "content": "Now one about the moon."}]);
+    c.generate("stop-turn-2", json!({"messages": history, "max_tokens": 4})).await;
+    let turn2 = c.collect("stop-turn-2").await;
+    let usage = &turn2.done().usage;
+    assert!(usage.cached_tokens >= 32, "cached {} of {} prompt tokens after a turn ended by a stop string", usage.cached_tokens, usage.prompt_tokens);
+}
+
 /// A long raw prompt whose next turn extends it: the session re-encodes
 /// only the new part (tokenizer/extend.rs), and the second turn reads the
 /// same tokens, so the same output, as a fresh session given the whole text.

@@ -1,6 +1,7 @@
 //! One request inside the engine: its KV cache, sampler and progress.
+use super::api::{EngineEvent, Finish, FinishInfo, RequestId, StopHandle, StopReason, SubmitRequest, TokenLogprob};
+use super::scheduler::{DraftView, RowView};
 use super::speculate::{DraftState, Proposal};
-use super::{EngineEvent, Finish, FinishInfo, RequestId, SubmitRequest, TokenLogprob};
 use crate::model::{KvCache, Transformer};
 use crate::sample::Sampler;
 
@@ -8,6 +9,10 @@ pub(super) struct Row {
     pub id: RequestId,
     pub request: SubmitRequest,
     pub events: tokio::sync::mpsc::Sender<EngineEvent>,
+    /// Set by the edge to end the request early.
+    pub stop: StopHandle,
+    /// KV bytes the request can grow to (see the scheduler's reservations).
+    pub kv_bytes: usize,
     /// The row's KV cache, unless it is in the engine's batch (`slot`).
     pub cache: KvCache,
     /// Its slot in the engine's [`crate::model::KvBatch`], from admission
@@ -28,31 +33,64 @@ pub(super) struct Row {
     pub draft: Option<DraftState>,
 }
 
-/// What a row does in one step.
+/// What a row does in one step (the scheduler's [`RowWork`], with the
+/// drafts filled in).
+///
+/// [`RowWork`]: super::scheduler::RowWork
 pub(super) enum Work {
     Prefill {
         tokens: usize,
     },
     /// The pending token, then draft tokens to verify (often none).
-    /// `model_depth` drafts are still to come from the draft model.
     Decode {
         drafts: Vec<u32>,
-        model_depth: usize,
     },
 }
 
 impl Row {
-    pub fn new(
-        id: RequestId,
-        request: SubmitRequest,
-        events: tokio::sync::mpsc::Sender<EngineEvent>,
-        cache: KvCache,
-        draft_model: Option<&Transformer>,
-    ) -> mlx::Result<Row> {
+    pub fn new(admitted: Admitted, cache: KvCache, draft_model: Option<&Transformer>) -> mlx::Result<Row> {
+        let Admitted { id, request, events, stop, kv_bytes } = admitted;
         let sampler = Sampler::new(request.sampling.clone())?;
         let tokens = request.prompt.clone();
         let draft = DraftState::new(&request.speculation, draft_model);
-        Ok(Row { id, request, events, cache, slot: None, sampler, prefilled: 0, generated: 0, pending_token: None, tokens, cached_tokens: 0, draft })
+        Ok(Row {
+            id,
+            request,
+            events,
+            stop,
+            kv_bytes,
+            cache,
+            slot: None,
+            sampler,
+            prefilled: 0,
+            generated: 0,
+            pending_token: None,
+            tokens,
+            cached_tokens: 0,
+            draft,
+        })
+    }
+
+    /// What the scheduler sees of this row.
+    pub fn view(&self) -> RowView<'_> {
+        RowView {
+            id: self.id,
+            session: self.request.session.as_deref(),
+            kv_bytes: self.kv_bytes,
+            prompt_remaining: self.prompt_remaining(),
+            uncached_prompt: self.request.prompt.len() - self.cached_tokens,
+            decoding: self.pending_token.is_some(),
+            can_publish: self.can_publish(),
+            prefill_chunk: self.request.prefill_chunk,
+            generation_room: self.request.max_tokens.saturating_sub(self.generated + 1),
+            draft: self.draft.as_ref().map(|d| DraftView { depth: d.depth(), recent_acceptance: d.recent_acceptance() }),
+        }
+    }
+
+    /// Why the edge wants this row ended now, if it does: it asked, or its
+    /// consumer went away (nobody to tell: cancelled).
+    pub fn stop_requested(&self) -> Option<StopReason> {
+        self.stop.requested().or_else(|| self.events.is_closed().then_some(StopReason::Cancel))
     }
 
     pub fn prompt_remaining(&self) -> usize {
@@ -62,10 +100,6 @@ impl Row {
     /// Room for this step's events (a token batch now, a final event later).
     pub fn can_publish(&self) -> bool {
         self.events.capacity() >= 2
-    }
-
-    pub fn consumer_gone(&self) -> bool {
-        self.events.is_closed()
     }
 
     /// This row's tokens for the step's forward; advances its progress.
@@ -104,17 +138,13 @@ impl Row {
         (tokens, cache)
     }
 
-    /// This decode step's drafts: as many as the source offers, within the
-    /// step's remaining `budget` and the request's remaining `max_tokens`
-    /// (a verification emits up to drafts + 1 tokens), and none when this
-    /// row's drafts are not accepted often enough to pay beside the step's
-    /// other rows (`bar`: see `DraftCost`).
-    pub fn drafts(&mut self, budget: usize, bar: Option<f64>) -> Proposal {
-        let room = budget.min(self.request.max_tokens.saturating_sub(self.generated + 1));
+    /// This decode step's drafts: as many as the source offers, at most
+    /// `max` (the scheduler's cap: budget, bar and `max_tokens` room).
+    pub fn drafts(&mut self, max: usize) -> Proposal {
         let (history, generated) = (&self.tokens, self.generated);
         match &mut self.draft {
-            Some(d) if d.pays(bar) => d.propose(history, generated, room),
-            _ => Proposal::Ready(Vec::new()),
+            Some(d) => d.propose(history, generated, max),
+            None => Proposal::Ready(Vec::new()),
         }
     }
 
@@ -138,6 +168,15 @@ impl Row {
             speculative: self.draft.as_ref().map(|d| d.stats.clone()),
         })
     }
+}
+
+/// A waiting request the scheduler admitted, before its row exists.
+pub(super) struct Admitted {
+    pub id: RequestId,
+    pub request: SubmitRequest,
+    pub events: tokio::sync::mpsc::Sender<EngineEvent>,
+    pub stop: StopHandle,
+    pub kv_bytes: usize,
 }
 
 /// The sampled token's log-probability and the top `n` alternatives, from a

@@ -24,6 +24,7 @@ pub struct Metrics {
     pub prompt_tokens: Counter,
     pub replayed_frames: Counter,
     pub sessions_expired: Counter,
+    pub sessions_evicted: Counter,
     engine_running: Gauge,
     engine_waiting: Gauge,
     engine_kv_bytes: Gauge,
@@ -64,6 +65,7 @@ impl Metrics {
             prompt_tokens: Counter::default(),
             replayed_frames: Counter::default(),
             sessions_expired: Counter::default(),
+            sessions_evicted: Counter::default(),
             engine_running: Gauge::default(),
             engine_waiting: Gauge::default(),
             engine_kv_bytes: Gauge::default(),
@@ -92,6 +94,7 @@ impl Metrics {
         registry.register("prompt_tokens", "Prompt tokens submitted", m.prompt_tokens.clone());
         registry.register("replayed_frames", "Frames replayed on resume", m.replayed_frames.clone());
         registry.register("sessions_expired", "Sessions dropped after their TTL", m.sessions_expired.clone());
+        registry.register("sessions_evicted", "Detached sessions ended early to make room for a new session at the session limit", m.sessions_evicted.clone());
         registry.register("engine_running", "Requests holding an engine row", m.engine_running.clone());
         registry.register("engine_waiting", "Requests queued in the engine", m.engine_waiting.clone());
         registry.register("engine_kv_bytes", "KV cache bytes held by live requests", m.engine_kv_bytes.clone());

@@ -4,16 +4,22 @@
 //! * `config` — limits, TTLs, auth ([`ServerConfig`]).
 //! * `http` — routing, Origin / bearer checks, the WebSocket upgrade.
 //! * `ws` — one connection: reader and writer tasks.
-//! * `session` — sessions, their requests and replay ring, the registry.
+//! * `conn` — a connection's handle as sessions see it; close reasons.
+//! * `session` — one session: its requests, their frames, resume.
+//! * `replay` — a session's ring of frames, at absolute positions.
+//! * `sessions` — the registry: create (room at the limit), find, expire.
 //! * `request` — `generate` → token ids → engine; engine events → frames.
 //! * `metrics` — the Prometheus registry.
 //!
 //! [`serve`] binds and starts serving; [`ServerHandle::shutdown`] drains.
 mod config;
+mod conn;
 mod http;
 mod metrics;
+mod replay;
 mod request;
 mod session;
+mod sessions;
 mod ws;
 
 use std::net::SocketAddr;
@@ -36,7 +42,8 @@ pub use session::new_secret;
 
 use crate::engine::{EnginePool, Scope};
 use crate::tokenizer::TextTokenizer;
-use session::{SessionLimits, SessionRegistry};
+use session::SessionLimits;
+use sessions::SessionRegistry;
 
 /// Everything the connections share.
 pub struct ServerState {

@@ -10,10 +10,10 @@ use protocol::{
 };
 use tokio::sync::mpsc;
 
-use super::session::{Frame, Session};
+use super::session::{Frame, Registration, Session};
 use super::ServerState;
 use crate::engine::speculate::{DraftKind, SpecStats, Speculation};
-use crate::engine::{EngineError, EngineEvent, Finish, RequestId, Scope, SubmitRequest, TokenLogprob};
+use crate::engine::{EngineError, EngineEvent, Finish, Scope, StopHandle, StopReason, SubmitRequest, Submitted, TokenLogprob};
 use crate::sample::SamplingParams;
 use crate::stop::{StopMatcher, StopScan};
 use crate::tokenizer::{ChatMessage, PieceEncoding, TextTokenizer, TokenizerError};
@@ -198,7 +198,7 @@ pub async fn start(state: &Arc<ServerState>, session: &Arc<Session>, conn_id: u6
     if matches!(req.input, GenerateInput::Fim(_)) && state.fim.is_none() {
         return Err(with_id(fim_unsupported()));
     }
-    let key = session.register(conn_id, &rid)?;
+    let registration = session.register(conn_id, &rid)?;
     let prepared = {
         let state = state.clone();
         let req = req.clone();
@@ -217,37 +217,18 @@ pub async fn start(state: &Arc<ServerState>, session: &Arc<Session>, conn_id: u6
         .await
         .unwrap_or_else(|e| Err(ProtocolError::new(ErrorCode::Internal, format!("tokenizer task failed: {e}")).with_request_id(rid.clone())))
     };
-    let (submit, tokenizing) = match prepared {
-        Ok(s) => s,
-        Err(e) => {
-            session.unregister(key, &rid);
-            return Err(e);
-        }
-    };
+    let (submit, tokenizing) = prepared?;
     let prompt_tokens = submit.prompt.len();
     let submitted = Instant::now();
-    let (engine_id, events) = match session.engine().submit(submit) {
-        Ok(x) => x,
-        Err(e) => {
-            session.unregister(key, &rid);
-            let (code, msg) = match e {
-                EngineError::Overloaded(n) => (ErrorCode::Overloaded, format!("the generation queue is full ({n} requests waiting); retry later")),
-                EngineError::ShuttingDown => (ErrorCode::Cancelled, "the engine is shutting down".to_string()),
-                EngineError::TooLarge(m) => (ErrorCode::ContextOverflow, m),
-            };
-            return Err(with_id(ProtocolError::new(code, msg)));
-        }
-    };
-    state.request_started(prompt_tokens);
-    if !session.set_engine_id(key, &rid, engine_id) {
-        session.engine().cancel(engine_id);
-    }
+    let Submitted { events, stop, .. } = session.engine().submit(submit).map_err(|e| with_id(engine_refusal(e)))?;
+    let in_flight = InFlight::new(state.clone(), prompt_tokens);
+    registration.set_stop(stop.clone());
     let fwd = Forwarder {
         state: state.clone(),
-        session: session.clone(),
-        key,
+        registration,
+        _in_flight: in_flight,
         request_id: rid,
-        engine_id,
+        stop,
         stops: req.stop,
         logprobs: req.logprobs.then(|| req.top_logprobs.unwrap_or(0)),
         received,
@@ -259,12 +240,50 @@ pub async fn start(state: &Arc<ServerState>, session: &Arc<Session>, conn_id: u6
     Ok(())
 }
 
+/// The error a client gets for an engine's refusal or failure. Before the
+/// request started, the engine's own limits are the client's to retry;
+/// after, a failure is the server's.
+fn engine_refusal(e: EngineError) -> ProtocolError {
+    let code = match &e {
+        EngineError::Overloaded { .. } => ErrorCode::Overloaded,
+        EngineError::ShuttingDown => ErrorCode::Cancelled,
+        EngineError::ContextOverflow { .. } => ErrorCode::ContextOverflow,
+        EngineError::OverKvBudget { .. } => ErrorCode::ContextOverflow,
+        EngineError::Internal(_) => ErrorCode::Internal,
+    };
+    let message = match code {
+        ErrorCode::Overloaded => format!("{e}; retry later"),
+        ErrorCode::Internal => format!("generation failed: {e}"),
+        _ => e.to_string(),
+    };
+    ProtocolError::new(code, message)
+}
+
+/// Counts a request in flight (for drain and /metrics) while it lives.
+struct InFlight(Arc<ServerState>);
+
+impl InFlight {
+    fn new(state: Arc<ServerState>, prompt_tokens: usize) -> InFlight {
+        state.request_started(prompt_tokens);
+        InFlight(state)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.request_ended();
+    }
+}
+
 struct Forwarder {
     state: Arc<ServerState>,
-    session: Arc<Session>,
-    key: u64,
+    /// Dropped when the forwarder ends, before `_in_flight` (fields drop in
+    /// order): the session forgets the request, then the server's count
+    /// drops, so a drain that sees zero finds every session settled.
+    registration: Registration,
+    _in_flight: InFlight,
     request_id: String,
-    engine_id: RequestId,
+    stop: StopHandle,
     stops: Vec<String>,
     logprobs: Option<u8>,
     received: Instant,
@@ -289,7 +308,7 @@ fn finite(lp: f32) -> f32 {
 impl Forwarder {
     async fn push(&self, seq: Option<u64>, msg: ServerMessage, terminal: bool) -> bool {
         let frame = Frame { seq, json: Arc::from(msg.to_json()), terminal };
-        self.session.push(self.key, &self.request_id, frame).await
+        self.registration.push(frame).await
     }
 
     fn wire_logprobs(&self, lps: &[TokenLogprob]) -> Option<Vec<WireLogprob>> {
@@ -341,8 +360,10 @@ impl Forwarder {
                     let text = match stops.push(&text) {
                         StopScan::Continue(t) => t,
                         StopScan::Stopped(t) => {
+                            // The turn ended here: the engine keeps its
+                            // state for the session's next turn.
                             stopped = true;
-                            self.session.engine().cancel(self.engine_id);
+                            self.stop.stop(StopReason::StopString);
                             t
                         }
                     };
@@ -350,7 +371,7 @@ impl Forwarder {
                     let delta = Delta { request_id: self.request_id.clone(), seq, text, token_ids: ids, logprobs: self.wire_logprobs(&logprobs) };
                     if !self.push(Some(seq), ServerMessage::Delta(delta), false).await {
                         alive = false;
-                        self.session.engine().cancel(self.engine_id);
+                        self.stop.stop(StopReason::Cancel);
                     }
                 }
                 EngineEvent::Finished(info) => {
@@ -378,7 +399,7 @@ impl Forwarder {
                             Finish::Stop => FinishReason::Stop,
                             Finish::Length => FinishReason::Length,
                             Finish::TimeLimit => FinishReason::TimeLimit,
-                            Finish::Cancelled => match self.session.cancel_origin(self.key, &self.request_id) {
+                            Finish::Cancelled => match self.registration.cancel_origin() {
                                 Some(true) => FinishReason::Cancelled,
                                 Some(false) => break Err((ErrorCode::Cancelled, "the server cancelled the request (shutting down)".into())),
                                 None if !alive => FinishReason::Cancelled,
@@ -388,24 +409,12 @@ impl Forwarder {
                     };
                     break Ok((reason, info));
                 }
-                EngineEvent::Failed { message } => {
-                    // The engine refuses at admission with a Failed event
-                    // (its queue lives on its own thread); before `Started`
-                    // an "overloaded" / "shutting down" refusal is not a crash.
-                    let code = if queue_ms.is_some() {
-                        ErrorCode::Internal
-                    } else if message.starts_with("overloaded") {
-                        ErrorCode::Overloaded
-                    } else if message.contains("shutting down") {
-                        ErrorCode::Cancelled
-                    } else {
-                        ErrorCode::Internal
-                    };
-                    let message = match code {
-                        ErrorCode::Overloaded => format!("the generation queue is full ({message}); retry later"),
-                        _ => format!("generation failed: {message}"),
-                    };
-                    break Err((code, message));
+                EngineEvent::Failed(e) => {
+                    // Refusals (the queue, the KV budget) come before the
+                    // request started; anything after is a failure.
+                    let e = if queue_ms.is_some() { EngineError::Internal(e.to_string()) } else { e };
+                    let e = engine_refusal(e);
+                    break Err((e.code, e.message));
                 }
             }
         };
@@ -453,7 +462,5 @@ impl Forwarder {
                 }
             }
         }
-        self.session.finish(self.key, &self.request_id);
-        self.state.request_ended();
     }
 }

@@ -16,91 +16,28 @@
 //! connection is attached nothing is evicted: when the ring is full the
 //! session's running requests are cancelled (freeing their KV cache) and a
 //! later resume gets `replay_unavailable` for them.
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::pin::pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use dashmap::DashMap;
 use protocol::{ErrorCode, ProtocolError, ServerMessage};
 use subtle::ConstantTimeEq;
-use tokio::sync::{watch, Notify};
+use tokio::sync::Notify;
 
-use crate::engine::{EngineHandle, EnginePool, RequestId, Scope};
+use super::conn::{CloseReason, ConnCtl};
+use super::replay::{Entry, ReplayRing};
+use crate::engine::{EngineHandle, Scope, StopHandle, StopReason};
 use crate::tokenizer::PieceEncoding;
 
-/// Why the server closes a connection: an optional `error` frame, then a
-/// close frame.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CloseReason {
-    pub code: u16,
-    pub reason: String,
-    pub error: Option<(ErrorCode, String)>,
-}
+/// Which registration of a client's `request_id` a frame or handle belongs
+/// to: a request id may be used again once its frames left the ring, and
+/// a late frame or handle of the earlier request must not touch the new one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RegistrationKey(u64);
 
-impl CloseReason {
-    /// A fatal protocol error: the `error` frame, then its close code.
-    pub fn fatal(code: ErrorCode, message: impl Into<String>) -> CloseReason {
-        let message = message.into();
-        CloseReason { code: code.close_code().unwrap_or(1011), reason: truncate_reason(&message), error: Some((code, message)) }
-    }
-
-    /// A normal closure without an error frame.
-    pub fn normal(reason: &str) -> CloseReason {
-        CloseReason { code: 1000, reason: reason.into(), error: None }
-    }
-
-    fn taken_over() -> CloseReason {
-        CloseReason::normal("session resumed on another connection")
-    }
-
-    fn too_slow(after: Duration) -> CloseReason {
-        CloseReason { code: 1008, reason: format!("client stopped reading for {} ms", after.as_millis()), error: None }
-    }
-}
-
-/// Close reasons are limited to 123 bytes by the WebSocket spec.
-fn truncate_reason(s: &str) -> String {
-    let mut end = s.len().min(120);
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    s[..end].to_string()
-}
-
-/// The server's handle on one WebSocket connection, as sessions see it.
-pub struct ConnCtl {
-    pub id: u64,
-    /// Signalled when the attached session has frames for this connection.
-    pub wake: Notify,
-    close: watch::Sender<Option<CloseReason>>,
-}
-
-impl ConnCtl {
-    pub fn new(id: u64) -> Arc<ConnCtl> {
-        Arc::new(ConnCtl { id, wake: Notify::new(), close: watch::Sender::new(None) })
-    }
-
-    /// Asks the connection to close (the first reason wins).
-    pub fn close(&self, reason: CloseReason) {
-        self.close.send_if_modified(|cur| {
-            if cur.is_none() {
-                *cur = Some(reason);
-                true
-            } else {
-                false
-            }
-        });
-    }
-
-    pub fn closing(&self) -> watch::Receiver<Option<CloseReason>> {
-        self.close.subscribe()
-    }
-
-    pub fn is_closing(&self) -> bool {
-        self.close.borrow().is_some()
-    }
+impl RegistrationKey {
+    pub const FIRST: RegistrationKey = RegistrationKey(1);
 }
 
 /// Per-session bounds.
@@ -122,16 +59,10 @@ pub struct Frame {
     pub terminal: bool,
 }
 
-struct Entry {
-    key: u64,
-    request_id: Arc<str>,
-    seq: Option<u64>,
-    json: Arc<str>,
-}
-
 struct Req {
-    key: u64,
-    engine_id: Option<RequestId>,
+    key: RegistrationKey,
+    /// Ends it in the engine, once it was submitted there.
+    stop: Option<StopHandle>,
     running: bool,
     /// `cancel` (or `session.close`) asked for it: it ends with `done` cancelled.
     client_cancelled: bool,
@@ -160,11 +91,8 @@ struct Inner {
     detached_at: Option<Instant>,
     requests: HashMap<String, Req>,
     running: usize,
-    next_key: u64,
-    ring: VecDeque<Entry>,
-    /// Absolute position of `ring[0]`.
-    ring_base: u64,
-    ring_bytes: usize,
+    next_key: RegistrationKey,
+    ring: ReplayRing,
 }
 
 enum TryPush {
@@ -175,14 +103,12 @@ enum TryPush {
 }
 
 impl Inner {
-    fn req(&mut self, key: u64, request_id: &str) -> Option<&mut Req> {
+    fn req(&mut self, key: RegistrationKey, request_id: &str) -> Option<&mut Req> {
         self.requests.get_mut(request_id).filter(|r| r.key == key)
     }
 
     fn evict_front(&mut self) {
         let Some(e) = self.ring.pop_front() else { return };
-        self.ring_base += 1;
-        self.ring_bytes -= e.json.len();
         if let Some(r) = self.req(e.key, &e.request_id) {
             r.in_ring -= 1;
             match e.seq {
@@ -195,7 +121,7 @@ impl Inner {
         }
     }
 
-    fn try_push(&mut self, key: u64, request_id: &str, frame: &Frame, limits: &SessionLimits) -> TryPush {
+    fn try_push(&mut self, key: RegistrationKey, request_id: &str, frame: &Frame, limits: &SessionLimits) -> TryPush {
         if self.closed {
             return TryPush::Dropped;
         }
@@ -205,13 +131,13 @@ impl Inner {
         }
         let size = frame.json.len();
         loop {
-            let fits = self.ring.len() < limits.replay_frames && self.ring_bytes + size <= limits.replay_bytes;
+            let fits = self.ring.len() < limits.replay_frames && self.ring.bytes() + size <= limits.replay_bytes;
             let overflow_ok = frame.terminal && self.ring.len() < limits.replay_frames + limits.max_in_flight;
             if fits || overflow_ok || self.ring.is_empty() {
                 break;
             }
             match &self.attached {
-                Some(a) if self.ring_base < a.cursor => self.evict_front(),
+                Some(a) if self.ring.start() < a.cursor => self.evict_front(),
                 Some(_) => return TryPush::Wait,
                 None => return TryPush::DetachedFull,
             }
@@ -222,22 +148,21 @@ impl Inner {
         if let Some(s) = frame.seq {
             r.last_seq = s;
         }
-        self.ring_bytes += size;
-        self.ring.push_back(Entry { key, request_id: id, seq: frame.seq, json: frame.json.clone() });
+        self.ring.push(Entry { key, request_id: id, seq: frame.seq, json: frame.json.clone() });
         if let Some(a) = &self.attached {
             a.conn.wake.notify_one();
         }
         TryPush::Pushed
     }
 
-    /// Marks every running request lost and returns their engine ids to cancel.
-    fn lose_running(&mut self) -> Vec<RequestId> {
-        let mut ids = Vec::new();
+    /// Marks every running request lost and returns their handles to cancel.
+    fn lose_running(&mut self) -> Vec<StopHandle> {
+        let mut stops = Vec::new();
         for r in self.requests.values_mut().filter(|r| r.running && !r.lost) {
             r.lost = true;
-            ids.extend(r.engine_id);
+            stops.extend(r.stop.clone());
         }
-        ids
+        stops
     }
 }
 
@@ -266,6 +191,27 @@ pub struct Session {
 }
 
 impl Session {
+    /// A new session attached to `conn`, running on `engine`.
+    pub(super) fn new(id: String, token: String, conn: Arc<ConnCtl>, engine: EngineHandle, limits: SessionLimits) -> Session {
+        Session {
+            id,
+            inner: Mutex::new(Inner {
+                token,
+                closed: false,
+                attached: Some(Attachment { conn, cursor: 0 }),
+                detached_at: None,
+                requests: HashMap::new(),
+                running: 0,
+                next_key: RegistrationKey::FIRST,
+                ring: ReplayRing::default(),
+            }),
+            space: Notify::new(),
+            engine,
+            limits,
+            last_prompt: Mutex::new(None),
+        }
+    }
+
     /// The encoding of this session's last prompt (see `last_prompt`).
     pub fn last_prompt(&self) -> Option<Arc<PieceEncoding>> {
         self.last_prompt.lock().unwrap_or_else(|e| e.into_inner()).clone()
@@ -292,9 +238,9 @@ impl Session {
         self.engine.set_scope_live(Scope::Session(self.id.clone()), live);
     }
 
-    fn cancel_in_engine(&self, ids: Vec<RequestId>) {
-        for id in ids {
-            self.engine.cancel(id);
+    fn cancel_in_engine(&self, stops: Vec<StopHandle>) {
+        for stop in stops {
+            stop.stop(StopReason::Cancel);
         }
     }
 
@@ -320,7 +266,7 @@ impl Session {
             old.conn.close(CloseReason::taken_over());
         }
         let mut initial: Vec<Arc<str>> = Vec::new();
-        let mut replay: HashMap<&str, (u64, u64)> = HashMap::new();
+        let mut replay: HashMap<&str, (RegistrationKey, u64)> = HashMap::new();
         for (rid, &last) in last_seq {
             let problem = match g.requests.get_mut(rid.as_str()) {
                 None => Some("the request is unknown (never started, or its frames were discarded)".to_string()),
@@ -328,14 +274,14 @@ impl Session {
                 Some(r) if last < r.evicted_upto || r.terminal_evicted => {
                     if r.running {
                         r.lost = true;
-                        to_cancel.extend(r.engine_id);
+                        to_cancel.extend(r.stop.clone());
                     }
                     Some(format!("frames after seq {last} are no longer buffered (the oldest kept is {})", r.evicted_upto + 1))
                 }
                 Some(r) if last > r.last_seq => {
                     if r.running {
                         r.lost = true;
-                        to_cancel.extend(r.engine_id);
+                        to_cancel.extend(r.stop.clone());
                     }
                     Some(format!("last_seq {last} is beyond the last frame sent ({})", r.last_seq))
                 }
@@ -355,7 +301,7 @@ impl Session {
         }
         let unavailable = initial.len();
         let mut replayed = 0;
-        for e in &g.ring {
+        for e in g.ring.iter() {
             if let Some(&(key, last)) = replay.get(&*e.request_id) {
                 if e.key == key && !matches!(e.seq, Some(s) if s <= last) {
                     initial.push(e.json.clone());
@@ -364,7 +310,7 @@ impl Session {
             }
         }
         drop(replay);
-        let cursor = g.ring_base + g.ring.len() as u64;
+        let cursor = g.ring.end();
         g.attached = Some(Attachment { conn, cursor });
         g.detached_at = None;
         if was_detached {
@@ -391,7 +337,9 @@ impl Session {
     }
 
     /// Reserves `request_id` for a new request from connection `conn_id`.
-    pub fn register(&self, conn_id: u64, request_id: &str) -> Result<u64, ProtocolError> {
+    /// The request counts as running in this session until the returned
+    /// guard is dropped, on whatever path that happens.
+    pub fn register(self: &Arc<Self>, conn_id: u64, request_id: &str) -> Result<Registration, ProtocolError> {
         let mut g = self.lock();
         let err = |code, msg: String| Err(ProtocolError::new(code, msg).with_request_id(request_id));
         if g.closed || !matches!(&g.attached, Some(a) if a.conn.id == conn_id) {
@@ -405,13 +353,13 @@ impl Session {
             return err(ErrorCode::TooManyRequests, format!("{} requests are already in flight; the limit is {}", g.running, self.limits.max_in_flight));
         }
         let key = g.next_key;
-        g.next_key += 1;
+        g.next_key = RegistrationKey(key.0 + 1);
         g.running += 1;
         g.requests.insert(
             request_id.to_string(),
             Req {
                 key,
-                engine_id: None,
+                stop: None,
                 running: true,
                 client_cancelled: false,
                 server_cancelled: false,
@@ -422,31 +370,24 @@ impl Session {
                 in_ring: 0,
             },
         );
-        Ok(key)
+        drop(g);
+        Ok(Registration { session: self.clone(), key, request_id: request_id.to_string() })
     }
 
-    /// Records the engine id of a registered request. Returns false if the
-    /// request was cancelled meanwhile (the caller cancels it in the engine).
-    pub fn set_engine_id(&self, key: u64, request_id: &str, id: RequestId) -> bool {
+    /// Records how to stop a registered request in the engine; stops it at
+    /// once if it was cancelled meanwhile.
+    fn set_stop(&self, key: RegistrationKey, request_id: &str, stop: StopHandle) {
         let mut g = self.lock();
         let closed = g.closed;
-        match g.req(key, request_id) {
-            Some(r) if !closed => {
-                r.engine_id = Some(id);
-                !(r.client_cancelled || r.server_cancelled || r.lost)
+        let cancelled = match g.req(key, request_id) {
+            Some(r) => {
+                r.stop = Some(stop.clone());
+                closed || r.client_cancelled || r.server_cancelled || r.lost
             }
-            _ => false,
-        }
-    }
-
-    /// Forgets a registered request that never reached the engine.
-    pub fn unregister(&self, key: u64, request_id: &str) {
-        let mut g = self.lock();
-        if g.req(key, request_id).is_some() {
-            let r = g.requests.remove(request_id).expect("present");
-            if r.running {
-                g.running -= 1;
-            }
+            None => true,
+        };
+        if cancelled {
+            stop.stop(StopReason::Cancel);
         }
     }
 
@@ -457,7 +398,7 @@ impl Session {
         let id = match g.requests.get_mut(request_id) {
             Some(r) if r.running => {
                 r.client_cancelled = true;
-                r.engine_id
+                r.stop.clone()
             }
             Some(_) => {
                 return Err(ProtocolError::new(ErrorCode::UnknownRequest, format!("request {request_id:?} has already finished")).with_request_id(request_id))
@@ -472,7 +413,7 @@ impl Session {
     /// How a request the engine reported as cancelled should end: `Some(true)`
     /// for the client's cancel (`done`), `Some(false)` for the server's own
     /// (error `cancelled`), `None` if nobody here asked (e.g. the engine shut down).
-    pub fn cancel_origin(&self, key: u64, request_id: &str) -> Option<bool> {
+    fn cancel_origin(&self, key: RegistrationKey, request_id: &str) -> Option<bool> {
         let mut g = self.lock();
         let r = g.req(key, request_id)?;
         if r.client_cancelled {
@@ -488,7 +429,7 @@ impl Session {
     /// has not yet been given the oldest frames. Returns false when the frame
     /// was dropped (session closed, request lost or forgotten): the caller
     /// stops the request.
-    pub async fn push(&self, key: u64, request_id: &str, frame: Frame) -> bool {
+    async fn push(&self, key: RegistrationKey, request_id: &str, frame: Frame) -> bool {
         let mut deadline = None;
         loop {
             let mut notified = pin!(self.space.notified());
@@ -522,8 +463,9 @@ impl Session {
         }
     }
 
-    /// The request's last frame was pushed (or it was dropped).
-    pub fn finish(&self, key: u64, request_id: &str) {
+    /// The request ended (its guard was dropped): its frames stay in the
+    /// ring for replay; with none there it is forgotten.
+    fn finish(&self, key: RegistrationKey, request_id: &str) {
         let mut g = self.lock();
         let Some(r) = g.req(key, request_id) else { return };
         if !r.running {
@@ -543,9 +485,8 @@ impl Session {
         let mut g = self.lock();
         let inner = &mut *g;
         let a = inner.attached.as_mut().filter(|a| a.conn.id == conn_id)?;
-        let start = a.cursor.saturating_sub(inner.ring_base) as usize;
-        let out: Vec<Arc<str>> = inner.ring.iter().skip(start).take(max).map(|e| e.json.clone()).collect();
-        a.cursor = inner.ring_base + (start + out.len()) as u64;
+        let (out, next) = inner.ring.read_from(a.cursor, max);
+        a.cursor = next;
         drop(g);
         if !out.is_empty() {
             self.space.notify_waiters();
@@ -561,10 +502,9 @@ impl Session {
         let mut ids = Vec::new();
         for r in g.requests.values_mut().filter(|r| r.running) {
             r.client_cancelled = true;
-            ids.extend(r.engine_id);
+            ids.extend(r.stop.clone());
         }
         g.ring.clear();
-        g.ring_bytes = 0;
         g.attached = None;
         drop(g);
         let n = ids.len();
@@ -582,14 +522,20 @@ impl Session {
             if !r.client_cancelled {
                 r.server_cancelled = true;
             }
-            ids.extend(r.engine_id);
+            ids.extend(r.stop.clone());
         }
         drop(g);
         self.cancel_in_engine(ids);
     }
 
+    /// Since when no socket holds it, if it is alive and detached.
+    pub(super) fn detached_since(&self) -> Option<Instant> {
+        let g = self.lock();
+        g.detached_at.filter(|_| !g.closed && g.attached.is_none())
+    }
+
     /// Closes the session if it has been detached for `ttl`.
-    fn expire_if_due(&self, now: Instant, ttl: Duration) -> bool {
+    pub(super) fn expire_if_due(&self, now: Instant, ttl: Duration) -> bool {
         let due = {
             let g = self.lock();
             !g.closed && g.attached.is_none() && g.detached_at.is_some_and(|t| now.duration_since(t) >= ttl)
@@ -601,136 +547,36 @@ impl Session {
     }
 }
 
-/// Why `session.open` with a `session_id` found no session to resume.
-pub enum LookupError {
-    NotFound,
-    Expired,
+/// A request's registration in its session, held for the request's whole
+/// life. Dropping it (after the last frame, or on any error path before the
+/// engine saw the request) ends the registration: nothing undoes it by hand.
+pub struct Registration {
+    session: Arc<Session>,
+    key: RegistrationKey,
+    request_id: String,
 }
 
-/// All sessions of the server.
-pub struct SessionRegistry {
-    map: DashMap<String, Arc<Session>>,
-    /// Ids of sessions that expired or were closed recently, for `session_expired`.
-    tombstones: Mutex<HashMap<String, Instant>>,
-    count: AtomicUsize,
-    max: usize,
-    ttl: Duration,
-    limits: SessionLimits,
-    /// Told each session id the registry forgets (closed or expired), so the
-    /// engine can free that session's prefix-cache entries.
-    on_forget: Box<dyn Fn(&str) + Send + Sync>,
+impl Registration {
+    /// Records how to stop the request in the engine (see [`Session::set_stop`]).
+    pub fn set_stop(&self, stop: StopHandle) {
+        self.session.set_stop(self.key, &self.request_id, stop);
+    }
+
+    /// Adds one of the request's frames to the ring (see [`Session::push`]).
+    pub async fn push(&self, frame: Frame) -> bool {
+        self.session.push(self.key, &self.request_id, frame).await
+    }
+
+    /// How a request the engine reported as cancelled should end (see
+    /// [`Session::cancel_origin`]).
+    pub fn cancel_origin(&self) -> Option<bool> {
+        self.session.cancel_origin(self.key, &self.request_id)
+    }
 }
 
-const MAX_TOMBSTONES: usize = 65_536;
-
-impl SessionRegistry {
-    /// Calls `on_forget` with each session id it closes or expires.
-    pub fn with_on_forget(mut self, on_forget: impl Fn(&str) + Send + Sync + 'static) -> SessionRegistry {
-        self.on_forget = Box::new(on_forget);
-        self
-    }
-
-    pub fn new(max: usize, ttl: Duration, limits: SessionLimits) -> SessionRegistry {
-        SessionRegistry {
-            map: DashMap::new(),
-            tombstones: Mutex::new(HashMap::new()),
-            count: AtomicUsize::new(0),
-            max,
-            ttl,
-            limits,
-            on_forget: Box::new(|_| {}),
-        }
-    }
-
-    pub fn len(&self) -> usize {
-        self.count.load(Ordering::Relaxed)
-    }
-
-    /// A new session attached to `conn`, or `None` at the session limit.
-    /// A new session, pinned to its engine worker for its whole life.
-    pub fn create(&self, conn: Arc<ConnCtl>, engines: &EnginePool) -> Option<(Arc<Session>, String)> {
-        if self.count.fetch_add(1, Ordering::AcqRel) >= self.max {
-            self.count.fetch_sub(1, Ordering::AcqRel);
-            return None;
-        }
-        let token = new_secret("rt_");
-        let id = new_secret("s_");
-        let engine = engines.for_session(&id).clone();
-        let session = Arc::new(Session {
-            id,
-            inner: Mutex::new(Inner {
-                token: token.clone(),
-                closed: false,
-                attached: Some(Attachment { conn, cursor: 0 }),
-                detached_at: None,
-                requests: HashMap::new(),
-                running: 0,
-                next_key: 1,
-                ring: VecDeque::new(),
-                ring_base: 0,
-                ring_bytes: 0,
-            }),
-            space: Notify::new(),
-            engine,
-            limits: self.limits,
-            last_prompt: Mutex::new(None),
-        });
-        self.map.insert(session.id.clone(), session.clone());
-        Some((session, token))
-    }
-
-    pub fn get(&self, id: &str) -> Result<Arc<Session>, LookupError> {
-        if let Some(s) = self.map.get(id) {
-            return Ok(s.clone());
-        }
-        let tombs = self.tombstones.lock().unwrap_or_else(|e| e.into_inner());
-        if tombs.contains_key(id) {
-            Err(LookupError::Expired)
-        } else {
-            Err(LookupError::NotFound)
-        }
-    }
-
-    /// `session.close`: cancels everything of the session and forgets it.
-    pub fn close(&self, session: &Session) -> usize {
-        let n = session.close();
-        self.forget(&session.id);
-        n
-    }
-
-    fn forget(&self, id: &str) {
-        if self.map.remove(id).is_some() {
-            (self.on_forget)(id);
-            self.count.fetch_sub(1, Ordering::AcqRel);
-            let mut tombs = self.tombstones.lock().unwrap_or_else(|e| e.into_inner());
-            if tombs.len() >= MAX_TOMBSTONES {
-                tombs.clear();
-            }
-            tombs.insert(id.to_string(), Instant::now());
-        }
-    }
-
-    /// Closes sessions detached for longer than the TTL; returns how many.
-    pub fn reap(&self) -> usize {
-        let now = Instant::now();
-        let due: Vec<Arc<Session>> = self.map.iter().map(|e| e.value().clone()).filter(|s| s.expire_if_due(now, self.ttl)).collect();
-        for s in &due {
-            self.forget(&s.id);
-        }
-        let keep = (self.ttl * 10).max(Duration::from_secs(600));
-        self.tombstones.lock().unwrap_or_else(|e| e.into_inner()).retain(|_, t| now.duration_since(*t) < keep);
-        due.len()
-    }
-
-    pub fn all(&self) -> Vec<Arc<Session>> {
-        self.map.iter().map(|e| e.value().clone()).collect()
-    }
-
-    /// Closes every session (shutdown).
-    pub fn close_all(&self) {
-        for s in self.all() {
-            self.close(&s);
-        }
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.session.finish(self.key, &self.request_id);
     }
 }
 

@@ -17,7 +17,9 @@ use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 use tokio_tungstenite::WebSocketStream;
 
-use super::session::{CloseReason, ConnCtl, LookupError, Session};
+use super::conn::{CloseReason, ConnCtl};
+use super::session::Session;
+use super::sessions::LookupError;
 use super::{request, ServerState};
 
 type Ws = WebSocketStream<TokioIo<Upgraded>>;
@@ -254,7 +256,10 @@ impl Reader {
                     return self.fatal(ErrorCode::ShuttingDown, "the server is shutting down");
                 }
                 match self.state.sessions.create(self.conn.clone(), &self.state.engines) {
-                    Some((s, token)) => (s, token, Vec::new(), false),
+                    Some(new) => {
+                        self.state.metrics.sessions_evicted.inc_by(new.evicted as u64);
+                        (new.session, new.token, Vec::new(), false)
+                    }
                     None => {
                         let n = self.state.config.max_sessions;
                         return self.fatal(ErrorCode::ServerBusy, format!("the server is at its limit of {n} sessions; retry later"));

@@ -80,13 +80,13 @@ pub fn peer_dir(name: &str) -> PathBuf {
 /// Submits `req` and waits for its tokens and final report.
 pub async fn run_request(engine: &tether::engine::EngineHandle, req: tether::engine::SubmitRequest) -> (Vec<u32>, tether::engine::FinishInfo) {
     use tether::engine::EngineEvent;
-    let (_, mut rx) = engine.submit(req).unwrap();
+    let mut rx = engine.submit(req).unwrap().events;
     let mut ids = Vec::new();
     while let Some(ev) = rx.recv().await {
         match ev {
             EngineEvent::Tokens { ids: t, .. } => ids.extend(t),
             EngineEvent::Finished(f) => return (ids, f),
-            EngineEvent::Failed { message } => panic!("request failed: {message}"),
+            EngineEvent::Failed(e) => panic!("request failed: {e}"),
             EngineEvent::Started { .. } => {}
         }
     }

@@ -104,7 +104,7 @@ pub struct DraftState {
     /// whose text does not repeat stop paying for long drafts.
     depth: usize,
     /// Share of drafted tokens accepted, decayed over verifications: what
-    /// a draft of this row is worth (see `DraftState::pays`).
+    /// a draft of this row is worth (see the scheduler's `DraftView::pays`).
     recent_acceptance: Option<f64>,
     pub stats: SpecStats,
 }
@@ -158,15 +158,14 @@ impl DraftState {
         Some(DraftState { source, max_draft, depth, recent_acceptance: None, stats: SpecStats::default() })
     }
 
-    /// Whether this row's drafts pay in a step whose drafts must be
-    /// accepted at least as often as `bar` (`None`: no bar, or not known
-    /// yet); a row that has not drafted yet is given the benefit of the
-    /// doubt, and certain drafts (forced tokens) always pay.
-    pub fn pays(&self, bar: Option<f64>) -> bool {
-        match (bar, self.recent_acceptance) {
-            (Some(bar), Some(acceptance)) => acceptance >= bar,
-            _ => true,
-        }
+    /// Drafts it would verify now (its adaptive depth).
+    pub fn depth(&self) -> usize {
+        self.depth
+    }
+
+    /// Share of its drafted tokens accepted, decayed; `None` before it drafted.
+    pub fn recent_acceptance(&self) -> Option<f64> {
+        self.recent_acceptance
     }
 
     /// This step's drafts, at most `room` of them.
@@ -295,15 +294,16 @@ mod tests {
 
     #[test]
     fn drafts_pay_while_accepted_more_often_than_the_bar() {
+        let pays = |s: &DraftState, bar| crate::engine::scheduler::DraftView { depth: s.depth(), recent_acceptance: s.recent_acceptance() }.pays(bar);
         let mut s = DraftState::new(&Speculation { kind: DraftKind::Echo, max_draft: 8 }, None).unwrap();
-        assert!(s.pays(Some(0.9)), "a row that has not drafted yet may");
+        assert!(pays(&s, Some(0.9)), "a row that has not drafted yet may");
         s.record(4, 1, 2); // a quarter accepted
-        assert!(s.pays(Some(0.1)) && !s.pays(Some(0.5)) && s.pays(None));
+        assert!(pays(&s, Some(0.1)) && !pays(&s, Some(0.5)) && pays(&s, None));
         for _ in 0..6 {
             s.record(4, 4, 5); // then all of them, for a while
         }
-        assert!(s.pays(Some(0.9)), "acceptance is weighted toward recent verifications");
+        assert!(pays(&s, Some(0.9)), "acceptance is weighted toward recent verifications");
         s.record(0, 0, 1); // a decode without drafts changes nothing
-        assert!(s.pays(Some(0.9)));
+        assert!(pays(&s, Some(0.9)));
     }
 }

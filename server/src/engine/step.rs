@@ -1,0 +1,288 @@
+//! One engine step: carry out the scheduler's plan. All rows' graphs are
+//! built lazily and evaluated together with ONE `eval`, then the sampled
+//! ids are read back in one copy and published.
+use std::collections::HashMap;
+use std::time::Instant;
+
+use super::api::{EngineEvent, Finish};
+use super::row::{logprobs_of, Work};
+use super::scheduler::{RowWork, StepTiming};
+use super::speculate::{self, DraftRow, Proposal};
+use super::worker::Engine;
+use crate::model::{BatchedRows, KvBatch, RowInput};
+
+/// A row's part in this step, as the runner carries it out.
+struct Scheduled {
+    row: usize,
+    /// Whether its logits are sampled (decode, or the last prefill chunk).
+    samples: bool,
+    /// Whether it decodes (a verification, drafts or not) rather than prefills.
+    decode: bool,
+    /// Draft tokens fed after its pending token.
+    drafts: Vec<u32>,
+    /// Where its logits come back.
+    logits_at: LogitsAt,
+}
+
+enum LogitsAt {
+    /// A slot of the batched rows.
+    Slot(usize),
+    /// An entry of the per-row inputs.
+    Row(usize),
+}
+
+impl Engine {
+    pub(super) fn step(&mut self) -> mlx::Result<()> {
+        if self.running.is_empty() {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let views: Vec<_> = self.running.iter().map(super::row::Row::view).collect();
+        let plan = self.scheduler.plan(&views);
+        drop(views);
+        if plan.is_empty() {
+            return Ok(());
+        }
+        let mut work = self.fill_drafts(&plan.work)?;
+        let (mut decode_rows, mut draft_tokens, mut prefill_tokens) = (0, 0, 0);
+        for w in work.iter().flatten() {
+            match w {
+                Work::Prefill { tokens } => prefill_tokens += tokens,
+                Work::Decode { drafts } => {
+                    decode_rows += 1;
+                    draft_tokens += drafts.len();
+                }
+            }
+        }
+        self.stats.prompt_tokens += prefill_tokens as u64;
+
+        // One forward for every scheduled row, then one eval.
+        let mut inputs = Vec::new();
+        let mut scheduled: Vec<Scheduled> = Vec::new();
+        let slots = self.batch.as_ref().map_or(0, KvBatch::slots);
+        let (mut slot_tokens, mut slot_logits_wanted) = (vec![Vec::new(); slots], vec![0; slots]);
+        for (i, row) in self.running.iter_mut().enumerate() {
+            let Some(work) = work[i].take() else { continue };
+            let tokens: Vec<i32> = row.take_input(&work)?.into_iter().map(|t| t as i32).collect();
+            let samples = row.samples_after(&work);
+            let (decode, drafts) = match work {
+                Work::Decode { drafts } => (true, drafts),
+                Work::Prefill { .. } => (false, Vec::new()),
+            };
+            let logits_at = match row.slot {
+                Some(slot) => {
+                    slot_tokens[slot] = tokens;
+                    slot_logits_wanted[slot] = if samples { 1 + drafts.len() } else { 0 };
+                    LogitsAt::Slot(slot)
+                }
+                None => {
+                    let ids = mlx::Array::from_i32(&tokens, &[1, tokens.len()])?;
+                    inputs.push(RowInput { ids, cache: &mut row.cache, n_logits: 1 + drafts.len() });
+                    LogitsAt::Row(inputs.len() - 1)
+                }
+            };
+            scheduled.push(Scheduled { row: i, samples, decode, drafts, logits_at });
+        }
+        let batched = match &mut self.batch {
+            Some(kv) if slot_tokens.iter().any(|t| !t.is_empty()) => {
+                Some(BatchedRows { kv, tokens: slot_tokens, logits: slot_logits_wanted, shared_scores: self.config.shared_attention_scores })
+            }
+            _ => None,
+        };
+        let ran_batched = batched.is_some();
+        let step_logits = self.model.forward_step(batched, &mut inputs)?;
+        drop(inputs);
+        let mut slot_logits = step_logits.batched;
+        let mut row_logits: Vec<Option<mlx::Array>> = step_logits.rows.into_iter().map(Some).collect();
+        // A prompt chunk in a slot that does not finish the prompt wants no logits.
+        let logits: Vec<Option<mlx::Array>> = scheduled
+            .iter()
+            .map(|s| match s.logits_at {
+                LogitsAt::Slot(slot) => slot_logits[slot].take(),
+                LogitsAt::Row(k) => row_logits[k].take(),
+            })
+            .collect();
+
+        // Each sampling row's draws, lazily: greedy rows take the argmax at
+        // every position; sampled rows with drafts run speculative sampling.
+        // (index into `scheduled`, draws, logits kept for logprobs)
+        let mut draws: Vec<(usize, mlx::Array, Option<mlx::Array>)> = Vec::new();
+        for (k, (s, logits)) in scheduled.iter().zip(logits).enumerate() {
+            if !s.samples {
+                continue;
+            }
+            let logits = logits.ok_or_else(|| mlx::Error { op: "engine", message: "a sampling row got no logits".into() })?;
+            let row = &mut self.running[s.row];
+            let draw =
+                if s.drafts.is_empty() || row.request.sampling.is_greedy() { row.sampler.sample(&logits)? } else { row.sampler.verify(&logits, &s.drafts)? };
+            let keep = row.request.logprobs.is_some().then_some(logits);
+            draws.push((k, draw, keep));
+        }
+        let mut to_eval: Vec<&mlx::Array> = draws.iter().map(|(_, d, _)| d).collect();
+        for s in &scheduled {
+            if !s.samples {
+                to_eval.extend(self.running[s.row].cache.buffers());
+            }
+        }
+        if let (true, Some(kv)) = (ran_batched, &self.batch) {
+            to_eval.extend(kv.buffers());
+        }
+        let built = Instant::now();
+        mlx::eval(&to_eval)?;
+        self.stats.steps += 1;
+
+        // One readback for every row's draws, not one per row.
+        let lens: Vec<usize> = draws.iter().map(|(_, d, _)| d.size()).collect();
+        let flat: Vec<i32> = match draws.len() {
+            0 => Vec::new(),
+            1 => draws[0].1.to_vec_i32()?,
+            _ => mlx::concatenate(&draws.iter().map(|(_, d, _)| d).collect::<Vec<_>>(), 0)?.to_vec_i32()?,
+        };
+        let evaluated = Instant::now();
+        let mut finished: Vec<(usize, Finish)> = Vec::new();
+        let mut at = 0;
+        for ((k, _, logits), len) in draws.into_iter().zip(lens) {
+            let readback = &flat[at..at + len];
+            at += len;
+            let s = &scheduled[k];
+            if let Some(reason) = self.publish(s.row, s.decode, &s.drafts, readback, logits.as_ref())? {
+                finished.push((s.row, reason));
+            }
+        }
+        let now = Instant::now();
+        for (i, row) in self.running.iter().enumerate() {
+            if finished.iter().any(|(j, _)| *j == i) {
+                continue;
+            }
+            if row.is_prewarm() && row.prompt_remaining() == 0 {
+                finished.push((i, Finish::Length));
+            } else if row.request.deadline.is_some_and(|d| now >= d) {
+                // Deadlines also end rows still reading a long prompt.
+                finished.push((i, Finish::TimeLimit));
+            }
+        }
+        finished.sort_by_key(|&(i, _)| std::cmp::Reverse(i));
+        for (i, reason) in finished {
+            self.finish(i, reason);
+        }
+        let seconds = started.elapsed().as_secs_f64();
+        self.scheduler.record(StepTiming { decode_rows, draft_tokens, prefill_tokens, widened: plan.widened, seconds });
+        if self.trace_steps {
+            // One line per step, for tuning the prefill allowance on a new machine.
+            let next = self.scheduler.learned_allowance();
+            let widened = plan.widened;
+            eprintln!("[step] decode_rows={decode_rows} draft_tokens={draft_tokens} prefill_tokens={prefill_tokens} ms={:.2} widened={widened} next_allowance={next:?}", seconds * 1e3);
+        }
+        let micros = |from: Instant, to: Instant| to.duration_since(from).as_micros() as u64;
+        let times = &mut self.stats.step_time;
+        times.build_us += micros(started, built);
+        times.eval_us += micros(built, evaluated);
+        times.publish_us += micros(evaluated, Instant::now());
+        Ok(())
+    }
+
+    /// The plan's work by running row (`None`: the row sits this step out),
+    /// with each decoding row's drafts: proposed on the host within its cap,
+    /// or from the draft model in one batched round for all rows that draft
+    /// with it (see [`speculate::DraftModel::propose`]).
+    fn fill_drafts(&mut self, plan: &[(super::RequestId, RowWork)]) -> mlx::Result<Vec<Option<Work>>> {
+        let index: HashMap<_, _> = self.running.iter().enumerate().map(|(i, r)| (r.id, i)).collect();
+        let mut work: Vec<Option<Work>> = (0..self.running.len()).map(|_| None).collect();
+        // (running row, depth) of rows drafting with the model, in running order.
+        let mut from_model: Vec<(usize, usize)> = Vec::new();
+        for (id, w) in plan {
+            let i = index[id];
+            work[i] = Some(match *w {
+                RowWork::Prefill { tokens } => Work::Prefill { tokens },
+                RowWork::Decode { max_drafts } => match self.running[i].drafts(max_drafts) {
+                    Proposal::Ready(drafts) => Work::Decode { drafts },
+                    Proposal::FromModel(depth) => {
+                        from_model.push((i, depth));
+                        Work::Decode { drafts: Vec::new() }
+                    }
+                },
+            });
+        }
+        let Some(draft) = &self.draft else { return Ok(work) };
+        if from_model.is_empty() {
+            return Ok(work);
+        }
+        from_model.sort_unstable();
+        let mut rows: Vec<DraftRow<'_>> = Vec::new();
+        let mut wanted = from_model.iter().peekable();
+        for (i, row) in self.running.iter_mut().enumerate() {
+            let Some(&&(_, depth)) = wanted.peek().filter(|(r, _)| *r == i) else { continue };
+            wanted.next();
+            let cache = row.draft.as_mut().and_then(|d| d.model_cache()).expect("model-drafting rows have a draft cache");
+            rows.push(DraftRow { history: &row.tokens, cache, depth });
+        }
+        let proposals = draft.propose(&mut rows)?;
+        for (&(i, _), drafts) in from_model.iter().zip(proposals) {
+            if let Some(Work::Decode { drafts: slot }) = &mut work[i] {
+                *slot = drafts;
+            }
+        }
+        Ok(work)
+    }
+
+    /// Turns row `i`'s draws into published tokens: accepts drafts, rolls
+    /// the KV cache back past rejected ones, emits tokens up to a stop token
+    /// or `max_tokens`. Returns why the row finished, if it did.
+    fn publish(&mut self, i: usize, decode: bool, drafts: &[u32], readback: &[i32], logits: Option<&mlx::Array>) -> mlx::Result<Option<Finish>> {
+        let row = &mut self.running[i];
+        let (emitted, accepted): (Vec<u32>, usize) = if drafts.is_empty() || row.request.sampling.is_greedy() {
+            let targets: Vec<u32> = readback.iter().map(|&t| t as u32).collect();
+            let accepted = speculate::accept_greedy(drafts, &targets);
+            (targets[..=accepted].to_vec(), accepted)
+        } else {
+            speculate::accept_sampled(drafts, readback)
+        };
+        // The forward appended the pending token and every draft; keep the
+        // accepted ones only.
+        let rejected = drafts.len() - accepted;
+        match (row.slot, &mut self.batch) {
+            (Some(slot), Some(kv)) => kv.truncate(slot, kv.len(slot) - rejected),
+            _ => row.cache.truncate(row.cache.len() - rejected),
+        }
+        if let (Some(draft), true) = (&mut row.draft, decode) {
+            draft.verified(row.tokens.len(), drafts.len(), accepted, emitted.len());
+            self.stats.drafted_tokens += drafts.len() as u64;
+            self.stats.accepted_draft_tokens += accepted as u64;
+            self.stats.spec_decode_forwards += 1;
+            self.stats.spec_decode_tokens += emitted.len() as u64;
+        }
+        let host_logits = match (logits, row.request.logprobs) {
+            (Some(l), Some(_)) => Some(l.to_vec_f32()?),
+            _ => None,
+        };
+        let mut ids = Vec::with_capacity(emitted.len());
+        let mut logprobs = Vec::new();
+        let mut finish = None;
+        for (pos, &id) in emitted.iter().enumerate() {
+            if row.request.stop_ids.contains(&id) {
+                finish = Some(Finish::Stop);
+                break;
+            }
+            if let (Some(host), Some(n)) = (&host_logits, row.request.logprobs) {
+                let vocab = host.len() / (drafts.len() + 1);
+                logprobs.push(logprobs_of(&host[pos * vocab..(pos + 1) * vocab], id, n as usize));
+            }
+            ids.push(id);
+            row.generated += 1;
+            row.tokens.push(id);
+            if row.generated >= row.request.max_tokens {
+                finish = Some(Finish::Length);
+                break;
+            }
+        }
+        self.stats.generated_tokens += ids.len() as u64;
+        if let Some(&last) = ids.last() {
+            // can_publish() held when the row was scheduled, so this fits.
+            if row.events.try_send(EngineEvent::Tokens { ids, logprobs }).is_err() {
+                return Ok(Some(Finish::Cancelled));
+            }
+            row.pending_token = Some(last);
+        }
+        Ok(finish)
+    }
+}
