@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Sets up everything the tests need and runs all of them:
-# MLX + OpenBLAS (scripts/setup.sh), the two real test models (fetched and
+# formatting and lints (rustfmt, clippy with warnings as errors), MLX +
+# OpenBLAS (scripts/setup.sh), the two real test models (fetched and
 # hash-checked into ~/.cache/tether/models), then the Rust workspace tests,
 # then the TypeScript client's and the browser playground's tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TETHER_BIN="${CARGO_TARGET_DIR:-target}/release/tether"
 
+# Style and lints first: they fail in seconds, before the long build.
+cargo fmt --all --check
 scripts/setup.sh
+cargo clippy --locked --workspace --all-targets -- -D warnings
 cargo build --release --locked -p tether
 for model in smollm2-135m qwen2.5-coder-0.5b; do
   "$TETHER_BIN" fetch-model "$model" >/dev/null

@@ -70,7 +70,7 @@ pub(crate) fn check_layout(ty: GgmlType, n_bytes: usize, n_elements: usize) -> R
     let unsupported = || GgufError::UnsupportedType { tensor: "<buffer>".into(), ty: ty.to_string() };
     let bs = ty.block_size().ok_or_else(unsupported)?;
     let ts = ty.type_size().ok_or_else(unsupported)?;
-    if n_elements % bs != 0 {
+    if !n_elements.is_multiple_of(bs) {
         return Err(GgufError::ShapeMismatch { what: "buffer".into(), ty: ty.to_string(), n: n_elements, block_size: bs });
     }
     let expected = (n_elements / bs).checked_mul(ts);

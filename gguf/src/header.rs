@@ -202,7 +202,7 @@ fn parse_tensor_infos(c: &mut Cursor<'_>, tensor_count: u64, alignment: u64) -> 
         // ggml quantizes along rows, so each row must be whole blocks; that
         // also makes every quantization group lie within a single row.
         let row_len = dims.first().copied().unwrap_or(1) as usize;
-        if row_len % block_size != 0 {
+        if !row_len.is_multiple_of(block_size) {
             return Err(GgufError::ShapeMismatch { what: format!("tensor '{name}' row (ne[0])"), ty: ggml_type.to_string(), n: row_len, block_size });
         }
         if ggml_type.bytes_for(n_elements).is_none() {
@@ -244,7 +244,7 @@ fn check_tensor_placement(tensors: &[TensorInfo], data_len: u64) -> Result<(), G
                 });
             }
         }
-        if furthest.map_or(true, |(e, _)| end > e) {
+        if furthest.is_none_or(|(e, _)| end > e) {
             furthest = Some((end, i));
         }
     }

@@ -138,7 +138,7 @@ impl GgmlType {
     /// unknown, `n_elements` is not a whole number of blocks, or it overflows.
     pub fn bytes_for(self, n_elements: usize) -> Option<usize> {
         let (bs, ts) = (self.block_size()?, self.type_size()?);
-        if n_elements % bs != 0 {
+        if !n_elements.is_multiple_of(bs) {
             return None;
         }
         (n_elements / bs).checked_mul(ts)

@@ -154,7 +154,7 @@ fn scale_min_k4_unpacks_every_value() {
 fn k_nibble(qs: &[u8], i: usize) -> u8 {
     let g = i / 32;
     let byte = qs[32 * (g / 2) + i % 32];
-    if g % 2 == 0 {
+    if g.is_multiple_of(2) {
         byte & 0x0F
     } else {
         byte >> 4

@@ -57,8 +57,8 @@ impl ModelConfig {
         let checks = [
             (self.n_layers > 0, "block count is zero"),
             (self.n_heads > 0 && self.n_kv_heads > 0, "head count is zero"),
-            (self.n_heads % self.n_kv_heads.max(1) == 0, "query heads are not a multiple of KV heads"),
-            (self.head_dim > 0 && self.head_dim % 2 == 0, "head dimension must be even for RoPE"),
+            (self.n_heads.is_multiple_of(self.n_kv_heads.max(1)), "query heads are not a multiple of KV heads"),
+            (self.head_dim > 0 && self.head_dim.is_multiple_of(2), "head dimension must be even for RoPE"),
             (self.vocab_size > 0, "vocabulary is empty"),
             (self.rms_eps > 0.0, "RMS norm epsilon must be positive"),
         ];

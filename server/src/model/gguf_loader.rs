@@ -81,7 +81,7 @@ impl Loader<'_> {
             return Ok(None);
         }
         let Some(aq) = self.file.affine(t)? else { return Ok(None) };
-        Ok(affine_to_mlx(out, inp, aq.bits as u32, aq.group_size, &aq.codes, &aq.scales, &aq.biases, self.dtype)?)
+        Ok(affine_to_mlx(out, inp, &aq, self.dtype)?)
     }
 }
 

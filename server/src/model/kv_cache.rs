@@ -18,7 +18,7 @@ use mlx::{Array, Dtype};
 
 /// Capacity grows in multiples of this many tokens.
 pub const CAPACITY_STEP: usize = 256;
-const _: () = assert!(CAPACITY_STEP % KEY_BLOCK == 0, "caches with keys in blocks hold whole blocks");
+const _: () = assert!(CAPACITY_STEP.is_multiple_of(KEY_BLOCK), "caches with keys in blocks hold whole blocks");
 
 /// `[1, heads, len, dim]` position-order keys laid out in blocks, padded
 /// with zeros to whole blocks: `[1, heads, ceil(len / KEY_BLOCK) * KEY_BLOCK, dim]`.

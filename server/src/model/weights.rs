@@ -35,7 +35,7 @@ pub fn pack_codes(codes: &[u8], bits: u32) -> Option<Vec<u32>> {
         return None;
     }
     let per_word = (32 / bits) as usize;
-    if codes.len() % per_word != 0 {
+    if !codes.len().is_multiple_of(per_word) {
         return None;
     }
     Some(codes.chunks_exact(per_word).map(|chunk| chunk.iter().enumerate().fold(0u32, |w, (j, &c)| w | (u32::from(c) << (bits as usize * j)))).collect())
@@ -61,17 +61,10 @@ pub fn group_supported(group_size: usize) -> bool {
 /// Builds MLX quantized weights for a `[rows, cols]` matrix from unpacked
 /// codes and per-group scales/biases (group along `cols`). `None` when the
 /// form has no kernel here (the caller loads the tensor dense instead).
-pub fn affine_to_mlx(
-    rows: usize,
-    cols: usize,
-    bits: u32,
-    group_size: usize,
-    codes: &[u8],
-    scales: &[f32],
-    biases: &[f32],
-    dtype: Dtype,
-) -> mlx::Result<Option<QuantizedWeights>> {
-    let Some(bits) = storage_bits(bits).filter(|_| group_supported(group_size)) else { return Ok(None) };
+pub fn affine_to_mlx(rows: usize, cols: usize, quant: &gguf::AffineQuant, dtype: Dtype) -> mlx::Result<Option<QuantizedWeights>> {
+    let gguf::AffineQuant { bits, group_size, codes, scales, biases } = quant;
+    let group_size = *group_size;
+    let Some(bits) = storage_bits(u32::from(*bits)).filter(|_| group_supported(group_size)) else { return Ok(None) };
     let Some(packed) = pack_codes(codes, bits) else { return Ok(None) };
     let groups = cols / group_size;
     let words = cols * bits as usize / 32;
@@ -107,7 +100,8 @@ mod tests {
             let codes: Vec<u8> = (0..rows * cols).map(|i| (i as u32 * 7 % (max + 1)) as u8).collect();
             let scales = vec![0.5; rows * cols / group];
             let biases = vec![-1.0; rows * cols / group];
-            let q = affine_to_mlx(rows, cols, bits, group, &codes, &scales, &biases, Dtype::F32).unwrap().unwrap();
+            let quant = gguf::AffineQuant { bits: bits as u8, group_size: group, codes: codes.clone(), scales, biases };
+            let q = affine_to_mlx(rows, cols, &quant, Dtype::F32).unwrap().unwrap();
             let got = mlx::dequantize(&q, Dtype::F32).unwrap().to_vec_f32().unwrap();
             let want: Vec<f32> = codes.iter().map(|&c| 0.5 * c as f32 - 1.0).collect();
             assert_eq!(got, want, "bits {bits}");
