@@ -1,14 +1,13 @@
 //! Checks against real model files and reference values produced by the
 //! official `gguf` Python package (see `make_fixtures.py`).
 //!
-//! Each test prints "skipped: model file not found" and passes when its model
-//! is absent, so the suite runs anywhere; CI provides the models.
+//! A missing model file fails the test: scripts/test.sh fetches the models.
 
 mod common;
 
 use std::path::Path;
 
-use common::{model_or_skip, Json};
+use common::{test_model, Json};
 use gguf::{GgmlType, GgufFile};
 
 const SMOLLM2: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -28,9 +27,7 @@ fn close(got: f64, want: f64, rel: f64) -> bool {
 
 /// Compares every fixture tensor of `model` against our dequantization.
 fn check_against_fixture(model: &str) {
-    let Some(path) = model_or_skip(model) else {
-        return;
-    };
+    let path = test_model(model);
     let f = GgufFile::open(&path).unwrap();
     let fx = load_fixture(model);
     assert_eq!(fx.get("model").str(), model);
@@ -86,9 +83,7 @@ fn qwen_dequantization_matches_reference() {
 /// On the fixture tensors, the affine form must reproduce dequantize()
 /// (`==` in f32; exactness is argued in `affine.rs`).
 fn check_affine(model: &str) {
-    let Some(path) = model_or_skip(model) else {
-        return;
-    };
+    let path = test_model(model);
     let f = GgufFile::open(&path).unwrap();
     for t in load_fixture(model).get("tensors").arr() {
         let info = f.tensor(t.get("name").str()).unwrap();
@@ -154,9 +149,7 @@ fn check_common_structure(f: &GgufFile, n_vocab: usize) {
 
 #[test]
 fn smollm2_metadata() {
-    let Some(path) = model_or_skip(SMOLLM2) else {
-        return;
-    };
+    let path = test_model(SMOLLM2);
     let f = GgufFile::open(&path).unwrap();
     assert_eq!(f.architecture(), Some("llama"));
     assert_eq!(f.get_u64("llama.block_count"), Some(30));
@@ -177,9 +170,7 @@ fn smollm2_metadata() {
 
 #[test]
 fn qwen_metadata() {
-    let Some(path) = model_or_skip(QWEN) else {
-        return;
-    };
+    let path = test_model(QWEN);
     let f = GgufFile::open(&path).unwrap();
     assert_eq!(f.architecture(), Some("qwen2"));
     assert_eq!(f.get_u64("qwen2.block_count"), Some(24));
@@ -203,9 +194,7 @@ fn qwen_metadata() {
 #[ignore = "slow in debug builds; run with --release -- --ignored"]
 fn every_tensor_dequantizes_and_affine_is_exact() {
     for model in [SMOLLM2, QWEN] {
-        let Some(path) = model_or_skip(model) else {
-            continue;
-        };
+        let path = test_model(model);
         let f = GgufFile::open(&path).unwrap();
         for t in f.tensors() {
             let w = f.dequantize_f32(t).unwrap();

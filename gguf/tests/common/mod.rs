@@ -13,13 +13,12 @@ pub fn model_path(name: &str) -> Option<PathBuf> {
     dirs.into_iter().flatten().map(|d| d.join(name)).find(|p| p.is_file())
 }
 
-/// Like [`model_path`], printing why the calling test is skipped if missing.
-pub fn model_or_skip(name: &str) -> Option<PathBuf> {
-    let p = model_path(name);
-    if p.is_none() {
-        eprintln!("skipped: model file not found: {name} (looked in $TETHER_MODELS_DIR and ~/.cache/tether/models)");
-    }
-    p
+/// The path of a test model. A missing file is a setup error, not a skip:
+/// scripts/test.sh fetches the test models first.
+pub fn test_model(name: &str) -> PathBuf {
+    model_path(name).unwrap_or_else(|| {
+        panic!("test model {name} not found in $TETHER_MODELS_DIR or ~/.cache/tether/models: scripts/test.sh fetches it (tether fetch-model)")
+    })
 }
 
 #[derive(Debug, Clone, PartialEq)]
