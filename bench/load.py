@@ -432,7 +432,7 @@ class Bench:
             raise SystemExit(f"no EOS ids found in {args.model_dir}")
 
     def client(self, bias_eos=True):
-        if self.a.engine == "tether":
+        if self.a.engine.startswith("tether"):
             return TetherClient(self.http, self.a.url)
         return MlxLmClient(self.http, self.a.url, self.eos, bias_eos)
 
@@ -671,7 +671,7 @@ async def run(args):
                 log(f"{args.engine}: decode, {n} streams x {args.max_tokens} tokens")
                 await attempt(b.decode(n), workload="decode", streams=n, setting="-")
         if "admit" in work:
-            if args.engine == "tether":
+            if args.engine.startswith("tether"):
                 settings = [("chunked", None, "server default"), ("unchunked", 4096, "chunk_size=4096 requested")]
                 settings = [s for s in settings if s[0] in args.tether_settings.split(",")]
             else:
@@ -690,7 +690,7 @@ async def run(args):
                 await asyncio.wait_for(c.stream(Stream("warmup-agent"), b.prompts.long(330), 4), args.warmup_timeout)
             finally:
                 await c.close()
-            settings = args.tether_agent_settings.split(",") if args.engine == "tether" else ["prompt-cache"]
+            settings = args.tether_agent_settings.split(",") if args.engine.startswith("tether") else ["prompt-cache"]
             for setting in settings:
                 log(f"{args.engine}: agent, {args.agent_turns} turns, {setting}")
                 await attempt(b.agent(setting), workload="agent", setting=setting)
@@ -733,10 +733,19 @@ def report_agent(rows):
         print(f"\n{m}{built}: agent conversation, time to first token per turn (s){f', median of {runs} runs' if runs > 1 else ''}")
         print("  tether cache: one session (session-scoped prefix cache); tether no-cache: a fresh session per turn;")
         print("  mlx-lm: mlx_lm.server /v1/completions with its prompt cache; raw prompts, the same texts")
-        print(f"{'turn':>4} {'history':>7} | {'cached':>6} {'cache':>7} {'no-cache':>8} {'off/on':>7} | {'cached':>6} {'mlx-lm':>7} | {'tether/mlx':>10}")
+        has_prev = any(r["engine"] == "tether-prev" for r in rs)
+        if has_prev:
+            print("  prev: the previous build of Tether, with its session cache")
+        prev_head = f" {'prev':>7} {'new/prev':>8} |" if has_prev else ""
+        print(f"{'turn':>4} {'history':>7} | {'cached':>6} {'cache':>7} {'no-cache':>8} {'off/on':>7} |{prev_head} {'cached':>6} {'mlx-lm':>7} | {'tether/mlx':>10}")
         same, first_diff, count_diff = 0, None, []
         for t in turns:
             tc, tn, p = get("tether", "cache", t), get("tether", "nocache", t), get("mlx-lm", "prompt-cache", t)
+            pc = get("tether-prev", "cache", t)
+            prev_cols = ""
+            if has_prev:
+                vs_prev = f"{tc['ttft_ms'] / pc['ttft_ms']:.2f}x" if tc and pc else "-"
+                prev_cols = f" {s_(pc and pc['ttft_ms']):>7} {vs_prev:>8} |"
             any_ = tc or tn or p
             hist = any_.get("history_tokens")
             off_on = f"{tn['ttft_ms'] / tc['ttft_ms']:.1f}x" if tc and tn else "-"
@@ -750,11 +759,16 @@ def report_agent(rows):
                     count_diff.append(t)
             print(
                 f"{t:>4} {hist if hist is not None else '-':>7} | {tc['cached_tokens'] if tc else '-':>6} "
-                f"{s_(tc and tc['ttft_ms']):>7} {s_(tn and tn['ttft_ms']):>8} {off_on:>7} | "
+                f"{s_(tc and tc['ttft_ms']):>7} {s_(tn and tn['ttft_ms']):>8} {off_on:>7} |{prev_cols} "
                 f"{p['cached_tokens'] if p and p.get('cached_tokens') is not None else '-':>6} {s_(p and p['ttft_ms']):>7} | {vs:>10}"
             )
         last = turns[-1]
         tc, tn, p = get("tether", "cache", last), get("tether", "nocache", last), get("mlx-lm", "prompt-cache", last)
+        pc = get("tether-prev", "cache", last)
+        if tc and pc:
+            total = lambda e: sum(x["ttft_ms"] for x in (get(e, "cache", t) for t in turns) if x)
+            print(f"turn {last}: new / previous build TTFT: {tc['ttft_ms'] / pc['ttft_ms']:.2f}x; "
+                  f"sum over all turns: {total('tether') / 1e3:.2f} s / {total('tether-prev') / 1e3:.2f} s = {total('tether') / total('tether-prev'):.2f}x")
         if tc and tn:
             x = tn["ttft_ms"] / tc["ttft_ms"]
             print(f"turn {last}: tether cache vs no-cache: {x:.1f}x faster (issue target >= 20x: {'met' if x >= 20 else 'not met'})")
@@ -796,13 +810,24 @@ def report(path):
         reps = max(sum(1 for r in rs if r["engine"] == e and r["workload"] == "decode" and r.get("streams") == 1) for e in ("tether", "mlx-lm"))
         runs = f"median of {reps} runs each, " if reps > 1 else ""
         print(f"\n{m}: tether vs mlx-lm, same script; {runs}ratio = tether / mlx-lm")
-        print(f"{'metric':<52} {'tether':>9} {'mlx-lm':>9} {'ratio':>7}  better")
+        has_prev = any(r["engine"] == "tether-prev" for r in rs)
+        prev_head = f" {'prev':>9} {'new/prev':>8}" if has_prev else ""
+        if has_prev:
+            print("prev: the previous build of Tether, same script and flags")
+        print(f"{'metric':<52} {'tether':>9}{prev_head} {'mlx-lm':>9} {'ratio':>7}  better")
 
         def line(name, unit, better, t, p):
             tv = t.get(unit[0]) if t else None
             pv = p.get(unit[0]) if p else None
             ratio = f"{tv / pv:.2f}x" if tv is not None and pv else "-"
-            print(f"{name:<52} {fmt(tv, unit[1]):>9} {fmt(pv, unit[1]):>9} {ratio:>7}  {better}")
+            prev_cols = ""
+            if has_prev:
+                # The previous build's run of the same kind as `t`.
+                q = t and last("tether-prev", **{k: t.get(k) for k in ("workload", "streams", "setting")})
+                qv = q.get(unit[0]) if q else None
+                vs_prev = f"{tv / qv:.2f}x" if tv is not None and qv else "-"
+                prev_cols = f" {fmt(qv, unit[1]):>9} {vs_prev:>8}"
+            print(f"{name:<52} {fmt(tv, unit[1]):>9}{prev_cols} {fmt(pv, unit[1]):>9} {ratio:>7}  {better}")
 
         def last(engine, **kw):
             """The matching runs merged: the median of each number over the runs
@@ -864,7 +889,8 @@ def report(path):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--report", metavar="RESULTS", help="print the side-by-side table of RESULTS.jsonl and exit")
-    ap.add_argument("--engine", choices=["tether", "mlx-lm"])
+    # tether-prev: a previous build of Tether, measured beside the current one.
+    ap.add_argument("--engine", choices=["tether", "tether-prev", "mlx-lm"])
     ap.add_argument("--url", help="server base URL, http://127.0.0.1:PORT")
     ap.add_argument("--model-dir", help="HF model folder: tokenizer.json (prompt sizing), EOS ids")
     ap.add_argument("--label", help="model name in the results (default: the folder's name)")

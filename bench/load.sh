@@ -40,6 +40,11 @@
 #        REPS=1                     repeat everything (engines interleaved); the table shows medians
 #        OUT=DIR                    where results.jsonl and the server logs go (default: a temp dir)
 #        RESULTS=FILE               append the JSON lines here instead of $OUT/results.jsonl
+#        PREV_BIN=PATH              a previous build's `tether` binary, run right after
+#                                   this build with the same flags and script; the tables
+#                                   get "prev" and "new/prev" columns. One way to build it:
+#                                   git worktree add /tmp/prev REV && (cd /tmp/prev &&
+#                                   cargo build --release -p tether); PREV_BIN=/tmp/prev/target/release/tether
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TETHER_BIN="${CARGO_TARGET_DIR:-target}/release/tether"
@@ -101,6 +106,7 @@ BUILD="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --qui
 bench/peer/setup.sh $MODELS >&2
 
 echo "# load benchmark ($WORKLOAD) $(date -u +%FT%TZ): $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores; load average at start: $(cut -d' ' -f1-3 /proc/loadavg)" >"$OUT/header.txt"
+[ -n "${PREV_BIN:-}" ] && echo "# previous build (prev): $PREV_BIN ($(git -C "$(dirname "$PREV_BIN")" rev-parse --short HEAD 2>/dev/null || echo unknown))" >>"$OUT/header.txt"
 
 for m in $MODELS; do
  for rep in $(seq "$REPS"); do
@@ -108,23 +114,28 @@ for m in $MODELS; do
   dir="$PEER/models/$m-f32"
   common=(--model-dir "$dir" --label "$m" --out "$RESULTS" --build "$BUILD" "${EXTRA[@]}")
 
-  # Tether
-  tlog="$OUT/tether-$m.log"
-  "$TETHER_BIN" serve --model "$m" --device "$TETHER_DEVICE" --weights "$TETHER_WEIGHTS" --host 127.0.0.1 --port 0 "${SERVE_EXTRA[@]}" >"$tlog" 2>&1 &
-  SERVER_PID=$!
-  port=""
-  for _ in $(seq 240); do
-    port=$(sed -n 's#.*listening on http://127\.0\.0\.1:\([0-9]*\).*#\1#p' "$tlog" | head -1)
-    [ -n "$port" ] && break
-    kill -0 "$SERVER_PID" 2>/dev/null || break
-    sleep 0.5
+  # Tether: this build, then the previous one when PREV_BIN names it.
+  engines=("tether:$TETHER_BIN")
+  [ -n "${PREV_BIN:-}" ] && engines+=("tether-prev:$PREV_BIN")
+  for engine_bin in "${engines[@]}"; do
+    engine="${engine_bin%%:*}" bin="${engine_bin#*:}"
+    tlog="$OUT/$engine-$m.log"
+    "$bin" serve --model "$m" --device "$TETHER_DEVICE" --weights "$TETHER_WEIGHTS" --host 127.0.0.1 --port 0 "${SERVE_EXTRA[@]}" >"$tlog" 2>&1 &
+    SERVER_PID=$!
+    port=""
+    for _ in $(seq 240); do
+      port=$(sed -n 's#.*listening on http://127\.0\.0\.1:\([0-9]*\).*#\1#p' "$tlog" | head -1)
+      [ -n "$port" ] && break
+      kill -0 "$SERVER_PID" 2>/dev/null || break
+      sleep 0.5
+    done
+    [ -n "$port" ] || { log "$engine serve did not start; log:"; tail -20 "$tlog" >&2; exit 1; }
+    wait_http "http://127.0.0.1:$port/healthz" "$tlog" 60
+    log "$engine ($m, $TETHER_WEIGHTS weights) on :$port"
+    timeout "$RUN_LIMIT" "$PY" bench/load.py --engine "$engine" --url "http://127.0.0.1:$port" --workloads "$TETHER_WORK" \
+      "${common[@]}" || log "$engine run failed (rc $?)"
+    stop_server
   done
-  [ -n "$port" ] || { log "tether serve did not start; log:"; tail -20 "$tlog" >&2; exit 1; }
-  wait_http "http://127.0.0.1:$port/healthz" "$tlog" 60
-  log "tether ($m, $TETHER_WEIGHTS weights) on :$port"
-  timeout "$RUN_LIMIT" "$PY" bench/load.py --engine tether --url "http://127.0.0.1:$port" --workloads "$TETHER_WORK" \
-    "${common[@]}" || log "tether run failed (rc $?)"
-  stop_server
 
   # mlx-lm, default prefill step (2048): decode + unchunked admission (or the agent)
   steps=(2048)
