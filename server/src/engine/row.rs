@@ -83,7 +83,8 @@ impl Row {
             can_publish: self.can_publish(),
             prefill_chunk: self.request.prefill_chunk,
             generation_room: self.request.max_tokens.saturating_sub(self.generated + 1),
-            draft: self.draft.as_ref().map(|d| DraftView { depth: d.depth(), recent_acceptance: d.recent_acceptance() }),
+            // The step runner fills in `ready` from the row's proposal.
+            draft: self.draft.as_ref().map(|d| DraftView { ready: d.depth(), recent_acceptance: d.recent_acceptance() }),
         }
     }
 
@@ -138,12 +139,14 @@ impl Row {
         (tokens, cache)
     }
 
-    /// This decode step's drafts: as many as the source offers, at most
-    /// `max` (the scheduler's cap: budget, bar and `max_tokens` room).
-    pub fn drafts(&mut self, max: usize) -> Proposal {
+    /// This decode step's drafts: as many as the source offers within the
+    /// row's adaptive depth and its `max_tokens` room (a verification emits
+    /// up to drafts + 1 tokens). The scheduler then caps them.
+    pub fn drafts(&mut self) -> Proposal {
         let (history, generated) = (&self.tokens, self.generated);
+        let room = self.request.max_tokens.saturating_sub(generated + 1);
         match &mut self.draft {
-            Some(d) => d.propose(history, generated, max),
+            Some(d) => d.propose(history, generated, room),
             None => Proposal::Ready(Vec::new()),
         }
     }

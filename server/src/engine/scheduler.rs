@@ -83,8 +83,9 @@ pub struct RowView<'a> {
 /// A speculating row's draft state, as planning needs it.
 #[derive(Clone, Copy, Debug)]
 pub struct DraftView {
-    /// Drafts it would verify now (its adaptive depth).
-    pub depth: usize,
+    /// Drafts it has for this step: proposed on the host already, or the
+    /// draft model's depth for it (at most its adaptive depth and room).
+    pub ready: usize,
     /// Share of its recent drafts accepted; `None` before it drafted.
     pub recent_acceptance: Option<f64>,
 }
@@ -241,7 +242,7 @@ impl Scheduler {
             // acceptance keeps up with what it is writing.
             let retry = (self.steps + row.id.0).is_multiple_of(DRAFT_RETRY_EVERY);
             let drafts = match row.draft {
-                Some(d) if d.pays(bar.filter(|_| !retry)) => d.depth.min(row.generation_room).min(draft_budget),
+                Some(d) if d.pays(bar.filter(|_| !retry)) => d.ready.min(row.generation_room).min(draft_budget),
                 _ => 0,
             };
             draft_budget -= drafts;

@@ -37,13 +37,29 @@ impl Engine {
             return Ok(());
         }
         let started = Instant::now();
-        let views: Vec<_> = self.running.iter().map(super::row::Row::view).collect();
+        // Decoding rows propose their drafts before planning, so the plan
+        // counts the drafts a row has, not the most it could have (host
+        // lookups are cheap; the draft model's run comes after the plan).
+        let mut proposals: Vec<Option<Proposal>> =
+            self.running.iter_mut().map(|r| (r.pending_token.is_some() && r.can_publish() && r.draft.is_some()).then(|| r.drafts())).collect();
+        let views: Vec<_> = self
+            .running
+            .iter()
+            .zip(&proposals)
+            .map(|(r, p)| {
+                let mut view = r.view();
+                if let (Some(d), Some(p)) = (&mut view.draft, p) {
+                    d.ready = p.count();
+                }
+                view
+            })
+            .collect();
         let plan = self.scheduler.plan(&views);
         drop(views);
         if plan.is_empty() {
             return Ok(());
         }
-        let mut work = self.fill_drafts(&plan.work)?;
+        let mut work = self.fill_drafts(&plan.work, &mut proposals)?;
         let (mut decode_rows, mut draft_tokens, mut prefill_tokens) = (0, 0, 0);
         for w in work.iter().flatten() {
             match w {
@@ -182,10 +198,10 @@ impl Engine {
     }
 
     /// The plan's work by running row (`None`: the row sits this step out),
-    /// with each decoding row's drafts: proposed on the host within its cap,
-    /// or from the draft model in one batched round for all rows that draft
+    /// with each decoding row's drafts: its proposal within the plan's cap,
+    /// the draft model's made in one batched round for all rows that draft
     /// with it (see [`speculate::DraftModel::propose`]).
-    fn fill_drafts(&mut self, plan: &[(super::RequestId, RowWork)]) -> mlx::Result<Vec<Option<Work>>> {
+    fn fill_drafts(&mut self, plan: &[(super::RequestId, RowWork)], proposals: &mut [Option<Proposal>]) -> mlx::Result<Vec<Option<Work>>> {
         let index: HashMap<_, _> = self.running.iter().enumerate().map(|(i, r)| (r.id, i)).collect();
         let mut work: Vec<Option<Work>> = (0..self.running.len()).map(|_| None).collect();
         // (running row, depth) of rows drafting with the model, in running order.
@@ -194,12 +210,13 @@ impl Engine {
             let i = index[id];
             work[i] = Some(match *w {
                 RowWork::Prefill { tokens } => Work::Prefill { tokens },
-                RowWork::Decode { max_drafts } => match self.running[i].drafts(max_drafts) {
-                    Proposal::Ready(drafts) => Work::Decode { drafts },
-                    Proposal::FromModel(depth) => {
+                RowWork::Decode { max_drafts } => match proposals[i].take().map(|p| p.truncated(max_drafts)) {
+                    Some(Proposal::FromModel(depth)) if depth > 0 => {
                         from_model.push((i, depth));
                         Work::Decode { drafts: Vec::new() }
                     }
+                    Some(Proposal::Ready(drafts)) => Work::Decode { drafts },
+                    _ => Work::Decode { drafts: Vec::new() },
                 },
             });
         }

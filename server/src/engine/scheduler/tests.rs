@@ -87,7 +87,7 @@ fn decode_rows_come_first_and_paused_rows_sit_out() {
 #[test]
 fn drafts_share_the_draft_budget_and_respect_max_tokens() {
     let mut s = Scheduler::new(config());
-    let drafting = |id, room| RowView { draft: Some(DraftView { depth: 6, recent_acceptance: None }), generation_room: room, ..row(id, None) };
+    let drafting = |id, room| RowView { draft: Some(DraftView { ready: 6, recent_acceptance: None }), generation_room: room, ..row(id, None) };
     let plan = s.plan(&[drafting(1, 100), drafting(2, 100), drafting(3, 2)]);
     let drafts: HashMap<u64, usize> = plan
         .work
@@ -171,7 +171,7 @@ impl SimRequest {
             can_publish: !self.paused,
             prefill_chunk: None,
             generation_room: self.max_tokens.saturating_sub(self.generated + 1),
-            draft: self.drafts.then_some(DraftView { depth: 4, recent_acceptance: Some(0.5) }),
+            draft: self.drafts.then_some(DraftView { ready: 4, recent_acceptance: Some(0.5) }),
         }
     }
 }

@@ -92,6 +92,27 @@ pub enum Proposal {
     FromModel(usize),
 }
 
+impl Proposal {
+    /// How many drafts it holds (or the draft model will make).
+    pub fn count(&self) -> usize {
+        match self {
+            Proposal::Ready(d) => d.len(),
+            Proposal::FromModel(n) => *n,
+        }
+    }
+
+    /// The first `max` of them.
+    pub fn truncated(self, max: usize) -> Proposal {
+        match self {
+            Proposal::Ready(mut d) => {
+                d.truncate(max);
+                Proposal::Ready(d)
+            }
+            Proposal::FromModel(n) => Proposal::FromModel(n.min(max)),
+        }
+    }
+}
+
 /// Weight of the past in a row's decayed acceptance, per verification.
 const ACCEPTANCE_DECAY: f64 = 0.7;
 
@@ -294,7 +315,7 @@ mod tests {
 
     #[test]
     fn drafts_pay_while_accepted_more_often_than_the_bar() {
-        let pays = |s: &DraftState, bar| crate::engine::scheduler::DraftView { depth: s.depth(), recent_acceptance: s.recent_acceptance() }.pays(bar);
+        let pays = |s: &DraftState, bar| crate::engine::scheduler::DraftView { ready: s.depth(), recent_acceptance: s.recent_acceptance() }.pays(bar);
         let mut s = DraftState::new(&Speculation { kind: DraftKind::Echo, max_draft: 8 }, None).unwrap();
         assert!(pays(&s, Some(0.9)), "a row that has not drafted yet may");
         s.record(4, 1, 2); // a quarter accepted
