@@ -21,8 +21,12 @@ done
 bench/peer/setup.sh
 # Release profile: the numerical tests run real models token by token.
 cargo test --release --locked --workspace
+export TETHER_BIN="$(realpath "$TETHER_BIN")"
+# The OpenAI-compatible HTTP edge, driven by the official `openai` Python SDK
+# (pinned, in a venv under ~/.cache/tether) against real servers.
+tests/openai/setup.sh
+"${TETHER_OPENAI_VENV:-$HOME/.cache/tether/openai-venv}/bin/python" -m pytest -q tests/openai
 # The TypeScript client and the playground (client-ts/) against real servers,
 # the playground in Debian's Chromium (installed by setup-node.sh if missing).
 scripts/setup-node.sh
-export TETHER_BIN="$(realpath "$TETHER_BIN")"
 (cd client-ts && npm ci --no-audit --no-fund && npm test)

@@ -2,12 +2,14 @@
 //! Origin and bearer-token checks done BEFORE upgrading), `/healthz`,
 //! `/metrics`, and with `--ui-dir` static files (the playground) elsewhere.
 mod static_files;
+pub mod stream_body;
 
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http_body_util::Full;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
 use hyper::body::{Bytes, Incoming};
 use hyper::header::{self, HeaderMap, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
@@ -20,7 +22,18 @@ use tokio_tungstenite::WebSocketStream;
 
 use super::{ws, ServerState};
 
-pub type Body = Full<Bytes>;
+/// A response body: whole (JSON, files) or streamed (server-sent events).
+pub type Body = BoxBody<Bytes, Infallible>;
+
+/// A body of `bytes`, sent whole.
+pub fn full(bytes: impl Into<Bytes>) -> Body {
+    Full::new(bytes.into()).boxed()
+}
+
+/// An empty body.
+pub fn empty() -> Body {
+    full(Bytes::new())
+}
 
 /// The subprotocol a browser client may offer to name the protocol.
 pub const SUBPROTOCOL: &str = "tether.v1";
@@ -29,6 +42,18 @@ pub const SUBPROTOCOL: &str = "tether.v1";
 pub const BEARER_SUBPROTOCOL_PREFIX: &str = "tether.bearer.";
 
 pub async fn handle(state: Arc<ServerState>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
+    if req.uri().path().starts_with("/v1/") && req.uri().path() != "/v1/ws" {
+        let bearer = presented_tokens(&req, &[]).into_iter().next();
+        if let Some(why) = auth_problem(&state, &req, &[]) {
+            state.metrics.error(ErrorCode::Unauthorized);
+            return Ok(super::openai::unauthorized(why));
+        }
+        let path = req.uri().path().to_string();
+        return Ok(match super::openai::handle(&state, req, bearer).await {
+            Some(r) => r,
+            None => not_found(&path),
+        });
+    }
     let path = req.uri().path();
     Ok(match (req.method(), path) {
         (&Method::GET, "/v1/ws") => upgrade(state, req),
@@ -51,7 +76,7 @@ fn not_found(path: &str) -> Response<Body> {
 }
 
 fn json(status: StatusCode, body: String) -> Response<Body> {
-    let mut r = Response::new(Full::new(Bytes::from(body)));
+    let mut r = Response::new(full(body));
     *r.status_mut() = status;
     r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     r
@@ -125,6 +150,20 @@ fn token_matches(expected: &str, presented: &str) -> bool {
     bool::from(expected.as_bytes().ct_eq(presented.as_bytes()))
 }
 
+/// Why the request may not pass, when the server wants a bearer token and
+/// none of those presented (`offered` subprotocols included) matches.
+fn auth_problem(state: &ServerState, req: &Request<Incoming>, offered: &[String]) -> Option<&'static str> {
+    let expected = state.config.auth_token.as_ref()?;
+    let presented = presented_tokens(req, offered);
+    // Check every presented token, so the timing does not say which matched.
+    let ok = presented.iter().fold(false, |acc, t| token_matches(expected, t) | acc);
+    match (ok, presented.is_empty()) {
+        (true, _) => None,
+        (false, true) => Some("a bearer token is required"),
+        (false, false) => Some("the bearer token is wrong"),
+    }
+}
+
 fn upgrade(state: Arc<ServerState>, mut req: Request<Incoming>) -> Response<Body> {
     let h = req.headers();
     let is_upgrade = has_token(h, header::CONNECTION, "upgrade") && has_token(h, header::UPGRADE, "websocket");
@@ -151,21 +190,15 @@ fn upgrade(state: Arc<ServerState>, mut req: Request<Incoming>) -> Response<Body
         }
     }
     let offered = offered_protocols(h);
-    if let Some(expected) = &cfg.auth_token {
-        let presented = presented_tokens(&req, &offered);
-        // Check every presented token, so the timing does not say which matched.
-        let ok = presented.iter().fold(false, |acc, t| token_matches(expected, t) | acc);
-        if !ok {
-            state.metrics.error(ErrorCode::Unauthorized);
-            let why = if presented.is_empty() { "a bearer token is required" } else { "the bearer token is wrong" };
-            let mut r = refuse(
-                StatusCode::UNAUTHORIZED,
-                ErrorCode::Unauthorized,
-                &format!("{why}: send `Authorization: Bearer <token>`, `?token=<token>` or the subprotocol `tether.bearer.<token>`"),
-            );
-            r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-            return r;
-        }
+    if let Some(why) = auth_problem(&state, &req, &offered) {
+        state.metrics.error(ErrorCode::Unauthorized);
+        let mut r = refuse(
+            StatusCode::UNAUTHORIZED,
+            ErrorCode::Unauthorized,
+            &format!("{why}: send `Authorization: Bearer <token>`, `?token=<token>` or the subprotocol `tether.bearer.<token>`"),
+        );
+        r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        return r;
     }
     if !state.try_open_connection() {
         state.metrics.error(ErrorCode::ServerBusy);
@@ -188,7 +221,7 @@ fn upgrade(state: Arc<ServerState>, mut req: Request<Incoming>) -> Response<Body
             Err(_) => state.connection_closed(),
         }
     });
-    let mut r = Response::new(Body::default());
+    let mut r = Response::new(empty());
     *r.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
     *r.version_mut() = version;
     let rh = r.headers_mut();
@@ -252,7 +285,7 @@ async fn metrics(state: &ServerState) -> Response<Body> {
     let stats = engine_stats(state).await;
     state.metrics.sessions.set(state.sessions.len() as i64);
     let body = state.metrics.render(stats.as_ref());
-    let mut r = Response::new(Full::new(Bytes::from(body)));
+    let mut r = Response::new(full(body));
     r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"));
     r
 }

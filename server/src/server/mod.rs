@@ -16,6 +16,8 @@ mod config;
 mod conn;
 mod http;
 mod metrics;
+mod openai;
+mod relay;
 mod replay;
 mod request;
 mod session;

@@ -1,21 +1,21 @@
-//! One `generate`: input → token ids → engine request, and the forwarding
-//! task that turns engine events into `delta` / `done` frames.
+//! One request, whatever the edge: input → token ids → engine request
+//! ([`prepare`], [`submit_request`]), then a [`Relay`] to the edge's writer.
+//! Protocol v1's `generate` ([`start`]) is one such edge: its writer puts
+//! `delta` / `done` frames into the session's replay ring.
 use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use protocol::{
-    CacheScopeName, Delta, Done, DraftSourceName, ErrorCode, FimInput, FinishReason, GenerateInput, GenerateRequest, ProtocolError, ServerMessage,
-    SpeculationOptions, SpeculativeStats, Timing, TokenLogprob as WireLogprob, TopLogprob, Usage,
+    CacheScopeName, Delta, Done, DraftSourceName, ErrorCode, FimInput, GenerateInput, GenerateRequest, ProtocolError, ServerMessage, SpeculationOptions,
 };
-use tokio::sync::mpsc;
 
+use super::relay::{engine_error, Ending, Piece, Relay, Writer};
 use super::session::{Frame, Registration, Session};
 use super::ServerState;
-use crate::engine::speculate::{DraftKind, SpecStats, Speculation};
-use crate::engine::{EngineError, EngineEvent, Finish, Scope, StopHandle, StopReason, SubmitRequest, Submitted, TokenLogprob};
+use crate::engine::speculate::{DraftKind, Speculation};
+use crate::engine::{EngineHandle, Scope, SubmitRequest, Submitted};
 use crate::sample::SamplingParams;
-use crate::stop::{StopMatcher, StopScan};
 use crate::tokenizer::{ChatMessage, PieceEncoding, TextTokenizer, TokenizerError};
 
 /// Qwen2.5-Coder-style fill-in-the-middle tokens.
@@ -126,10 +126,11 @@ pub fn fim_unsupported() -> ProtocolError {
 }
 
 /// The engine request for a validated, tokenized `generate`.
-/// The session's id scopes its prefix-cache entries: its next turn resumes
-/// from this one's KV state, and no other session ever sees it (unless the
-/// request asked for `cache: "shared"`, which stores it for every session).
-pub fn submit_request(state: &ServerState, session_id: &str, req: &GenerateRequest, prompt: Vec<u32>, received: Instant) -> SubmitRequest {
+/// `owner` (a session's id, or an HTTP tenant's key) scopes its prefix-cache
+/// entries: its next turn resumes from this one's KV state, and no other
+/// owner ever sees it (unless the request asked for `cache: "shared"`, which
+/// stores it for every owner). Owners also take turns for free rows.
+pub fn submit_request(state: &ServerState, owner: &str, req: &GenerateRequest, prompt: Vec<u32>, received: Instant) -> SubmitRequest {
     SubmitRequest {
         prompt,
         max_tokens: req.max_tokens as usize,
@@ -145,9 +146,9 @@ pub fn submit_request(state: &ServerState, session_id: &str, req: &GenerateReque
         prefill_chunk: req.chunk_size.map(|c| (c as usize).min(state.config.max_prefill_chunk)),
         cache_scope: Some(match req.cache {
             Some(CacheScopeName::Shared) => Scope::Shared,
-            Some(CacheScopeName::Session) | None => Scope::Session(session_id.to_string()),
+            Some(CacheScopeName::Session) | None => Scope::Session(owner.to_string()),
         }),
-        session: Some(session_id.to_string()),
+        session: Some(owner.to_string()),
         deadline: req.max_time_ms.map(|ms| received + Duration::from_millis(ms as u64)),
         speculation: speculation_for(&state.config.speculation, req.speculation),
     }
@@ -175,92 +176,104 @@ fn check_speculation(state: &ServerState, req: &GenerateRequest) -> Result<(), P
     Ok(())
 }
 
-/// The wire form of a finished request's speculation counters.
-fn wire_speculative(s: &SpecStats) -> SpeculativeStats {
-    SpeculativeStats {
-        drafted: s.drafted,
-        accepted: s.accepted,
-        acceptance_by_position: s.acceptance_by_position(),
-        tokens_per_forward: s.tokens_per_forward(),
-    }
-}
-
-/// Validates, tokenizes and submits a `generate`, then spawns its forwarder.
-/// Errors carry the request id; the request is not registered after one.
-pub async fn start(state: &Arc<ServerState>, session: &Arc<Session>, conn_id: u64, req: GenerateRequest, received: Instant) -> Result<(), ProtocolError> {
-    let rid = req.request_id.clone();
-    let with_id = |e: ProtocolError| e.with_request_id(rid.clone());
+/// Checks that need neither tokens nor a session: limits, speculation,
+/// FIM support. Errors carry the request id.
+pub fn check_request(state: &ServerState, req: &GenerateRequest) -> Result<(), ProtocolError> {
     if state.is_draining() {
-        return Err(with_id(ProtocolError::new(ErrorCode::Cancelled, "the server is shutting down and accepts no new requests")));
+        return Err(ProtocolError::new(ErrorCode::Cancelled, "the server is shutting down and accepts no new requests").with_request_id(req.request_id.clone()));
     }
     req.check_limits(&state.limits)?;
-    check_speculation(state, &req)?;
+    check_speculation(state, req)?;
     if matches!(req.input, GenerateInput::Fim(_)) && state.fim.is_none() {
-        return Err(with_id(fim_unsupported()));
+        return Err(fim_unsupported().with_request_id(req.request_id.clone()));
     }
-    let registration = session.register(conn_id, &rid)?;
-    let prepared = {
-        let state = state.clone();
-        let req = req.clone();
-        let session = session.clone();
-        tokio::task::spawn_blocking(move || {
-            let started = Instant::now();
-            let (prompt, encoding) = tokenize(&state.tokenizer, state.fim.as_ref(), &req.input, session.last_prompt().as_deref())
-                .map_err(|e| e.with_request_id(req.request_id.clone()))?;
-            let tokenizing = started.elapsed();
-            if let Some(e) = encoding {
-                session.set_last_prompt(e);
-            }
-            req.check_prompt_tokens(prompt.len(), &state.limits)?;
-            Ok::<_, ProtocolError>((submit_request(&state, &session.id, &req, prompt, received), tokenizing))
-        })
-        .await
-        .unwrap_or_else(|e| Err(ProtocolError::new(ErrorCode::Internal, format!("tokenizer task failed: {e}")).with_request_id(rid.clone())))
-    };
-    let (submit, tokenizing) = prepared?;
-    let prompt_tokens = submit.prompt.len();
-    let submitted = Instant::now();
-    let Submitted { events, stop, .. } = session.engine().submit(submit).map_err(|e| with_id(engine_refusal(e)))?;
-    let in_flight = InFlight::new(state.clone(), prompt_tokens);
-    registration.set_stop(stop.clone());
-    let fwd = Forwarder {
-        state: state.clone(),
-        registration,
-        _in_flight: in_flight,
-        request_id: rid,
-        stop,
-        stops: req.stop,
-        logprobs: req.logprobs.then(|| req.top_logprobs.unwrap_or(0)),
-        received,
-        submitted,
-        tokenizing,
-        prompt_tokens,
-    };
-    tokio::spawn(fwd.run(events));
     Ok(())
 }
 
-/// The error a client gets for an engine's refusal or failure. Before the
-/// request started, the engine's own limits are the client's to retry;
-/// after, a failure is the server's.
-fn engine_refusal(e: EngineError) -> ProtocolError {
-    let code = match &e {
-        EngineError::Overloaded { .. } => ErrorCode::Overloaded,
-        EngineError::ShuttingDown => ErrorCode::Cancelled,
-        EngineError::ContextOverflow { .. } => ErrorCode::ContextOverflow,
-        EngineError::OverKvBudget { .. } => ErrorCode::ContextOverflow,
-        EngineError::Internal(_) => ErrorCode::Internal,
+/// A request tokenized and checked, ready for the engine.
+pub struct Prepared {
+    pub submit: SubmitRequest,
+    /// The prompt's encoding in pieces, for the owner's next prompt to extend.
+    pub encoding: Option<PieceEncoding>,
+    pub tokenizing: Duration,
+}
+
+/// Tokenizes `req` off the async threads (re-using `earlier`, the owner's
+/// last prompt, where the new one extends it) and checks its length.
+pub async fn prepare(
+    state: &Arc<ServerState>,
+    owner: &str,
+    req: &GenerateRequest,
+    earlier: Option<Arc<PieceEncoding>>,
+    received: Instant,
+) -> Result<Prepared, ProtocolError> {
+    let (state, req, owner) = (state.clone(), req.clone(), owner.to_string());
+    let rid = req.request_id.clone();
+    tokio::task::spawn_blocking(move || {
+        let started = Instant::now();
+        let (prompt, encoding) =
+            tokenize(&state.tokenizer, state.fim.as_ref(), &req.input, earlier.as_deref()).map_err(|e| e.with_request_id(req.request_id.clone()))?;
+        let tokenizing = started.elapsed();
+        req.check_prompt_tokens(prompt.len(), &state.limits)?;
+        Ok(Prepared { submit: submit_request(&state, &owner, &req, prompt, received), encoding, tokenizing })
+    })
+    .await
+    .unwrap_or_else(|e| Err(ProtocolError::new(ErrorCode::Internal, format!("tokenizer task failed: {e}")).with_request_id(rid)))
+}
+
+/// Submits a prepared request to `engine`; returns its handles and the
+/// guard that counts it in flight, and the relay that takes it to a writer.
+pub fn submit(
+    state: &Arc<ServerState>,
+    engine: &EngineHandle,
+    req: &GenerateRequest,
+    prepared: Prepared,
+    received: Instant,
+) -> Result<(Submitted, InFlight, Relay), ProtocolError> {
+    let prompt_tokens = prepared.submit.prompt.len();
+    let submitted_at = Instant::now();
+    let submitted = engine.submit(prepared.submit).map_err(|e| {
+        let (code, message) = engine_error(&e);
+        ProtocolError::new(code, message).with_request_id(req.request_id.clone())
+    })?;
+    let in_flight = InFlight::new(state.clone(), prompt_tokens);
+    let relay = Relay {
+        state: state.clone(),
+        stop: submitted.stop.clone(),
+        stops: req.stop.clone(),
+        logprobs: req.logprobs.then(|| req.top_logprobs.unwrap_or(0)),
+        received,
+        submitted: submitted_at,
+        tokenizing: prepared.tokenizing,
+        prompt_tokens,
     };
-    let message = match code {
-        ErrorCode::Overloaded => format!("{e}; retry later"),
-        ErrorCode::Internal => format!("generation failed: {e}"),
-        _ => e.to_string(),
-    };
-    ProtocolError::new(code, message)
+    Ok((submitted, in_flight, relay))
+}
+
+/// Validates, tokenizes and submits a `generate`, then spawns its relay.
+/// Errors carry the request id; the request is not registered after one.
+pub async fn start(state: &Arc<ServerState>, session: &Arc<Session>, conn_id: u64, req: GenerateRequest, received: Instant) -> Result<(), ProtocolError> {
+    check_request(state, &req)?;
+    let registration = session.register(conn_id, &req.request_id)?;
+    let prepared = prepare(state, &session.id, &req, session.last_prompt(), received).await?;
+    if let Some(e) = prepared.encoding.clone() {
+        session.set_last_prompt(e);
+    }
+    let (submitted, in_flight, relay) = submit(state, session.engine(), &req, prepared, received)?;
+    registration.set_stop(submitted.stop.clone());
+    let mut writer = FrameWriter { registration, request_id: req.request_id, seq: 0 };
+    tokio::spawn(async move {
+        relay.run(submitted.events, &mut writer).await;
+        // The session forgets the request before the server's count drops,
+        // so a drain that sees zero in flight finds every session settled.
+        drop(writer);
+        drop(in_flight);
+    });
+    Ok(())
 }
 
 /// Counts a request in flight (for drain and /metrics) while it lives.
-struct InFlight(Arc<ServerState>);
+pub struct InFlight(Arc<ServerState>);
 
 impl InFlight {
     fn new(state: Arc<ServerState>, prompt_tokens: usize) -> InFlight {
@@ -275,192 +288,50 @@ impl Drop for InFlight {
     }
 }
 
-struct Forwarder {
-    state: Arc<ServerState>,
-    /// Dropped when the forwarder ends, before `_in_flight` (fields drop in
-    /// order): the session forgets the request, then the server's count
-    /// drops, so a drain that sees zero finds every session settled.
+/// Protocol v1's writer: `delta` frames numbered from 1, then `done` or a
+/// request `error`, into the session's replay ring.
+struct FrameWriter {
     registration: Registration,
-    _in_flight: InFlight,
     request_id: String,
-    stop: StopHandle,
-    stops: Vec<String>,
-    logprobs: Option<u8>,
-    received: Instant,
-    submitted: Instant,
-    /// Time spent tokenizing the input (part of received..submitted).
-    tokenizing: Duration,
-    prompt_tokens: usize,
+    /// The last `seq` used.
+    seq: u64,
 }
 
-fn ms(d: Duration) -> u64 {
-    d.as_millis() as u64
-}
-
-fn finite(lp: f32) -> f32 {
-    if lp.is_finite() {
-        lp.min(0.0)
-    } else {
-        f32::MIN
+impl FrameWriter {
+    async fn push(&self, seq: Option<u64>, msg: ServerMessage) -> bool {
+        let terminal = !matches!(msg, ServerMessage::Delta(_));
+        self.registration.push(Frame { seq, json: Arc::from(msg.to_json()), terminal }).await
     }
 }
 
-impl Forwarder {
-    async fn push(&self, seq: Option<u64>, msg: ServerMessage, terminal: bool) -> bool {
-        let frame = Frame { seq, json: Arc::from(msg.to_json()), terminal };
-        self.registration.push(frame).await
+impl Writer for FrameWriter {
+    async fn piece(&mut self, piece: Piece) -> bool {
+        self.seq += 1;
+        let delta = Delta { request_id: self.request_id.clone(), seq: self.seq, text: piece.text, token_ids: piece.token_ids, logprobs: piece.logprobs };
+        self.push(Some(self.seq), ServerMessage::Delta(delta)).await
     }
 
-    fn wire_logprobs(&self, lps: &[TokenLogprob]) -> Option<Vec<WireLogprob>> {
-        let top = self.logprobs?;
-        Some(
-            lps.iter()
-                .map(|l| WireLogprob {
-                    token_id: l.token_id,
-                    logprob: finite(l.logprob),
-                    top: (top > 0).then(|| l.top.iter().map(|&(token_id, lp)| TopLogprob { token_id, logprob: finite(lp) }).collect()),
-                })
-                .collect(),
-        )
-    }
-
-    async fn run(self, mut events: mpsc::Receiver<EngineEvent>) {
-        let tok = self.state.tokenizer.clone();
-        let mut decoder = tok.stream_decoder(true);
-        let mut stops = StopMatcher::new(self.stops.clone());
-        let mut seq = 0u64;
-        // A stop sequence matched: the engine was told to stop, later tokens are dropped.
-        let mut stopped = false;
-        // Frames are still wanted (false once the session dropped one).
-        let mut alive = true;
-        let mut completion = 0usize;
-        let mut queue_ms = None;
-        let mut first_token = None;
-        let outcome = loop {
-            let Some(event) = events.recv().await else {
-                break Err((ErrorCode::Internal, "the engine stopped before finishing the request".to_string()));
-            };
-            match event {
-                EngineEvent::Started { queue_ms: q } => {
-                    queue_ms = Some(ms(self.submitted - self.received) + q.max(0.0) as u64);
-                }
-                EngineEvent::Tokens { ids, logprobs } => {
-                    if stopped || !alive {
-                        continue;
-                    }
-                    first_token.get_or_insert_with(Instant::now);
-                    completion += ids.len();
-                    self.state.metrics.generated_tokens.inc_by(ids.len() as u64);
-                    let mut text = String::new();
-                    for &id in &ids {
-                        if let Some(t) = decoder.push(&tok, id) {
-                            text.push_str(&t);
-                        }
-                    }
-                    let text = match stops.push(&text) {
-                        StopScan::Continue(t) => t,
-                        StopScan::Stopped(t) => {
-                            // The turn ended here: the engine keeps its
-                            // state for the session's next turn.
-                            stopped = true;
-                            self.stop.stop(StopReason::StopString);
-                            t
-                        }
-                    };
-                    seq += 1;
-                    let delta = Delta { request_id: self.request_id.clone(), seq, text, token_ids: ids, logprobs: self.wire_logprobs(&logprobs) };
-                    if !self.push(Some(seq), ServerMessage::Delta(delta), false).await {
-                        alive = false;
-                        self.stop.stop(StopReason::Cancel);
-                    }
-                }
-                EngineEvent::Finished(info) => {
-                    if alive && !stopped {
-                        // Text held back by the decoder or the stop matcher.
-                        let tail = decoder.flush(&tok).unwrap_or_default();
-                        let text = match stops.push(&tail) {
-                            StopScan::Continue(t) => t + &stops.finish(),
-                            StopScan::Stopped(t) => {
-                                stopped = true;
-                                t
-                            }
-                        };
-                        if !text.is_empty() {
-                            seq += 1;
-                            let delta =
-                                Delta { request_id: self.request_id.clone(), seq, text, token_ids: Vec::new(), logprobs: self.logprobs.map(|_| Vec::new()) };
-                            alive = self.push(Some(seq), ServerMessage::Delta(delta), false).await;
-                        }
-                    }
-                    let reason = if stopped {
-                        FinishReason::Stop
-                    } else {
-                        match info.reason {
-                            Finish::Stop => FinishReason::Stop,
-                            Finish::Length => FinishReason::Length,
-                            Finish::TimeLimit => FinishReason::TimeLimit,
-                            Finish::Cancelled => match self.registration.cancel_origin() {
-                                Some(true) => FinishReason::Cancelled,
-                                Some(false) => break Err((ErrorCode::Cancelled, "the server cancelled the request (shutting down)".into())),
-                                None if !alive => FinishReason::Cancelled,
-                                None => break Err((ErrorCode::Cancelled, "the engine cancelled the request".into())),
-                            },
-                        }
-                    };
-                    break Ok((reason, info));
-                }
-                EngineEvent::Failed(e) => {
-                    // Refusals (the queue, the KV budget) come before the
-                    // request started; anything after is a failure.
-                    let e = if queue_ms.is_some() { EngineError::Internal(e.to_string()) } else { e };
-                    let e = engine_refusal(e);
-                    break Err((e.code, e.message));
-                }
-            }
-        };
-        let total = self.received.elapsed();
-        match outcome {
-            Ok((reason, info)) => {
-                let (prompt_tokens, cached_tokens) = (info.prompt_tokens, info.cached_tokens);
-                if crate::engine::tracing() {
-                    let ms = |d: Duration| d.as_secs_f64() * 1e3;
-                    eprintln!(
-                        "[request] prompt_tokens={prompt_tokens} cached_tokens={cached_tokens} tokenize_ms={:.2} submit_ms={:.2} queue_ms={} first_token_ms={:.2}",
-                        ms(self.tokenizing),
-                        ms(self.submitted - self.received),
-                        queue_ms.map_or(-1, |q| q as i64),
-                        first_token.map_or(f64::NAN, |t| ms(t - self.received)),
-                    );
-                }
-                self.state.metrics.request_finished(reason);
-                if alive {
-                    let done = Done {
-                        request_id: self.request_id.clone(),
-                        seq: seq + 1,
-                        finish_reason: reason,
-                        usage: Usage {
-                            prompt_tokens: if prompt_tokens > 0 { prompt_tokens } else { self.prompt_tokens } as u32,
-                            cached_tokens: cached_tokens as u32,
-                            completion_tokens: completion as u32,
-                        },
-                        timing: Timing {
-                            queue_ms: queue_ms.unwrap_or(ms(total)),
-                            ttft_ms: first_token.map_or(ms(total), |t| ms(t - self.received)),
-                            total_ms: ms(total),
-                        },
-                        speculative: info.speculative.as_ref().map(wire_speculative),
-                    };
-                    self.push(Some(seq + 1), ServerMessage::Done(done), true).await;
-                }
+    async fn end(&mut self, ending: Ending) {
+        match ending {
+            Ok(f) => {
+                self.seq += 1;
+                let done = Done {
+                    request_id: self.request_id.clone(),
+                    seq: self.seq,
+                    finish_reason: f.reason,
+                    usage: f.usage,
+                    timing: f.timing,
+                    speculative: f.speculative,
+                };
+                self.push(Some(self.seq), ServerMessage::Done(done)).await;
             }
             Err((code, message)) => {
-                self.state.metrics.request_failed(code);
-                if alive {
-                    self.state.metrics.error(code);
-                    let msg = ServerMessage::error(code, message, Some(self.request_id.clone()));
-                    self.push(None, msg, true).await;
-                }
+                self.push(None, ServerMessage::error(code, message, Some(self.request_id.clone()))).await;
             }
         }
+    }
+
+    fn cancel_origin(&self) -> Option<bool> {
+        self.registration.cancel_origin()
     }
 }

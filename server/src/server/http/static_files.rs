@@ -8,8 +8,6 @@
 //! named without the slash redirects to it. Everything else is a 404.
 use std::path::{Path, PathBuf};
 
-use http_body_util::Full;
-use hyper::body::Bytes;
 use hyper::header::{self, HeaderValue};
 use hyper::{Response, StatusCode};
 
@@ -34,7 +32,7 @@ pub async fn serve(root: &Path, uri_path: &str) -> Response<Body> {
     let found = tokio::task::spawn_blocking(move || lookup(&root, &rel)).await.unwrap_or(Found::Missing);
     match found {
         Found::File(bytes, content_type) => {
-            let mut r = Response::new(Full::new(Bytes::from(bytes)));
+            let mut r = Response::new(super::full(bytes));
             let h = r.headers_mut();
             h.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
             h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
@@ -43,7 +41,7 @@ pub async fn serve(root: &Path, uri_path: &str) -> Response<Body> {
         }
         Found::Folder => match HeaderValue::from_str(&format!("{uri_path}/")) {
             Ok(location) => {
-                let mut r = Response::new(Body::default());
+                let mut r = Response::new(super::empty());
                 *r.status_mut() = StatusCode::PERMANENT_REDIRECT;
                 r.headers_mut().insert(header::LOCATION, location);
                 r

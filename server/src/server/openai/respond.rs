@@ -1,0 +1,315 @@
+//! OpenAI's response shapes: whole completions, server-sent event chunks,
+//! usage, logprobs and errors; and the two writers that put a request's
+//! output into them.
+use std::sync::Arc;
+
+use hyper::body::Bytes;
+use hyper::header::{self, HeaderValue};
+use hyper::{Response, StatusCode};
+use protocol::{ErrorCode, FinishReason, ProtocolError, TokenLogprob, Usage};
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, oneshot};
+
+use super::super::http::{full, Body};
+use super::super::relay::{Ending, Piece, Writer};
+use crate::tokenizer::TextTokenizer;
+
+/// An error in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub kind: &'static str,
+    pub message: String,
+    pub param: Option<&'static str>,
+    pub code: Option<&'static str>,
+    /// The protocol's code, for /metrics.
+    metric: ErrorCode,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError { status, kind, message: message.into(), param: None, code: None, metric: ErrorCode::InvalidParameter }
+    }
+
+    /// A 400 `invalid_request_error`.
+    pub fn invalid(param: Option<&'static str>, message: impl Into<String>) -> ApiError {
+        ApiError { param, ..ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", message) }
+    }
+
+    pub fn with_param(mut self, param: &'static str) -> ApiError {
+        self.param = Some(param);
+        self
+    }
+
+    pub fn with_code(mut self, code: &'static str) -> ApiError {
+        self.code = Some(code);
+        self
+    }
+
+    pub fn metric_code(&self) -> ErrorCode {
+        self.metric
+    }
+
+    pub fn body(&self) -> Value {
+        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+    }
+
+    pub fn response(&self) -> Response<Body> {
+        json(self.status, self.body())
+    }
+}
+
+impl From<ProtocolError> for ApiError {
+    fn from(e: ProtocolError) -> ApiError {
+        let (status, kind, code) = match e.code {
+            ErrorCode::PromptTooLong | ErrorCode::ContextOverflow => (StatusCode::BAD_REQUEST, "invalid_request_error", "context_length_exceeded"),
+            ErrorCode::Overloaded => (StatusCode::SERVICE_UNAVAILABLE, "server_error", "overloaded"),
+            ErrorCode::Cancelled | ErrorCode::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "server_error", "unavailable"),
+            ErrorCode::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal_error"),
+            ErrorCode::RateLimited => (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", "rate_limit_exceeded"),
+            _ => (StatusCode::BAD_REQUEST, "invalid_request_error", e.code.as_str()),
+        };
+        ApiError { status, kind, message: e.message, param: None, code: Some(code), metric: e.code }
+    }
+}
+
+impl From<(ErrorCode, String)> for ApiError {
+    fn from((code, message): (ErrorCode, String)) -> ApiError {
+        ApiError::from(ProtocolError::new(code, message))
+    }
+}
+
+pub fn json(status: StatusCode, body: Value) -> Response<Body> {
+    let mut r = Response::new(full(body.to_string()));
+    *r.status_mut() = status;
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Chat,
+    Completion,
+}
+
+/// What every response of one request carries.
+pub struct Reply {
+    pub endpoint: Endpoint,
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+    pub tokenizer: Arc<TextTokenizer>,
+}
+
+fn finish_reason(r: FinishReason) -> &'static str {
+    match r {
+        FinishReason::Length | FinishReason::TimeLimit => "length",
+        _ => "stop",
+    }
+}
+
+fn usage(u: &Usage) -> Value {
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    })
+}
+
+impl Reply {
+    fn token_text(&self, id: u32) -> (String, Vec<u8>) {
+        let bytes = self.tokenizer.decode_bytes(&[id], false);
+        (String::from_utf8_lossy(&bytes).into_owned(), bytes)
+    }
+
+    /// Logprobs of `lps` in the endpoint's shape: chat's `content` list, or
+    /// the legacy completions' parallel lists (`text_offset` counted from `offset`).
+    fn logprobs(&self, lps: &[TokenLogprob], offset: usize) -> Value {
+        match self.endpoint {
+            Endpoint::Chat => {
+                let entry = |id: u32, lp: f32| {
+                    let (token, bytes) = self.token_text(id);
+                    json!({"token": token, "logprob": lp, "bytes": bytes})
+                };
+                let content: Vec<Value> = lps
+                    .iter()
+                    .map(|l| {
+                        let mut e = entry(l.token_id, l.logprob);
+                        e["top_logprobs"] = l.top.iter().flatten().map(|t| entry(t.token_id, t.logprob)).collect();
+                        e
+                    })
+                    .collect();
+                json!({"content": content})
+            }
+            Endpoint::Completion => {
+                let (mut tokens, mut offsets, mut at) = (Vec::new(), Vec::new(), offset);
+                for l in lps {
+                    let (t, _) = self.token_text(l.token_id);
+                    offsets.push(at);
+                    at += t.len();
+                    tokens.push(t);
+                }
+                let top: Vec<Value> = lps
+                    .iter()
+                    .map(|l| l.top.iter().flatten().map(|t| (self.token_text(t.token_id).0, json!(t.logprob))).collect::<serde_json::Map<_, _>>().into())
+                    .collect();
+                json!({
+                    "tokens": tokens,
+                    "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+                    "top_logprobs": top,
+                    "text_offset": offsets,
+                })
+            }
+        }
+    }
+
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.endpoint, chunk) {
+            (Endpoint::Chat, false) => "chat.completion",
+            (Endpoint::Chat, true) => "chat.completion.chunk",
+            (Endpoint::Completion, _) => "text_completion",
+        }
+    }
+
+    /// One choice: chat's `message` (whole) or `delta` (chunk), or the
+    /// completion's `text`.
+    fn choice(&self, text: &str, first_chunk: Option<bool>, logprobs: Option<Value>, finish: Option<&str>) -> Value {
+        let mut c = json!({"index": 0, "logprobs": logprobs, "finish_reason": finish});
+        match (self.endpoint, first_chunk) {
+            (Endpoint::Chat, None) => c["message"] = json!({"role": "assistant", "content": text, "refusal": null}),
+            (Endpoint::Chat, Some(true)) => c["delta"] = json!({"role": "assistant", "content": text}),
+            (Endpoint::Chat, Some(false)) if finish.is_some() && text.is_empty() => c["delta"] = json!({}),
+            (Endpoint::Chat, Some(false)) => c["delta"] = json!({"content": text}),
+            (Endpoint::Completion, _) => c["text"] = json!(text),
+        }
+        c
+    }
+
+    fn envelope(&self, chunk: bool, choices: Vec<Value>, usage: Option<Value>) -> Value {
+        let mut v = json!({
+            "id": self.id,
+            "object": self.object(chunk),
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": null,
+            "choices": choices,
+        });
+        if let Some(u) = usage {
+            v["usage"] = u;
+        } else if chunk {
+            v["usage"] = Value::Null;
+        }
+        v
+    }
+}
+
+/// The non-streaming writer: collects the text and logprobs, then answers
+/// with one JSON body.
+pub struct Collected {
+    reply: Reply,
+    text: String,
+    logprobs: Option<Vec<TokenLogprob>>,
+    ending: Option<Ending>,
+}
+
+impl Collected {
+    pub fn new(reply: Reply) -> Collected {
+        Collected { reply, text: String::new(), logprobs: None, ending: None }
+    }
+
+    pub fn into_response(self) -> Result<Response<Body>, ApiError> {
+        let ending = self.ending.unwrap_or_else(|| Err((ErrorCode::Internal, "the request ended without an answer".into())));
+        let finished = ending.map_err(ApiError::from)?;
+        let logprobs = self.logprobs.map(|l| self.reply.logprobs(&l, 0));
+        let choice = self.reply.choice(&self.text, None, logprobs, Some(finish_reason(finished.reason)));
+        Ok(json(StatusCode::OK, self.reply.envelope(false, vec![choice], Some(usage(&finished.usage)))))
+    }
+}
+
+impl Writer for Collected {
+    async fn piece(&mut self, piece: Piece) -> bool {
+        self.text.push_str(&piece.text);
+        if let Some(l) = piece.logprobs {
+            self.logprobs.get_or_insert_with(Vec::new).extend(l);
+        }
+        true
+    }
+
+    async fn end(&mut self, ending: Ending) {
+        self.ending = Some(ending);
+    }
+}
+
+/// The streaming writer: one server-sent event per piece, a last chunk with
+/// the finish reason, the usage chunk when asked for, then `[DONE]`. An
+/// error after the first event is sent as an `error` event.
+pub struct EventStream {
+    reply: Reply,
+    tx: mpsc::Sender<Bytes>,
+    include_usage: bool,
+    /// Told when the response can start (the first piece), or the error
+    /// that ended the request before any output.
+    ready: Option<oneshot::Sender<Result<(), ApiError>>>,
+    started: bool,
+    /// Bytes of text sent, for the completions' `text_offset`.
+    sent: usize,
+}
+
+impl EventStream {
+    pub fn new(reply: Reply, tx: mpsc::Sender<Bytes>, include_usage: bool, ready: oneshot::Sender<Result<(), ApiError>>) -> EventStream {
+        EventStream { reply, tx, include_usage, ready: Some(ready), started: false, sent: 0 }
+    }
+
+    async fn event(&self, v: &Value) -> bool {
+        self.tx.send(Bytes::from(format!("data: {v}\n\n"))).await.is_ok()
+    }
+
+    fn start(&mut self) {
+        if let Some(ready) = self.ready.take() {
+            let _ = ready.send(Ok(()));
+        }
+    }
+}
+
+impl Writer for EventStream {
+    async fn piece(&mut self, piece: Piece) -> bool {
+        self.start();
+        let first = !self.started;
+        self.started = true;
+        let logprobs = piece.logprobs.map(|l| self.reply.logprobs(&l, self.sent));
+        self.sent += piece.text.len();
+        let choice = self.reply.choice(&piece.text, Some(first), logprobs, None);
+        let chunk = self.reply.envelope(true, vec![choice], None);
+        self.event(&chunk).await
+    }
+
+    async fn end(&mut self, ending: Ending) {
+        match ending {
+            Err(e) => {
+                let e = ApiError::from(e);
+                match self.ready.take() {
+                    // Nothing sent yet: the response is this error's status.
+                    Some(ready) => {
+                        let _ = ready.send(Err(e));
+                    }
+                    None => {
+                        self.event(&e.body()).await;
+                    }
+                }
+            }
+            Ok(f) => {
+                self.start();
+                let first = !self.started;
+                let choice = self.reply.choice("", Some(first), None, Some(finish_reason(f.reason)));
+                if !self.event(&self.reply.envelope(true, vec![choice], None)).await {
+                    return;
+                }
+                if self.include_usage && !self.event(&self.reply.envelope(true, Vec::new(), Some(usage(&f.usage)))).await {
+                    return;
+                }
+                let _ = self.tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+            }
+        }
+    }
+}

@@ -1,0 +1,308 @@
+//! OpenAI's request bodies for `/v1/chat/completions` and `/v1/completions`,
+//! parsed strictly (an unknown field is an error, as OpenAI's own API
+//! answers) and turned into the protocol's [`GenerateRequest`], so every
+//! edge shares one validation and one request path.
+use protocol::{ChatMessage, FimInput, GenerateInput, GenerateRequest, Role};
+use serde::Deserialize;
+use serde_json::Value;
+
+/// `stop`: one string or a list of them.
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Stop {
+    fn into_vec(self) -> Vec<String> {
+        match self {
+            Stop::One(s) => vec![s],
+            Stop::Many(v) => v,
+        }
+    }
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+    /// Accepted for compatibility and ignored: nothing is padded.
+    #[serde(default, rename = "include_obfuscation")]
+    _include_obfuscation: Option<serde::de::IgnoredAny>,
+}
+
+/// A chat message's `content`: a string, or a list of parts of which only
+/// text parts are supported.
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<Value>),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Message {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<Content>,
+    /// A participant's name; no chat template here uses it, so ignored.
+    #[serde(default, rename = "name")]
+    _name: Option<serde::de::IgnoredAny>,
+}
+
+/// The fields [`Sampling`] reads (serde cannot deny unknown fields through
+/// `flatten`, so [`unknown_field`] checks names against these lists).
+const SAMPLING_FIELDS: &[&str] = &[
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "stream_options",
+    "prompt_cache_key",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    // Accepted and ignored: an end-user id for the caller's records.
+    "user",
+];
+pub const CHAT_FIELDS: &[&str] = &[
+    "model",
+    "messages",
+    "logprobs",
+    "top_logprobs",
+    "store",
+    "metadata",
+    "service_tier",
+    "response_format",
+    "tools",
+    "tool_choice",
+    // Accepted and ignored: nothing is stored, there is one service tier,
+    // and without tools there are no parallel calls.
+    "parallel_tool_calls",
+];
+pub const COMPLETION_FIELDS: &[&str] = &["model", "prompt", "suffix", "logprobs", "echo", "best_of"];
+
+/// The first field of `body` that neither `fields` nor the shared sampling
+/// fields name.
+pub fn unknown_field<'a>(body: &'a serde_json::Map<String, Value>, fields: &[&str]) -> Option<&'a str> {
+    body.keys().map(String::as_str).find(|k| !fields.contains(k) && !SAMPLING_FIELDS.contains(k))
+}
+
+/// The parameters both endpoints share.
+#[derive(Deserialize, Default)]
+pub struct Sampling {
+    pub max_tokens: Option<u32>,
+    pub max_completion_tokens: Option<u32>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub seed: Option<i64>,
+    pub stop: Option<Stop>,
+    pub n: Option<u32>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    /// Whose prefix-cache entries this request shares (within its bearer token).
+    pub prompt_cache_key: Option<String>,
+    /// Supported only at 0 (their default): no penalties are applied.
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    /// Supported only when empty.
+    pub logit_bias: Option<serde_json::Map<String, Value>>,
+}
+
+#[derive(Deserialize)]
+pub struct ChatRequest {
+    pub model: String,
+    pub messages: Vec<Message>,
+    #[serde(flatten)]
+    pub sampling: Sampling,
+    #[serde(default)]
+    pub logprobs: bool,
+    pub top_logprobs: Option<u8>,
+    /// Only `"text"` is supported.
+    pub response_format: Option<Value>,
+    /// Tools are not supported yet: an empty list or `"none"` only.
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
+}
+
+/// `prompt`: one string (or a list holding exactly one).
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Deserialize)]
+pub struct CompletionRequest {
+    pub model: String,
+    pub prompt: Prompt,
+    /// Text after the insertion point: fill-in-the-middle on models with FIM tokens.
+    pub suffix: Option<String>,
+    #[serde(flatten)]
+    pub sampling: Sampling,
+    /// The number of top alternatives to return with each token's logprob.
+    pub logprobs: Option<u8>,
+    /// Whether to return the prompt before the completion; only `false`.
+    #[serde(default)]
+    pub echo: bool,
+    /// Only 1.
+    pub best_of: Option<u32>,
+}
+
+/// What the edge does beside the engine request.
+pub struct Options {
+    pub stream: bool,
+    pub include_usage: bool,
+    /// `max_tokens` was not given: generate until the context is full.
+    pub fill_context: bool,
+    pub prompt_cache_key: Option<String>,
+}
+
+/// A parameter error naming the parameter (`param` in OpenAI's error).
+pub struct ParamError {
+    pub param: &'static str,
+    pub message: String,
+}
+
+fn bad(param: &'static str, message: impl Into<String>) -> ParamError {
+    ParamError { param, message: message.into() }
+}
+
+impl Sampling {
+    /// The generation parameters of `req`; `logprobs` is the endpoint's own.
+    fn apply(self, req: &mut GenerateRequest, logprobs: Option<u8>) -> Result<Options, ParamError> {
+        if self.n.is_some_and(|n| n != 1) {
+            return Err(bad("n", "only n = 1 is supported"));
+        }
+        for (param, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+            if v.is_some_and(|v| v != 0.0) {
+                return Err(bad(param, format!("{param} is not supported (only 0)")));
+            }
+        }
+        if self.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
+            return Err(bad("logit_bias", "logit_bias is not supported"));
+        }
+        let max_tokens = match (self.max_tokens, self.max_completion_tokens) {
+            (Some(_), Some(_)) => return Err(bad("max_tokens", "give max_tokens or max_completion_tokens, not both")),
+            (a, b) => a.or(b),
+        };
+        if let Some(n) = max_tokens {
+            req.max_tokens = n;
+        }
+        // OpenAI's default temperature is 1 (sampling), unlike Tether's own protocol.
+        req.temperature = self.temperature.unwrap_or(1.0);
+        req.top_p = self.top_p.filter(|&p| p != 1.0);
+        if let Some(seed) = self.seed {
+            req.seed = Some(seed as u64);
+        }
+        req.stop = self.stop.map(Stop::into_vec).unwrap_or_default();
+        req.logprobs = logprobs.is_some();
+        req.top_logprobs = logprobs.filter(|&n| n > 0);
+        if !self.stream && self.stream_options.is_some() {
+            return Err(bad("stream_options", "stream_options is only allowed with stream: true"));
+        }
+        if self.prompt_cache_key.as_ref().is_some_and(|k| k.is_empty() || k.len() > 256) {
+            return Err(bad("prompt_cache_key", "prompt_cache_key must be 1 to 256 characters"));
+        }
+        Ok(Options {
+            stream: self.stream,
+            include_usage: self.stream_options.is_some_and(|o| o.include_usage),
+            fill_context: max_tokens.is_none(),
+            prompt_cache_key: self.prompt_cache_key,
+        })
+    }
+}
+
+fn role(name: &str) -> Result<Role, ParamError> {
+    Ok(match name {
+        // OpenAI's newer name for the system role.
+        "system" | "developer" => Role::System,
+        "user" => Role::User,
+        "assistant" => Role::Assistant,
+        "tool" => Role::Tool,
+        other => return Err(bad("messages", format!("unknown role {other:?}: expected system, developer, user, assistant or tool"))),
+    })
+}
+
+fn content_text(content: Option<Content>, i: usize) -> Result<String, ParamError> {
+    match content {
+        None => Ok(String::new()),
+        Some(Content::Text(t)) => Ok(t),
+        Some(Content::Parts(parts)) => {
+            let mut text = String::new();
+            for part in parts {
+                match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
+                    (Some("text"), Some(t)) => text.push_str(t),
+                    (kind, _) => {
+                        return Err(bad("messages", format!("messages[{i}]: content parts of type {:?} are not supported (text only)", kind.unwrap_or("?"))))
+                    }
+                }
+            }
+            Ok(text)
+        }
+    }
+}
+
+impl ChatRequest {
+    pub fn into_generate(self, request_id: String) -> Result<(String, GenerateRequest, Options), ParamError> {
+        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+            return Err(bad("tools", "tools are not supported yet"));
+        }
+        if self.tool_choice.as_ref().is_some_and(|c| c != "none") {
+            return Err(bad("tool_choice", "tool_choice must be \"none\": tools are not supported yet"));
+        }
+        if let Some(f) = &self.response_format {
+            if f.get("type").and_then(Value::as_str) != Some("text") {
+                return Err(bad("response_format", "only response_format {\"type\": \"text\"} is supported"));
+            }
+        }
+        if self.top_logprobs.is_some() && !self.logprobs {
+            return Err(bad("top_logprobs", "top_logprobs requires logprobs: true"));
+        }
+        if self.messages.is_empty() {
+            return Err(bad("messages", "messages must contain at least one message"));
+        }
+        let messages = self
+            .messages
+            .into_iter()
+            .enumerate()
+            .map(|(i, m)| Ok(ChatMessage { role: role(&m.role)?, content: content_text(m.content, i)? }))
+            .collect::<Result<Vec<_>, ParamError>>()?;
+        let mut req = GenerateRequest::new(request_id, GenerateInput::Messages(messages));
+        let logprobs = self.logprobs.then(|| self.top_logprobs.unwrap_or(0));
+        let options = self.sampling.apply(&mut req, logprobs)?;
+        Ok((self.model, req, options))
+    }
+}
+
+impl CompletionRequest {
+    pub fn into_generate(self, request_id: String) -> Result<(String, GenerateRequest, Options), ParamError> {
+        if self.echo {
+            return Err(bad("echo", "echo is not supported"));
+        }
+        if self.best_of.is_some_and(|n| n != 1) {
+            return Err(bad("best_of", "only best_of = 1 is supported"));
+        }
+        let prompt = match self.prompt {
+            Prompt::One(p) => p,
+            Prompt::Many(mut v) if v.len() == 1 => v.remove(0),
+            Prompt::Many(_) => return Err(bad("prompt", "only one prompt per request is supported")),
+        };
+        let input = match self.suffix {
+            Some(suffix) => GenerateInput::Fim(FimInput { prefix: prompt, suffix, extra: Vec::new() }),
+            None => GenerateInput::Prompt(prompt),
+        };
+        let mut req = GenerateRequest::new(request_id, input);
+        let options = self.sampling.apply(&mut req, self.logprobs)?;
+        Ok((self.model, req, options))
+    }
+}

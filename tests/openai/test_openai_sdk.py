@@ -1,0 +1,187 @@
+"""Tether's OpenAI-compatible HTTP edge, driven by the official `openai`
+Python SDK (pinned in requirements.txt) against real servers on real ports
+with real models: models.list, chat completions whole and streamed,
+completions with and without `suffix`, logprobs, stop strings, the prefix
+cache across requests within a tenant (never across), errors as the SDK
+raises them, and a client that hangs up mid-stream.
+"""
+import time
+
+import openai
+import pytest
+
+from conftest import TOKEN
+
+MODEL = "smollm2-135m"
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+def client(server, api_key="sk-anything"):
+    return openai.OpenAI(base_url=server.base_url, api_key=api_key, max_retries=0, timeout=120)
+
+
+def test_models_lists_the_served_model(smollm2):
+    models = client(smollm2).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_chat_whole_and_streamed_give_the_same_greedy_text(smollm2):
+    c = client(smollm2)
+    whole = c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0)
+    choice = whole.choices[0]
+    assert whole.object == "chat.completion" and whole.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert whole.usage.completion_tokens > 0 and whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+
+    chunks = list(c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == choice.message.content
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finishes == [choice.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_a_conversations_next_turn_reuses_the_cache_within_its_tenant_only(smollm2):
+    c = client(smollm2, api_key="sk-tenant-cache")
+    turn1 = c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16, temperature=0)
+    history = QUESTION + [{"role": "assistant", "content": turn1.choices[0].message.content}, {"role": "user", "content": "And of Italy?"}]
+    turn2 = c.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0)
+    cached = turn2.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 32 and cached < turn2.usage.prompt_tokens, turn2.usage
+
+    other = client(smollm2, api_key="sk-another-tenant").chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0)
+    assert other.usage.prompt_tokens_details.cached_tokens == 0, "tenants never share cache entries"
+    assert other.choices[0].message.content == turn2.choices[0].message.content, "a cache hit must not change the output"
+
+
+def test_stop_strings_and_logprobs(smollm2):
+    c = client(smollm2)
+    r = c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0, logprobs=True, top_logprobs=2, stop=["Paris"])
+    choice = r.choices[0]
+    assert "Paris" not in choice.message.content
+    content = choice.logprobs.content
+    assert len(content) >= 1
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+
+
+def test_completions_raw_prompt_and_fill_in_the_middle(smollm2, coder):
+    r = client(smollm2).completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=8, temperature=0)
+    assert r.object == "text_completion" and r.choices[0].text.startswith(" 5")
+    assert r.usage.completion_tokens > 0
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client(smollm2).completions.create(model=MODEL, prompt="def f(", suffix="\n", max_tokens=8)
+    assert e.value.code == "fim_unsupported"
+
+    fim = client(coder).completions.create(
+        model="qwen2.5-coder-0.5b", prompt="def is_even(n):\n    return ", suffix="\n\nprint(is_even(4))\n", max_tokens=16, temperature=0, stop=["\n"]
+    )
+    assert "n % 2" in fim.choices[0].text, fim.choices[0].text
+
+
+def test_completions_stream_with_logprobs(smollm2):
+    chunks = list(client(smollm2).completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=6, temperature=0, logprobs=1, stream=True))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text.startswith(" 5")
+    offsets = [o for ch in chunks if ch.choices and ch.choices[0].logprobs for o in ch.choices[0].logprobs.text_offset]
+    assert offsets == sorted(offsets)
+
+
+def test_errors_are_the_sdks_exceptions(smollm2):
+    c = client(smollm2)
+    with pytest.raises(openai.NotFoundError) as e:
+        c.chat.completions.create(model="gpt-nope", messages=QUESTION)
+    assert e.value.code == "model_not_found" and e.value.param == "model"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=QUESTION, temperature=5)
+    assert "temperature" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=QUESTION, n=2)
+    assert e.value.param == "n"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=QUESTION, extra_body={"frobnicate": True})
+    assert e.value.code == "unknown_parameter" and "frobnicate" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * 9000}], max_tokens=4)
+    assert e.value.code == "context_length_exceeded"
+    # The server is unharmed.
+    assert c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2).choices[0].message.content is not None
+
+
+def test_bearer_tokens(guarded):
+    with pytest.raises(openai.AuthenticationError) as e:
+        client(guarded, api_key="sk-wrong").models.list()
+    assert e.value.code == "invalid_api_key"
+    r = client(guarded, api_key=TOKEN).chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2)
+    assert r.choices[0].message.content is not None
+
+
+def test_a_client_that_hangs_up_mid_stream_frees_its_request(smollm2):
+    # Counting goes on for thousands of tokens: only the hang-up ends it.
+    stream = client(smollm2).completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=4000, temperature=0, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    deadline = time.time() + 20
+    while (h := smollm2.health())["requests_in_flight"] != 0 or h["engine"]["running"] != 0:
+        assert time.time() < deadline, h
+        time.sleep(0.1)
+
+
+# Bad requests on the raw wire: (body, status, error type, error code).
+BAD_CHAT = [
+    (b"{not json", 400, "invalid_request_error", None),
+    (b"[1, 2]", 400, "invalid_request_error", None),
+    ({}, 400, "invalid_request_error", "invalid_value"),
+    ({"model": MODEL}, 400, "invalid_request_error", "invalid_value"),
+    ({"model": MODEL, "messages": []}, 400, "invalid_request_error", None),
+    ({"model": MODEL, "messages": "hello"}, 400, "invalid_request_error", "invalid_value"),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "invalid_request_error", None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "invalid_request_error", None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi", "shout": True}]}, 400, "invalid_request_error", "invalid_value"),
+    ({"model": 7, "messages": QUESTION}, 400, "invalid_request_error", "invalid_value"),
+    ({"model": "other", "messages": QUESTION}, 404, "invalid_request_error", "model_not_found"),
+    ({"model": MODEL, "messages": QUESTION, "temperature": -1}, 400, "invalid_request_error", "invalid_parameter"),
+    ({"model": MODEL, "messages": QUESTION, "temperature": "hot"}, 400, "invalid_request_error", "invalid_value"),
+    ({"model": MODEL, "messages": QUESTION, "top_p": 0}, 400, "invalid_request_error", "invalid_parameter"),
+    ({"model": MODEL, "messages": QUESTION, "max_tokens": -5}, 400, "invalid_request_error", "invalid_value"),
+    ({"model": MODEL, "messages": QUESTION, "max_tokens": 100000000}, 400, "invalid_request_error", "invalid_parameter"),
+    ({"model": MODEL, "messages": QUESTION, "max_tokens": 4, "max_completion_tokens": 4}, 400, "invalid_request_error", None),
+    ({"model": MODEL, "messages": QUESTION, "n": 3}, 400, "invalid_request_error", None),
+    ({"model": MODEL, "messages": QUESTION, "stop": ["a"] * 20}, 400, "invalid_request_error", "invalid_parameter"),
+    ({"model": MODEL, "messages": QUESTION, "stop": [""]}, 400, "invalid_request_error", "invalid_parameter"),
+    ({"model": MODEL, "messages": QUESTION, "top_logprobs": 3}, 400, "invalid_request_error", None),
+    ({"model": MODEL, "messages": QUESTION, "logprobs": True, "top_logprobs": 50}, 400, "invalid_request_error", "invalid_parameter"),
+    ({"model": MODEL, "messages": QUESTION, "presence_penalty": 1.5}, 400, "invalid_request_error", None),
+    ({"model": MODEL, "messages": QUESTION, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "invalid_request_error", None),
+    ({"model": MODEL, "messages": QUESTION, "stream_options": {"include_usage": True}}, 400, "invalid_request_error", None),
+    ({"model": MODEL, "messages": QUESTION, "surprise": 1}, 400, "invalid_request_error", "unknown_parameter"),
+    ({"model": MODEL, "messages": QUESTION, "prompt_cache_key": ""}, 400, "invalid_request_error", None),
+]
+
+
+@pytest.mark.parametrize("body,status,kind,code", BAD_CHAT)
+def test_bad_chat_requests_get_typed_errors(smollm2, body, status, kind, code):
+    got_status, got = smollm2.post("/v1/chat/completions", body)
+    assert got_status == status, got
+    assert set(got) == {"error"} and set(got["error"]) == {"message", "type", "param", "code"}, got
+    assert got["error"]["type"] == kind and got["error"]["message"], got
+    if code is not None:
+        assert got["error"]["code"] == code, got
+
+
+def test_oversized_bodies_and_wrong_methods(smollm2):
+    status, got = smollm2.post("/v1/chat/completions", b"{" + b" " * (2 << 20) + b"}")
+    assert status == 413 and got["error"]["code"] == "request_too_large"
+    status, got = smollm2.post("/v1/models", {})
+    assert status == 405
+    status, got = smollm2.post("/v1/nothing-here", {})
+    assert status == 404
+    # Still serving.
+    status, got = smollm2.post("/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 2})
+    assert status == 200 and got["choices"][0]["finish_reason"] in ("stop", "length")
