@@ -40,6 +40,7 @@
 #        REPS=1                     repeat everything (engines interleaved); the table shows medians
 #        OUT=DIR                    where results.jsonl and the server logs go (default: a temp dir)
 #        RESULTS=FILE               append the JSON lines here instead of $OUT/results.jsonl
+#        PEER=none                  skip mlx-lm (e.g. a rerun of this build beside PREV_BIN)
 #        PREV_BIN=PATH              a previous build's `tether` binary, run right after
 #                                   this build with the same flags and script; the tables
 #                                   get "prev" and "new/prev" columns. One way to build it:
@@ -47,7 +48,8 @@
 #                                   cargo build --release -p tether); PREV_BIN=/tmp/prev/target/release/tether
 set -euo pipefail
 cd "$(dirname "$0")/.."
-TETHER_BIN="${CARGO_TARGET_DIR:-target}/release/tether"
+# TETHER_BIN=PATH measures that binary as it is (no build).
+TETHER_BIN="${TETHER_BIN:-}"
 REPO="$PWD"
 MODELS=${MODELS:-smollm2-135m}
 TETHER_WEIGHTS=${TETHER_WEIGHTS:-dense}
@@ -100,9 +102,14 @@ free_port() {
   python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
 
-cargo build --release --locked -p tether
+if [ -z "$TETHER_BIN" ]; then
+  cargo build --release --locked -p tether
+  TETHER_BIN="${CARGO_TARGET_DIR:-target}/release/tether"
+fi
 # The code measured: the commit, "+wt" when the working tree differs from it.
 BUILD="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD -- 2>/dev/null || echo +wt)"
+# A given binary is labelled by its file name (name it after its commit).
+[ "$TETHER_BIN" = "${CARGO_TARGET_DIR:-target}/release/tether" ] || BUILD="$(basename "$TETHER_BIN")"
 bench/peer/setup.sh $MODELS >&2
 
 echo "# load benchmark ($WORKLOAD) $(date -u +%FT%TZ): $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores; load average at start: $(cut -d' ' -f1-3 /proc/loadavg)" >"$OUT/header.txt"
@@ -140,6 +147,7 @@ for m in $MODELS; do
   # mlx-lm, default prefill step (2048): decode + unchunked admission (or the agent)
   steps=(2048)
   [ -n "$MLX_CHUNK" ] && steps+=("$MLX_CHUNK")
+  [ "${PEER:-mlx-lm}" = none ] && steps=()
   for step in "${steps[@]}"; do
     mlog="$OUT/mlx-lm-$m-step$step.log"
     port=$(free_port)
