@@ -259,8 +259,8 @@ async fn a_turn_ended_on_a_stop_string_is_cached_and_a_cancelled_one_is_not() {
         let prompt: Vec<u32> = prompts()[0].iter().cycle().take(40).copied().collect();
         let mut cached_after = Vec::new();
         for (session, reason) in [("stopped", StopReason::StopString), ("cancelled", StopReason::Cancel)] {
-            let scoped = |prompt: Vec<u32>| SubmitRequest { cache_scope: Some(Scope::Session(session.into())), ..request(prompt, 1000) };
-            let turn = engine.submit(scoped(prompt.clone())).unwrap();
+            let scoped = |prompt: Vec<u32>, max_tokens| SubmitRequest { cache_scope: Some(Scope::Session(session.into())), ..request(prompt, max_tokens) };
+            let turn = engine.submit(scoped(prompt.clone(), 1000)).unwrap();
             let mut rx = turn.events;
             let mut generated = Vec::new();
             while generated.len() < 12 {
@@ -275,7 +275,7 @@ async fn a_turn_ended_on_a_stop_string_is_cached_and_a_cancelled_one_is_not() {
             let expected = if reason == StopReason::StopString { Finish::Stop } else { Finish::Cancelled };
             assert_eq!(finish, Some(expected), "{kv_layout:?}");
             let next: Vec<u32> = prompt.iter().chain(&generated[..10]).chain(&prompt[..8]).copied().collect();
-            let mut rx = engine.submit(scoped(next)).unwrap().events;
+            let mut rx = engine.submit(scoped(next, 1)).unwrap().events;
             let cached = loop {
                 match rx.recv().await.expect("the next turn finishes") {
                     EngineEvent::Finished(info) => break info.cached_tokens,
