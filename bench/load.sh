@@ -40,7 +40,7 @@
 #        REPS=1                     repeat everything (engines interleaved); the table shows medians
 #        OUT=DIR                    where results.jsonl and the server logs go (default: a temp dir)
 #        RESULTS=FILE               append the JSON lines here instead of $OUT/results.jsonl
-#        PEER=none                  skip mlx-lm (e.g. a rerun of this build beside PREV_BIN)
+#        WITH_MLX_LM=0              skip mlx-lm (e.g. a rerun of this build beside PREV_BIN)
 #        PREV_BIN=PATH              a previous build's `tether` binary, run right after
 #                                   this build with the same flags and script; the tables
 #                                   get "prev" and "new/prev" columns. One way to build it:
@@ -147,7 +147,7 @@ for m in $MODELS; do
   # mlx-lm, default prefill step (2048): decode + unchunked admission (or the agent)
   steps=(2048)
   [ -n "$MLX_CHUNK" ] && steps+=("$MLX_CHUNK")
-  [ "${PEER:-mlx-lm}" = none ] && steps=()
+  [ "${WITH_MLX_LM:-1}" = 0 ] && steps=()
   for step in "${steps[@]}"; do
     mlog="$OUT/mlx-lm-$m-step$step.log"
     port=$(free_port)
