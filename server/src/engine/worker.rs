@@ -260,6 +260,10 @@ impl Engine {
     /// resumes from the longest prefix its scope has cached and, when
     /// caches are batched, takes its slot.
     fn admit(&mut self) {
+        // Most steps have nobody waiting or no free row: skip building views.
+        if self.waiting.is_empty() || self.running.len() >= self.config.max_running {
+            return;
+        }
         let kv_bytes: Vec<usize> = self.waiting.iter().map(|w| self.reserved_bytes(&w.request)).collect();
         let admitted = {
             let waiting: Vec<WaitingView<'_>> =
