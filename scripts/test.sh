@@ -26,8 +26,8 @@ cargo test --release --locked --workspace
 export TETHER_BIN="$(realpath "$TETHER_BIN")"
 # The OpenAI-compatible HTTP edge, driven by the official `openai` Python SDK
 # (pinned, in a venv under ~/.cache/tether) against real servers.
-tests/openai/setup.sh
-"${TETHER_OPENAI_VENV:-$HOME/.cache/tether/openai-venv}/bin/python" -m pytest -q tests/openai
+tests/edges/setup.sh
+"${TETHER_OPENAI_VENV:-$HOME/.cache/tether/openai-venv}/bin/python" -m pytest -q tests/edges
 # The TypeScript client and the playground (client-ts/) against real servers,
 # the playground in Debian's Chromium (installed by setup-node.sh if missing).
 scripts/setup-node.sh

@@ -116,7 +116,8 @@ struct ServeArgs {
     /// Seconds a client may stop reading before its socket is closed.
     #[arg(long, default_value_t = 30.0)]
     stall_timeout_secs: f64,
-    /// Client frames per second per connection (burst: twice that).
+    /// Client frames per second per WebSocket, and HTTP requests per second
+    /// per bearer token (burst: twice that).
     #[arg(long, default_value_t = 100.0)]
     rate_limit: f64,
     /// Seconds graceful shutdown waits for in-flight requests.

@@ -40,7 +40,8 @@ pub struct ServerConfig {
     /// stopped reading) gets its socket closed; the session is then detached
     /// and its replay bound applies.
     pub stall_timeout: Duration,
-    /// Client frames per second, sustained, per connection (`rate_limited` above).
+    /// Client frames per second, sustained, per WebSocket (`rate_limited`
+    /// above), and HTTP requests per second per bearer token (429 above).
     pub rate_limit_per_sec: f64,
     /// Burst of client frames allowed above the sustained rate.
     pub rate_limit_burst: f64,

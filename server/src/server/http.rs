@@ -41,7 +41,35 @@ pub const SUBPROTOCOL: &str = "tether.v1";
 /// cannot set `Authorization` on a WebSocket).
 pub const BEARER_SUBPROTOCOL_PREFIX: &str = "tether.bearer.";
 
+/// Which protocol an upgraded socket speaks.
+enum Socket {
+    /// Tether's protocol v1 (`GET /v1/ws`).
+    TetherV1,
+    /// OpenAI's Responses API in WebSocket mode (`GET /v1/responses`), for
+    /// the tenant of the bearer token it presented.
+    Responses { tenant: String },
+}
+
+fn is_upgrade(h: &HeaderMap) -> bool {
+    has_token(h, header::CONNECTION, "upgrade") && has_token(h, header::UPGRADE, "websocket")
+}
+
 pub async fn handle(state: Arc<ServerState>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
+    if req.method() == Method::GET && req.uri().path() == "/v1/responses" && is_upgrade(req.headers()) {
+        let offered = offered_protocols(req.headers());
+        let tenant = super::openai::tenant(presented_tokens(&req, &offered).first().map(String::as_str));
+        return Ok(upgrade(state, req, Socket::Responses { tenant }));
+    }
+    if super::llamacpp::serves(req.uri().path()) {
+        let bearer = presented_tokens(&req, &[]).into_iter().next();
+        if !super::llamacpp::is_public(req.uri().path()) {
+            if let Some(why) = auth_problem(&state, &req, &[]) {
+                state.metrics.error(ErrorCode::Unauthorized);
+                return Ok(super::llamacpp::unauthorized(why));
+            }
+        }
+        return Ok(super::llamacpp::handle(&state, req, &super::openai::tenant(bearer.as_deref())).await);
+    }
     if req.uri().path().starts_with("/v1/") && req.uri().path() != "/v1/ws" {
         let bearer = presented_tokens(&req, &[]).into_iter().next();
         if let Some(why) = auth_problem(&state, &req, &[]) {
@@ -56,7 +84,7 @@ pub async fn handle(state: Arc<ServerState>, req: Request<Incoming>) -> Result<R
     }
     let path = req.uri().path();
     Ok(match (req.method(), path) {
-        (&Method::GET, "/v1/ws") => upgrade(state, req),
+        (&Method::GET, "/v1/ws") => upgrade(state, req, Socket::TetherV1),
         (&Method::GET, "/healthz") => healthz(&state).await,
         (&Method::GET, "/metrics") => metrics(&state).await,
         (_, "/v1/ws" | "/healthz" | "/metrics") => {
@@ -124,8 +152,9 @@ fn percent_decode(s: &str) -> Option<String> {
     String::from_utf8(out).ok()
 }
 
-/// Bearer tokens the request presents: `Authorization: Bearer`, `?token=`,
-/// and `tether.bearer.<token>` subprotocol entries.
+/// Bearer tokens the request presents: `Authorization: Bearer`,
+/// `X-Api-Key` (llama.cpp's clients), `?token=`, and
+/// `tether.bearer.<token>` subprotocol entries.
 fn presented_tokens(req: &Request<Incoming>, offered: &[String]) -> Vec<String> {
     let mut tokens = Vec::new();
     for v in header_str(req.headers(), header::AUTHORIZATION) {
@@ -135,6 +164,7 @@ fn presented_tokens(req: &Request<Incoming>, offered: &[String]) -> Vec<String> 
             }
         }
     }
+    tokens.extend(header_str(req.headers(), header::HeaderName::from_static("x-api-key")).map(|v| v.trim().to_string()));
     if let Some(q) = req.uri().query() {
         for pair in q.split('&') {
             if let Some(v) = pair.strip_prefix("token=") {
@@ -164,10 +194,9 @@ fn auth_problem(state: &ServerState, req: &Request<Incoming>, offered: &[String]
     }
 }
 
-fn upgrade(state: Arc<ServerState>, mut req: Request<Incoming>) -> Response<Body> {
+fn upgrade(state: Arc<ServerState>, mut req: Request<Incoming>, socket: Socket) -> Response<Body> {
     let h = req.headers();
-    let is_upgrade = has_token(h, header::CONNECTION, "upgrade") && has_token(h, header::UPGRADE, "websocket");
-    let Some(key) = h.get(header::SEC_WEBSOCKET_KEY).filter(|_| is_upgrade) else {
+    let Some(key) = h.get(header::SEC_WEBSOCKET_KEY).filter(|_| is_upgrade(h)) else {
         let mut r =
             json(StatusCode::UPGRADE_REQUIRED, serde_json::json!({"error": "this endpoint speaks WebSocket only (GET with Upgrade: websocket)"}).to_string());
         r.headers_mut().insert(header::UPGRADE, HeaderValue::from_static("websocket"));
@@ -216,7 +245,10 @@ fn upgrade(state: Arc<ServerState>, mut req: Request<Incoming>) -> Response<Body
         match hyper::upgrade::on(&mut req).await {
             Ok(upgraded) => {
                 let ws = WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Server, Some(ws_config)).await;
-                ws::run(state, ws).await;
+                match socket {
+                    Socket::TetherV1 => ws::run(state, ws).await,
+                    Socket::Responses { tenant } => super::openai::run_responses_socket(state, ws, tenant).await,
+                }
             }
             Err(_) => state.connection_closed(),
         }

@@ -9,14 +9,20 @@
 //! * `replay` — a session's ring of frames, at absolute positions.
 //! * `sessions` — the registry: create (room at the limit), find, expire.
 //! * `request` — `generate` → token ids → engine; engine events → frames.
+//! * `relay` — engine events → text pieces and endings, for every edge.
+//! * `openai` — OpenAI's HTTP API and the Responses API's WebSocket mode.
+//! * `llamacpp` — llama.cpp's editor endpoints (`/infill`, `/completion`, ...).
+//! * `rate` — flood limits per socket and per HTTP tenant.
 //! * `metrics` — the Prometheus registry.
 //!
 //! [`serve`] binds and starts serving; [`ServerHandle::shutdown`] drains.
 mod config;
 mod conn;
 mod http;
+mod llamacpp;
 mod metrics;
 mod openai;
+mod rate;
 mod relay;
 mod replay;
 mod request;
@@ -57,6 +63,10 @@ pub struct ServerState {
     pub model: ModelInfo,
     pub limits: Limits,
     sessions: SessionRegistry,
+    /// What the Responses API's `previous_response_id` continues from.
+    responses: openai::ResponseStore,
+    /// HTTP requests per tenant (429 above).
+    http_buckets: rate::TenantBuckets,
     pub metrics: Metrics,
     draining: AtomicBool,
     /// Stop accepting connections (listener and idle HTTP connections).
@@ -155,6 +165,8 @@ pub async fn serve(config: ServerConfig, engines: impl Into<EnginePool>, tokeniz
     let state = Arc::new(ServerState {
         sessions: SessionRegistry::new(config.max_sessions, config.session_ttl, session_limits)
             .with_on_forget(move |id| forget.for_session(id).drop_scope(Scope::Session(id.to_string()))),
+        responses: openai::ResponseStore::new(config.session_ttl),
+        http_buckets: rate::TenantBuckets::new(config.rate_limit_per_sec, config.rate_limit_burst),
         config,
         engines,
         tokenizer,

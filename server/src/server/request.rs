@@ -272,6 +272,75 @@ pub async fn start(state: &Arc<ServerState>, session: &Arc<Session>, conn_id: u6
     Ok(())
 }
 
+/// How many tokens a request may generate.
+#[derive(Clone, Copy, PartialEq, Eq, Default)]
+pub enum Length {
+    /// The request's `max_tokens`.
+    #[default]
+    AsAsked,
+    /// Until the context is full (OpenAI's default when no limit is given).
+    FillContext,
+    /// None: the prompt only warms the prefix cache.
+    WarmOnly,
+}
+
+/// How a request is launched, beyond its `GenerateRequest`.
+#[derive(Default)]
+pub struct Launch {
+    pub length: Length,
+    /// The conversation's last prompt, which this one extends.
+    pub earlier: Option<Arc<PieceEncoding>>,
+    /// Generate past end-of-sequence tokens (llama.cpp's `ignore_eos`).
+    pub ignore_eos: bool,
+}
+
+/// A request on its way through the engine.
+pub struct Launched {
+    pub submitted: Submitted,
+    pub in_flight: InFlight,
+    pub relay: Relay,
+    /// The prompt's encoding, for the owner's next prompt to extend.
+    pub encoding: Option<PieceEncoding>,
+}
+
+/// The one request path of the HTTP edges: validates `generate`,
+/// tokenizes it (extending `earlier`, the conversation's last prompt),
+/// settles its length, and submits it on `owner`'s engine.
+pub async fn launch(
+    state: &Arc<ServerState>,
+    owner: &str,
+    generate: &mut GenerateRequest,
+    launch: Launch,
+    received: Instant,
+) -> Result<Launched, ProtocolError> {
+    let Launch { length, earlier, ignore_eos } = launch;
+    if length != Length::AsAsked {
+        // Settled after tokenizing; 0 keeps the checks to the prompt.
+        generate.max_tokens = 0;
+    }
+    generate.validate()?;
+    check_request(state, generate)?;
+    let mut prepared = prepare(state, owner, generate, earlier, received).await?;
+    if length == Length::FillContext {
+        let room = (state.limits.context_length as usize).saturating_sub(prepared.submit.prompt.len());
+        let max_tokens = room.min(state.limits.max_tokens as usize);
+        if max_tokens == 0 {
+            let message =
+                format!("the prompt ({} tokens) leaves no room to generate in the {}-token context", prepared.submit.prompt.len(), state.limits.context_length);
+            return Err(ProtocolError::new(ErrorCode::ContextOverflow, message).with_request_id(generate.request_id.clone()));
+        }
+        prepared.submit.max_tokens = max_tokens;
+        generate.max_tokens = max_tokens as u32;
+    }
+    if ignore_eos {
+        prepared.submit.stop_ids.clear();
+    }
+    let encoding = prepared.encoding.take();
+    let engine = state.engines.for_session(owner).clone();
+    let (submitted, in_flight, relay) = submit(state, &engine, generate, prepared, received)?;
+    Ok(Launched { submitted, in_flight, relay, encoding })
+}
+
 /// Counts a request in flight (for drain and /metrics) while it lives.
 pub struct InFlight(Arc<ServerState>);
 

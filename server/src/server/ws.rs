@@ -18,6 +18,7 @@ use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 use tokio_tungstenite::WebSocketStream;
 
 use super::conn::{CloseReason, ConnCtl};
+use super::rate::TokenBucket;
 use super::session::Session;
 use super::sessions::LookupError;
 use super::{request, ServerState};
@@ -414,30 +415,4 @@ async fn writer(state: Arc<ServerState>, conn: Arc<ConnCtl>, mut sink: Sink, mut
         }
     }
     sink
-}
-
-/// Per-connection flood limit.
-struct TokenBucket {
-    rate: f64,
-    burst: f64,
-    tokens: f64,
-    last: Instant,
-}
-
-impl TokenBucket {
-    fn new(rate: f64, burst: f64) -> TokenBucket {
-        TokenBucket { rate, burst, tokens: burst, last: Instant::now() }
-    }
-
-    fn take(&mut self) -> bool {
-        let now = Instant::now();
-        self.tokens = (self.tokens + now.duration_since(self.last).as_secs_f64() * self.rate).min(self.burst);
-        self.last = now;
-        if self.tokens >= 1.0 {
-            self.tokens -= 1.0;
-            true
-        } else {
-            false
-        }
-    }
 }

@@ -12,6 +12,7 @@
 //! `prompt_cache_key` when given). A conversation's next turn reuses the
 //! previous turn's KV state within its tenant, never across tenants.
 mod respond;
+mod responses;
 mod wire;
 
 use std::sync::Arc;
@@ -26,31 +27,59 @@ use sha2::{Digest, Sha256};
 
 use super::http::stream_body::ChannelBody;
 use super::http::Body;
-use super::request::{check_request, prepare, submit};
+use super::request::{launch, Launch, Launched, Length};
 use super::session::new_secret;
 use super::ServerState;
 use respond::{ApiError, Collected, Endpoint, EventStream, Reply};
+pub use responses::{run_socket as run_responses_socket, ResponseStore};
 use wire::{ChatRequest, CompletionRequest, Options, ParamError};
 
 /// Server-sent events waiting to be written to a slow client before the
 /// writer waits (and, through the engine's own bound, the row pauses).
 const SSE_BUFFER: usize = 64;
 
+/// What a POST route serves.
+enum Route {
+    Complete(Endpoint),
+    Responses,
+}
+
 /// Routes an `/v1/...` OpenAI request; `None` for paths this edge does not serve.
 pub async fn handle(state: &Arc<ServerState>, req: Request<Incoming>, bearer: Option<String>) -> Option<Response<Body>> {
-    let endpoint = match req.uri().path() {
+    let route = match req.uri().path() {
         "/v1/models" => return Some(models(state, &req)),
-        "/v1/chat/completions" => Endpoint::Chat,
-        "/v1/completions" => Endpoint::Completion,
+        "/v1/chat/completions" => Route::Complete(Endpoint::Chat),
+        "/v1/completions" => Route::Complete(Endpoint::Completion),
+        "/v1/responses" => Route::Responses,
         _ => return None,
     };
     if req.method() != hyper::Method::POST {
-        let e = ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", format!("{} requires POST", req.uri().path()));
+        // GET /v1/responses upgrades to the WebSocket mode (`http.rs`).
+        let (allow, what) = match route {
+            Route::Responses => ("POST, GET", "POST (or GET with Upgrade: websocket)"),
+            Route::Complete(_) => ("POST", "POST"),
+        };
+        let e = ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", format!("{} requires {what}", req.uri().path()));
         let mut r = e.response();
-        r.headers_mut().insert(header::ALLOW, HeaderValue::from_static("POST"));
+        r.headers_mut().insert(header::ALLOW, HeaderValue::from_static(allow));
         return Some(r);
     }
-    Some(match complete(state, req, endpoint, bearer).await {
+    let tenant = tenant(bearer.as_deref());
+    if !state.http_buckets.take(&tenant) {
+        let e = ApiError::from(ProtocolError::new(
+            ErrorCode::RateLimited,
+            format!("more than {} requests per second with this key; retry later", state.config.rate_limit_per_sec),
+        ));
+        state.metrics.error(ErrorCode::RateLimited);
+        let mut r = e.response();
+        r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(state.http_buckets.retry_after_secs()));
+        return Some(r);
+    }
+    let result = match route {
+        Route::Complete(endpoint) => complete(state, req, endpoint, &tenant).await,
+        Route::Responses => responses::create(state, req, &tenant).await,
+    };
+    Some(match result {
         Ok(r) => r,
         Err(e) => {
             state.metrics.error(e.metric_code());
@@ -77,13 +106,16 @@ fn unix_now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
-/// Whose prefix-cache entries a request reads and leaves: its bearer
-/// token's tenant (hashed: the token itself is never kept), narrowed by
-/// `prompt_cache_key`.
-fn owner(bearer: Option<&str>, prompt_cache_key: Option<&str>) -> String {
+/// A bearer token's tenant: a hash, so the token itself is never kept.
+pub fn tenant(bearer: Option<&str>) -> String {
     let mut h = Sha256::new();
     h.update(bearer.unwrap_or("").as_bytes());
-    let tenant: String = h.finalize()[..8].iter().map(|b| format!("{b:02x}")).collect();
+    h.finalize()[..8].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Whose prefix-cache entries a request reads and leaves: its tenant,
+/// narrowed by `prompt_cache_key`.
+pub fn owner(tenant: &str, prompt_cache_key: Option<&str>) -> String {
     match prompt_cache_key {
         Some(key) => format!("http:{tenant}:{key}"),
         None => format!("http:{tenant}"),
@@ -107,18 +139,43 @@ async fn read_json(state: &ServerState, req: Request<Incoming>) -> Result<serde_
     }
 }
 
-/// The request's fields, parsed as `T` after checking that every name is known.
-fn parse<T: serde::de::DeserializeOwned>(body: serde_json::Map<String, serde_json::Value>, fields: &[&str]) -> Result<T, ApiError> {
-    if let Some(name) = wire::unknown_field(&body, fields) {
-        return Err(ApiError::invalid(None, format!("unrecognized request argument supplied: {name}")).with_code("unknown_parameter"));
+/// An unknown field's error, as OpenAI words it.
+fn refuse_unknown(name: Option<&str>) -> Result<(), ApiError> {
+    match name {
+        Some(name) => Err(ApiError::invalid(None, format!("unrecognized request argument supplied: {name}")).with_code("unknown_parameter")),
+        None => Ok(()),
     }
+}
+
+/// The request's fields as `T`; a bad value names its path.
+fn deserialize<T: serde::de::DeserializeOwned>(body: serde_json::Map<String, serde_json::Value>) -> Result<T, ApiError> {
     serde_path_to_error::deserialize(serde_json::Value::Object(body)).map_err(|e| {
         let path = e.path().to_string();
         ApiError::invalid(None, format!("invalid value for {path}: {}", e.inner())).with_code("invalid_value")
     })
 }
 
-async fn complete(state: &Arc<ServerState>, req: Request<Incoming>, endpoint: Endpoint, bearer: Option<String>) -> Result<Response<Body>, ApiError> {
+/// The request's fields, parsed as `T` after checking that every name is known.
+fn parse<T: serde::de::DeserializeOwned>(body: serde_json::Map<String, serde_json::Value>, fields: &[&str]) -> Result<T, ApiError> {
+    refuse_unknown(wire::unknown_field(&body, fields))?;
+    deserialize(body)
+}
+
+/// A request for a model other than the one served is a 404, as OpenAI answers.
+fn check_model(state: &ServerState, model: &str) -> Result<(), ApiError> {
+    if model == state.model.name {
+        return Ok(());
+    }
+    Err(ApiError::new(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        format!("the model {model:?} does not exist here; this server serves {:?}", state.model.name),
+    )
+    .with_param("model")
+    .with_code("model_not_found"))
+}
+
+async fn complete(state: &Arc<ServerState>, req: Request<Incoming>, endpoint: Endpoint, tenant: &str) -> Result<Response<Body>, ApiError> {
     let received = Instant::now();
     let body = read_json(state, req).await?;
     let request_id = match endpoint {
@@ -130,37 +187,11 @@ async fn complete(state: &Arc<ServerState>, req: Request<Incoming>, endpoint: En
         Endpoint::Chat => parse::<ChatRequest>(body, wire::CHAT_FIELDS)?.into_generate(request_id.clone()).map_err(from_param)?,
         Endpoint::Completion => parse::<CompletionRequest>(body, wire::COMPLETION_FIELDS)?.into_generate(request_id.clone()).map_err(from_param)?,
     };
-    if model != state.model.name {
-        return Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            "invalid_request_error",
-            format!("the model {model:?} does not exist here; this server serves {:?}", state.model.name),
-        )
-        .with_param("model")
-        .with_code("model_not_found"));
-    }
-    if options.fill_context {
-        // Until the context is full: the engine's length is set after
-        // tokenizing, and 0 here keeps the length checks to the prompt.
-        generate.max_tokens = 0;
-    }
-    generate.validate().map_err(ApiError::from)?;
-    check_request(state, &generate).map_err(ApiError::from)?;
-    let owner = owner(bearer.as_deref(), options.prompt_cache_key.as_deref());
-    let mut prepared = prepare(state, &owner, &generate, None, received).await.map_err(ApiError::from)?;
-    if options.fill_context {
-        let room = (state.limits.context_length as usize).saturating_sub(prepared.submit.prompt.len());
-        let max_tokens = room.min(state.limits.max_tokens as usize);
-        if max_tokens == 0 {
-            let message =
-                format!("the prompt ({} tokens) leaves no room to generate in the {}-token context", prepared.submit.prompt.len(), state.limits.context_length);
-            return Err(ApiError::from(ProtocolError::new(ErrorCode::ContextOverflow, message)));
-        }
-        prepared.submit.max_tokens = max_tokens;
-        generate.max_tokens = max_tokens as u32;
-    }
-    let engine = state.engines.for_session(&owner).clone();
-    let (submitted, in_flight, relay) = submit(state, &engine, &generate, prepared, received).map_err(ApiError::from)?;
+    check_model(state, &model)?;
+    let owner = owner(tenant, options.prompt_cache_key.as_deref());
+    let length = if options.fill_context { Length::FillContext } else { Length::AsAsked };
+    let Launched { submitted, in_flight, relay, .. } =
+        launch(state, &owner, &mut generate, Launch { length, ..Launch::default() }, received).await.map_err(ApiError::from)?;
     let reply = Reply { endpoint, id: request_id, created: unix_now(), model: state.model.name.clone(), tokenizer: state.tokenizer.clone() };
     if options.stream {
         let (tx, body) = ChannelBody::new(SSE_BUFFER);

@@ -15,7 +15,7 @@ use super::super::relay::{Ending, Piece, Writer};
 use crate::tokenizer::TextTokenizer;
 
 /// An error in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct ApiError {
     pub status: StatusCode,
     pub kind: &'static str,

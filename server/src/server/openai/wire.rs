@@ -173,7 +173,7 @@ pub struct ParamError {
     pub message: String,
 }
 
-fn bad(param: &'static str, message: impl Into<String>) -> ParamError {
+pub fn bad(param: &'static str, message: impl Into<String>) -> ParamError {
     ParamError { param, message: message.into() }
 }
 

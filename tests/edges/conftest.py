@@ -1,4 +1,5 @@
-"""Real `tether serve` processes on real ports for the OpenAI SDK tests.
+"""Real `tether serve` processes on real ports for the edge tests (OpenAI
+HTTP, the Responses API and its WebSocket mode, llama.cpp's endpoints).
 
 TETHER_BIN names the binary (scripts/test.sh sets it); the test models come
 from `tether fetch-model` (scripts/test.sh fetches them first).
@@ -91,5 +92,13 @@ def guarded():
 def coder():
     """A model with fill-in-the-middle tokens."""
     s = Server("qwen2.5-coder-0.5b")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def throttled():
+    """A server that takes 2 requests per second per key (burst 4)."""
+    s = Server("smollm2-135m", "--rate-limit", "2")
     yield s
     s.stop()

@@ -1,0 +1,304 @@
+//! The Responses API's WebSocket mode: `GET /v1/responses` upgraded, the
+//! socket the official SDKs open with `client.responses.connect()`.
+//!
+//! Client events: `response.create` (the body of `POST /v1/responses`, plus
+//! `generate: false` to only warm the prefix cache and `stream_id` to pick
+//! a lane) and `response.cancel` (`response_id` or `stream_id`). Server
+//! events: each response's event sequence (`events.rs`), tagged with its
+//! lane's `stream_id`, and `error` events for refused client events.
+//!
+//! Lanes: the responses of one `stream_id` run one after another (FIFO), so
+//! a `response.create` may continue the lane's previous response before it
+//! finished; different lanes run concurrently, at most `max_in_flight` per
+//! socket. Responses continue from the socket's own state: a conversation's
+//! prompt encoding here, its KV state in the prefix cache under the
+//! socket's owner, marked live while the socket is open. When the socket
+//! goes, its running responses are cancelled and its responses are parked
+//! for the session TTL: a client that reconnects continues them with
+//! `previous_response_id`.
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use futures_util::{SinkExt, StreamExt};
+use hyper::upgrade::Upgraded;
+use hyper::StatusCode;
+use hyper_util::rt::TokioIo;
+use protocol::ErrorCode;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_tungstenite::tungstenite::{Error as WsError, Message};
+use tokio_tungstenite::WebSocketStream;
+
+use super::super::super::rate::TokenBucket;
+use super::super::super::ServerState;
+use super::super::respond::ApiError;
+use super::events::Sink;
+use super::store::SocketResponses;
+use super::wire::{Create, Edge};
+use super::{parse_create, start};
+use crate::engine::{Scope, StopHandle, StopReason};
+
+type Ws = WebSocketStream<TokioIo<Upgraded>>;
+
+/// Events waiting for the socket's writer.
+const OUTGOING: usize = 256;
+
+/// A response running on this socket.
+struct Running {
+    lane: String,
+    stop: StopHandle,
+    /// Set when the client cancelled it (it ends as `cancelled`).
+    cancelled: Arc<AtomicBool>,
+}
+
+/// What the socket's lanes share.
+struct Shared {
+    state: Arc<ServerState>,
+    tenant: String,
+    /// This socket's prefix-cache owner, for conversations it starts.
+    owner: String,
+    out: mpsc::Sender<String>,
+    responses: SocketResponses,
+    running: Mutex<HashMap<String, Running>>,
+    /// The socket is gone: queued responses are not started.
+    closed: AtomicBool,
+}
+
+impl Shared {
+    fn running(&self) -> std::sync::MutexGuard<'_, HashMap<String, Running>> {
+        self.running.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// An `error` event, as the SDK parses it.
+    async fn error(&self, e: &ApiError, lane: Option<&str>) {
+        self.state.metrics.error(e.metric_code());
+        let mut event = json!({"type": "error", "status": e.status.as_u16(), "error": e.body()["error"].clone()});
+        if let Some(lane) = lane {
+            event["stream_id"] = json!(lane);
+        }
+        let _ = self.out.send(event.to_string()).await;
+    }
+}
+
+/// One lane: its responses, in order.
+struct Lane {
+    queue: mpsc::Sender<(Create, Instant)>,
+    task: JoinHandle<()>,
+}
+
+/// Serves one upgraded socket until it closes.
+pub async fn run(state: Arc<ServerState>, ws: Ws, tenant: String) {
+    state.metrics.connections.inc();
+    let (mut sink, mut stream) = ws.split();
+    let (out, mut outgoing) = mpsc::channel::<String>(OUTGOING);
+    let writer = tokio::spawn(async move {
+        while let Some(text) = outgoing.recv().await {
+            if sink.send(Message::text(text)).await.is_err() {
+                return;
+            }
+        }
+        let _ = sink.close().await;
+    });
+    let owner = format!("responses:{tenant}:{}", crate::server::new_secret(""));
+    let engine = state.engines.for_session(&owner).clone();
+    engine.set_scope_live(Scope::Session(owner.clone()), true);
+    let shared = Arc::new(Shared {
+        state: state.clone(),
+        tenant,
+        owner: owner.clone(),
+        out,
+        responses: Mutex::new(HashMap::new()),
+        running: Mutex::new(HashMap::new()),
+        closed: AtomicBool::new(false),
+    });
+    let mut reader =
+        Reader { shared: shared.clone(), lanes: HashMap::new(), bucket: TokenBucket::new(state.config.rate_limit_per_sec, state.config.rate_limit_burst) };
+    reader.run(&mut stream).await;
+    // Gone: nothing queued starts, what runs is cancelled (freeing its KV
+    // rows), and the conversations wait a session TTL for a reconnect.
+    shared.closed.store(true, Ordering::Release);
+    for r in shared.running().values() {
+        r.stop.stop(StopReason::Cancel);
+    }
+    for (_, lane) in reader.lanes.drain() {
+        drop(lane.queue);
+        let _ = lane.task.await;
+    }
+    state.responses.park(&shared.responses);
+    engine.set_scope_live(Scope::Session(owner), false);
+    drop(reader);
+    drop(shared);
+    let _ = writer.await;
+    state.metrics.connections.dec();
+    state.connection_closed();
+}
+
+struct Reader {
+    shared: Arc<Shared>,
+    lanes: HashMap<String, Lane>,
+    bucket: TokenBucket,
+}
+
+fn invalid(param: Option<&'static str>, message: impl Into<String>) -> ApiError {
+    ApiError::invalid(param, message)
+}
+
+impl Reader {
+    async fn run(&mut self, stream: &mut futures_util::stream::SplitStream<Ws>) {
+        let state = self.shared.state.clone();
+        let mut stop = state.stop_signal();
+        loop {
+            let next = tokio::select! {
+                _ = stop.changed() => return,
+                r = tokio::time::timeout(state.config.idle_timeout, stream.next()) => r,
+            };
+            let msg = match next {
+                Err(_) if self.shared.running().is_empty() => return,
+                Err(_) => continue,
+                Ok(None) | Ok(Some(Err(WsError::ConnectionClosed | WsError::AlreadyClosed | WsError::Io(_)))) => return,
+                Ok(Some(Err(WsError::Capacity(e)))) => {
+                    let e = ApiError::new(
+                        StatusCode::PAYLOAD_TOO_LARGE,
+                        "invalid_request_error",
+                        format!("{e}; the limit is {} bytes", state.config.max_frame_bytes),
+                    )
+                    .with_code("request_too_large");
+                    self.shared.error(&e, None).await;
+                    return;
+                }
+                Ok(Some(Err(_))) => return,
+                Ok(Some(Ok(m))) => m,
+            };
+            match msg {
+                Message::Text(text) => {
+                    if !self.bucket.take() {
+                        let e = ApiError::from((
+                            ErrorCode::RateLimited,
+                            format!("more than {} events per second; the event was dropped", state.config.rate_limit_per_sec),
+                        ));
+                        self.shared.error(&e, None).await;
+                        continue;
+                    }
+                    if text.len() > state.config.max_frame_bytes {
+                        let e = ApiError::new(
+                            StatusCode::PAYLOAD_TOO_LARGE,
+                            "invalid_request_error",
+                            format!("the event is over {} bytes", state.config.max_frame_bytes),
+                        )
+                        .with_code("request_too_large");
+                        self.shared.error(&e, None).await;
+                        continue;
+                    }
+                    self.on_event(text.as_str(), Instant::now()).await;
+                }
+                Message::Binary(_) => self.shared.error(&invalid(None, "binary frames are not supported: send JSON text events"), None).await,
+                Message::Close(_) => return,
+                _ => {}
+            }
+        }
+    }
+
+    async fn on_event(&mut self, text: &str, received: Instant) {
+        let body = match serde_json::from_str::<Value>(text) {
+            Ok(Value::Object(map)) => map,
+            Ok(_) => return self.shared.error(&invalid(None, "an event must be a JSON object with a `type`"), None).await,
+            Err(e) => return self.shared.error(&invalid(None, format!("the event is not valid JSON: {e}")), None).await,
+        };
+        let kind = body.get("type").and_then(Value::as_str).unwrap_or("").to_string();
+        let lane = body.get("stream_id").and_then(Value::as_str).map(str::to_string);
+        match kind.as_str() {
+            "response.create" => match parse_create(body, Edge::Socket) {
+                Ok(create) => self.enqueue(create, received).await,
+                Err(e) => self.shared.error(&e, lane.as_deref()).await,
+            },
+            "response.cancel" => self.cancel(&body, lane.as_deref()).await,
+            "" => self.shared.error(&invalid(Some("type"), "the event has no `type`"), lane.as_deref()).await,
+            other => {
+                let e = invalid(Some("type"), format!("unsupported event type {other:?}: this server takes response.create and response.cancel"))
+                    .with_code("unknown_event_type");
+                self.shared.error(&e, lane.as_deref()).await
+            }
+        }
+    }
+
+    /// Queues `create` on its lane, starting the lane when it is new.
+    async fn enqueue(&mut self, create: Create, received: Instant) {
+        let key = create.stream_id.clone().unwrap_or_default();
+        let limit = self.shared.state.config.max_in_flight;
+        if !self.lanes.contains_key(&key) && self.lanes.len() >= limit {
+            self.forget_idle_lanes();
+            if self.lanes.len() >= limit {
+                let e = ApiError::from((ErrorCode::RateLimited, format!("at most {limit} lanes (stream_id) may be busy on one socket")));
+                return self.shared.error(&e, create.stream_id.as_deref()).await;
+            }
+        }
+        let lane = self.lanes.entry(key).or_insert_with(|| {
+            let (queue, rx) = mpsc::channel(limit);
+            Lane { queue, task: tokio::spawn(run_lane(self.shared.clone(), rx)) }
+        });
+        let stream_id = create.stream_id.clone();
+        if lane.queue.try_send((create, received)).is_err() {
+            let e = ApiError::from((ErrorCode::RateLimited, format!("at most {limit} responses may wait on one lane")));
+            self.shared.error(&e, stream_id.as_deref()).await;
+        }
+    }
+
+    /// Ends the lanes with nothing queued or running.
+    fn forget_idle_lanes(&mut self) {
+        let busy: Vec<String> = self.shared.running().values().map(|r| r.lane.clone()).collect();
+        self.lanes.retain(|key, lane| busy.contains(key) || lane.queue.capacity() < lane.queue.max_capacity());
+    }
+
+    async fn cancel(&mut self, body: &serde_json::Map<String, Value>, lane: Option<&str>) {
+        if let Some(k) = body.keys().find(|k| !["type", "response_id", "stream_id"].contains(&k.as_str())) {
+            let e = invalid(None, format!("unrecognized argument supplied: {k}")).with_code("unknown_parameter");
+            return self.shared.error(&e, lane).await;
+        }
+        let id = body.get("response_id").and_then(Value::as_str);
+        if id.is_none() && lane.is_none() {
+            return self.shared.error(&invalid(Some("response_id"), "response.cancel needs `response_id` or `stream_id`"), None).await;
+        }
+        let mut found = false;
+        for (rid, r) in self.shared.running().iter() {
+            if id.is_some_and(|id| id == rid) || (id.is_none() && lane == Some(r.lane.as_str())) {
+                r.cancelled.store(true, Ordering::Release);
+                r.stop.stop(StopReason::Cancel);
+                found = true;
+            }
+        }
+        if !found {
+            let what = id.map_or_else(|| format!("on lane {:?}", lane.unwrap_or_default()), |id| format!("{id:?}"));
+            let e = ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", format!("no running response {what}")).with_code("response_not_found");
+            self.shared.error(&e, lane).await;
+        }
+    }
+}
+
+/// Runs one lane's responses, one after another.
+async fn run_lane(shared: Arc<Shared>, mut queue: mpsc::Receiver<(Create, Instant)>) {
+    while let Some((create, received)) = queue.recv().await {
+        if shared.closed.load(Ordering::Acquire) {
+            return;
+        }
+        let lane = create.stream_id.clone();
+        let started = match start(&shared.state, &shared.tenant, &shared.owner, Some(&shared.responses), create, received).await {
+            Ok(s) => s,
+            Err(e) => {
+                shared.error(&e, lane.as_deref()).await;
+                continue;
+            }
+        };
+        let id = started.id().to_string();
+        let cancelled = Arc::new(AtomicBool::new(false));
+        let running = Running { lane: lane.clone().unwrap_or_default(), stop: started.stop_handle(), cancelled: cancelled.clone() };
+        shared.running().insert(id.clone(), running);
+        if shared.closed.load(Ordering::Acquire) {
+            started.stop_handle().stop(StopReason::Cancel);
+        }
+        started.run(&shared.state, Sink::Socket(shared.out.clone()), cancelled, Some(&shared.responses)).await;
+        shared.running().remove(&id);
+    }
+}

@@ -1,0 +1,273 @@
+//! The body of `POST /v1/responses` and of the WebSocket mode's
+//! `response.create` event (the same fields, plus `generate` and
+//! `stream_id` on the socket), parsed strictly: an unknown field, or a
+//! feature this server does not have (tools, images, reasoning), is an
+//! error naming the parameter rather than something silently ignored.
+use protocol::{ChatMessage, Role};
+use serde::Deserialize;
+use serde_json::{Map, Value};
+
+use super::super::wire::{bad, ParamError};
+
+/// Fields both `POST /v1/responses` and `response.create` take.
+const SHARED_FIELDS: &[&str] = &[
+    "model",
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "previous_response_id",
+    "store",
+    "metadata",
+    "prompt_cache_key",
+    "truncation",
+    "text",
+    "tools",
+    "tool_choice",
+    "reasoning",
+    "include",
+    "top_logprobs",
+    // Accepted and ignored: ids for the caller's records, one service tier,
+    // and without tools there are no parallel calls.
+    "user",
+    "safety_identifier",
+    "service_tier",
+    "parallel_tool_calls",
+];
+/// Fields only the HTTP endpoint takes.
+const HTTP_FIELDS: &[&str] = &["stream", "stream_options", "background"];
+/// Fields only the socket's `response.create` takes (`stream` is implicit
+/// there and accepted when true).
+const SOCKET_FIELDS: &[&str] = &["type", "generate", "stream_id", "stream"];
+
+/// Most `metadata` entries, and the longest key and value (OpenAI's bounds).
+const MAX_METADATA: usize = 16;
+const MAX_METADATA_KEY: usize = 64;
+const MAX_METADATA_VALUE: usize = 512;
+/// Longest `stream_id`.
+const MAX_STREAM_ID: usize = 64;
+
+/// Where a create request came from: the edges differ in a few fields.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Edge {
+    Http,
+    Socket,
+}
+
+/// The first field of `body` that `edge` does not take.
+pub fn unknown_field(body: &Map<String, Value>, edge: Edge) -> Option<&str> {
+    let own = match edge {
+        Edge::Http => HTTP_FIELDS,
+        Edge::Socket => SOCKET_FIELDS,
+    };
+    body.keys().map(String::as_str).find(|k| !SHARED_FIELDS.contains(k) && !own.contains(k))
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub enum Input {
+    Text(String),
+    Items(Vec<Value>),
+}
+
+#[derive(Deserialize)]
+pub struct CreateBody {
+    pub model: Option<String>,
+    pub input: Option<Input>,
+    pub instructions: Option<String>,
+    pub max_output_tokens: Option<u32>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub previous_response_id: Option<String>,
+    pub store: Option<bool>,
+    pub metadata: Option<Map<String, Value>>,
+    pub prompt_cache_key: Option<String>,
+    pub truncation: Option<String>,
+    pub text: Option<Value>,
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
+    pub reasoning: Option<Value>,
+    pub include: Option<Vec<Value>>,
+    pub top_logprobs: Option<u8>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<Value>,
+    pub background: Option<bool>,
+    pub generate: Option<bool>,
+    pub stream_id: Option<String>,
+}
+
+/// A create request, checked.
+#[derive(Clone, Debug)]
+pub struct Create {
+    pub model: Option<String>,
+    /// This turn's new messages (`instructions` apart).
+    pub input: Vec<ChatMessage>,
+    /// The system message of this turn only: not carried to the next.
+    pub instructions: Option<String>,
+    pub previous_response_id: Option<String>,
+    pub max_output_tokens: Option<u32>,
+    pub temperature: f32,
+    pub top_p: Option<f32>,
+    /// Keep the response for later `previous_response_id`s beyond this socket.
+    pub store: bool,
+    /// HTTP: answer with server-sent events.
+    pub stream: bool,
+    /// False: only warm the prefix cache with the input (socket's `generate: false`).
+    pub generate: bool,
+    /// The socket lane; its responses run one after another.
+    pub stream_id: Option<String>,
+    pub prompt_cache_key: Option<String>,
+    pub metadata: Value,
+}
+
+fn role(name: &str, i: usize) -> Result<Role, ParamError> {
+    Ok(match name {
+        "system" | "developer" => Role::System,
+        "user" => Role::User,
+        "assistant" => Role::Assistant,
+        other => return Err(bad("input", format!("input[{i}]: unknown role {other:?}: expected user, assistant, system or developer"))),
+    })
+}
+
+/// A message's `content`: a string, or text parts (`input_text`, or
+/// `output_text` when an earlier response's output is sent back).
+fn content(v: &Value, i: usize) -> Result<String, ParamError> {
+    match v {
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(parts) => {
+            let mut text = String::new();
+            for (j, part) in parts.iter().enumerate() {
+                let kind = part.get("type").and_then(Value::as_str);
+                match (kind, part.get("text").and_then(Value::as_str)) {
+                    (Some("input_text" | "output_text"), Some(t)) => text.push_str(t),
+                    (Some("input_text" | "output_text"), None) => return Err(bad("input", format!("input[{i}].content[{j}]: `text` must be a string"))),
+                    (kind, _) => {
+                        return Err(bad(
+                            "input",
+                            format!("input[{i}].content[{j}]: parts of type {:?} are not supported (input_text only)", kind.unwrap_or("?")),
+                        ))
+                    }
+                }
+            }
+            Ok(text)
+        }
+        _ => Err(bad("input", format!("input[{i}].content must be a string or a list of input_text parts"))),
+    }
+}
+
+/// One input item; only messages (no tool calls, files or references).
+fn item(v: &Value, i: usize) -> Result<ChatMessage, ParamError> {
+    let Some(obj) = v.as_object() else {
+        return Err(bad("input", format!("input[{i}] must be an object (a message)")));
+    };
+    let kind = obj.get("type").map(|t| t.as_str().unwrap_or("?")).unwrap_or("message");
+    if kind != "message" {
+        return Err(bad("input", format!("input[{i}]: items of type {kind:?} are not supported (messages only)")));
+    }
+    if let Some(k) = obj.keys().find(|k| !["type", "role", "content", "id", "status"].contains(&k.as_str())) {
+        return Err(bad("input", format!("input[{i}]: unknown field {k:?}")));
+    }
+    let role = role(obj.get("role").and_then(Value::as_str).ok_or_else(|| bad("input", format!("input[{i}]: `role` is required")))?, i)?;
+    let content = content(obj.get("content").ok_or_else(|| bad("input", format!("input[{i}]: `content` is required")))?, i)?;
+    Ok(ChatMessage { role, content })
+}
+
+impl CreateBody {
+    pub fn check(self, edge: Edge) -> Result<Create, ParamError> {
+        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+            return Err(bad("tools", "tools are not supported yet"));
+        }
+        if self.tool_choice.as_ref().is_some_and(|c| c != "none" && c != "auto") {
+            return Err(bad("tool_choice", "tool_choice must be \"none\" or \"auto\": tools are not supported yet"));
+        }
+        if self.reasoning.as_ref().is_some_and(|r| !r.is_null() && r.as_object().is_none_or(|o| !o.is_empty())) {
+            return Err(bad("reasoning", "reasoning options are not supported: this model does not reason"));
+        }
+        if self.include.as_ref().is_some_and(|i| !i.is_empty()) {
+            return Err(bad("include", "include is not supported (only an empty list)"));
+        }
+        if self.top_logprobs.is_some_and(|n| n > 0) {
+            return Err(bad("top_logprobs", "top_logprobs is not supported on /v1/responses yet (only 0)"));
+        }
+        if self.truncation.as_deref().is_some_and(|t| t != "disabled") {
+            return Err(bad("truncation", "only truncation \"disabled\" is supported: an input over the context is an error"));
+        }
+        if let Some(text) = &self.text {
+            let format = text.get("format").and_then(|f| f.get("type")).and_then(Value::as_str);
+            let keys_ok = text.as_object().is_some_and(|o| o.keys().all(|k| k == "format" || k == "verbosity"));
+            if !keys_ok || format.is_some_and(|f| f != "text") {
+                return Err(bad("text", "only text {\"format\": {\"type\": \"text\"}} is supported"));
+            }
+        }
+        if self.background == Some(true) {
+            return Err(bad("background", "background responses are not supported"));
+        }
+        let stream = self.stream.unwrap_or(false);
+        if edge == Edge::Socket && self.stream == Some(false) {
+            return Err(bad("stream", "responses on a WebSocket always stream; leave `stream` out"));
+        }
+        if edge == Edge::Http && !stream && self.stream_options.is_some() {
+            return Err(bad("stream_options", "stream_options is only allowed with stream: true"));
+        }
+        if self.max_output_tokens == Some(0) {
+            return Err(bad("max_output_tokens", "max_output_tokens must be at least 1 (a warm-up is `generate: false`)"));
+        }
+        if let Some(id) = &self.stream_id {
+            if id.is_empty() || id.len() > MAX_STREAM_ID {
+                return Err(bad("stream_id", format!("stream_id must be 1 to {MAX_STREAM_ID} characters")));
+            }
+        }
+        if self.prompt_cache_key.as_ref().is_some_and(|k| k.is_empty() || k.len() > 256) {
+            return Err(bad("prompt_cache_key", "prompt_cache_key must be 1 to 256 characters"));
+        }
+        if let Some(id) = &self.previous_response_id {
+            if id.is_empty() || id.len() > 128 {
+                return Err(bad("previous_response_id", "previous_response_id must be 1 to 128 characters"));
+            }
+        }
+        let metadata = match self.metadata {
+            None => Value::Null,
+            Some(m) => {
+                if m.len() > MAX_METADATA {
+                    return Err(bad("metadata", format!("metadata has at most {MAX_METADATA} entries")));
+                }
+                for (k, v) in &m {
+                    let ok = k.len() <= MAX_METADATA_KEY && v.as_str().is_some_and(|s| s.len() <= MAX_METADATA_VALUE);
+                    if !ok {
+                        return Err(bad(
+                            "metadata",
+                            format!("metadata values must be strings of at most {MAX_METADATA_VALUE} characters, keys at most {MAX_METADATA_KEY}"),
+                        ));
+                    }
+                }
+                Value::Object(m)
+            }
+        };
+        let input = match self.input {
+            None => Vec::new(),
+            Some(Input::Text(t)) if t.is_empty() => return Err(bad("input", "input must not be empty")),
+            Some(Input::Text(t)) => vec![ChatMessage { role: Role::User, content: t }],
+            Some(Input::Items(items)) => items.iter().enumerate().map(|(i, v)| item(v, i)).collect::<Result<_, _>>()?,
+        };
+        if input.is_empty() {
+            return Err(bad("input", "input is required: a string or a list of messages"));
+        }
+        Ok(Create {
+            model: self.model,
+            input,
+            instructions: self.instructions,
+            previous_response_id: self.previous_response_id,
+            max_output_tokens: self.max_output_tokens,
+            // OpenAI's default temperature is 1 (sampling).
+            temperature: self.temperature.unwrap_or(1.0),
+            top_p: self.top_p.filter(|&p| p != 1.0),
+            store: self.store.unwrap_or(true),
+            stream: edge == Edge::Socket || stream,
+            generate: self.generate.unwrap_or(true),
+            stream_id: self.stream_id,
+            prompt_cache_key: self.prompt_cache_key,
+            metadata,
+        })
+    }
+}

@@ -1,0 +1,288 @@
+"""The Responses API: `POST /v1/responses` through the official `openai`
+SDK (whole and streamed, `previous_response_id` on the prefix cache), and
+its WebSocket mode through `client.responses.connect()`: chained turns
+that read only their new tokens, `generate: false` warm-ups, `stream_id`
+lanes, cancel, a reconnect that continues where the dropped socket was,
+and bad events answered with `error` events on a socket that stays up.
+"""
+import json
+import time
+
+import openai
+import pytest
+from websockets.sync.client import connect as ws_connect
+
+from conftest import TOKEN
+
+MODEL = "smollm2-135m"
+QUESTION = "What is the capital of France? Answer in one sentence."
+# The prefix cache keeps whole blocks of this many tokens.
+BLOCK = 16
+
+
+def client(server, api_key="sk-tenant-a"):
+    return openai.OpenAI(base_url=server.base_url, api_key=api_key, max_retries=0, timeout=120)
+
+
+def cached(response):
+    return response.usage.input_tokens_details.cached_tokens
+
+
+def until_done(conn, lane=None):
+    """Events of one response from `conn` up to its last; returns (events, final response)."""
+    events = []
+    for ev in conn:
+        if lane is not None and getattr(ev, "stream_id", None) != lane:
+            continue
+        events.append(ev)
+        if ev.type == "error":
+            raise AssertionError(f"error event: {ev}")
+        if ev.type in ("response.completed", "response.incomplete", "response.failed"):
+            return events, ev.response
+    raise AssertionError("the socket closed before the response ended")
+
+
+def test_whole_and_streamed_responses_agree(smollm2):
+    c = client(smollm2)
+    whole = c.responses.create(model=MODEL, input=QUESTION, max_output_tokens=20, temperature=0)
+    assert whole.status in ("completed", "incomplete") and whole.output_text
+    assert whole.usage.input_tokens > 0 and whole.usage.output_tokens > 0
+    kinds, text = [], ""
+    for ev in c.responses.create(model=MODEL, input=QUESTION, max_output_tokens=20, temperature=0, stream=True):
+        kinds.append(ev.type)
+        if ev.type == "response.output_text.delta":
+            text += ev.delta
+        if ev.type in ("response.completed", "response.incomplete"):
+            final = ev.response
+    assert text == whole.output_text == final.output_text
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert kinds[-1] == ("response.incomplete" if whole.status == "incomplete" else "response.completed")
+
+
+def test_previous_response_id_over_http_reuses_the_cache_within_its_tenant(smollm2):
+    a = client(smollm2)
+    first = a.responses.create(model=MODEL, input=QUESTION, max_output_tokens=8, temperature=0)
+    second = a.responses.create(model=MODEL, input="And of Spain?", previous_response_id=first.id, max_output_tokens=8, temperature=0)
+    assert second.previous_response_id == first.id
+    assert cached(second) >= first.usage.input_tokens // BLOCK * BLOCK > 0
+    # The second prompt holds the first turn: more input than the first.
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    with pytest.raises(openai.NotFoundError) as e:
+        client(smollm2, api_key="sk-tenant-b").responses.create(model=MODEL, input="hi", previous_response_id=first.id, max_output_tokens=2)
+    assert e.value.code == "previous_response_not_found" and e.value.param == "previous_response_id"
+    unstored = a.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        a.responses.create(model=MODEL, input="hi", previous_response_id=unstored.id, max_output_tokens=2)
+
+
+def test_socket_chained_turns_read_only_their_new_tokens(smollm2):
+    with client(smollm2).responses.connect() as conn:
+        conn.response.create(model=MODEL, input=QUESTION, max_output_tokens=12, temperature=0, store=False)
+        _, first = until_done(conn)
+        conn.response.create(input="And of Spain?", previous_response_id=first.id, max_output_tokens=12, temperature=0, store=False)
+        _, second = until_done(conn)
+        conn.response.create(input="And of Italy?", previous_response_id=second.id, max_output_tokens=12, temperature=0, store=False)
+        _, third = until_done(conn)
+    for earlier, later in ((first, second), (second, third)):
+        assert later.previous_response_id == earlier.id
+        # Everything before the new turn was cached, up to the last block
+        # and the re-encoded end of the answer.
+        new_tokens = later.usage.input_tokens - cached(later)
+        assert cached(later) >= earlier.usage.input_tokens, (earlier.usage, later.usage)
+        assert new_tokens < later.usage.input_tokens - earlier.usage.input_tokens + BLOCK, (earlier.usage, later.usage)
+
+
+def test_socket_generate_false_warms_the_prefix(smollm2):
+    system = "You are a terse geography tutor. " * 12
+    with client(smollm2).responses.connect() as conn:
+        conn.response.create(model=MODEL, instructions=system, input="Ready?", generate=False)
+        events, warm = until_done(conn)
+        assert [e.type for e in events] == ["response.created", "response.in_progress", "response.completed"]
+        assert warm.output == [] and warm.usage.output_tokens == 0 and warm.usage.input_tokens > 100
+        conn.response.create(model=MODEL, instructions=system, input=QUESTION, previous_response_id=warm.id, max_output_tokens=6, temperature=0)
+        _, answer = until_done(conn)
+    assert answer.output_text
+    # All but the warm prompt's last few tokens (its assistant header, which
+    # the next turn replaces with the next user message).
+    assert cached(answer) >= (warm.usage.input_tokens - 8) // BLOCK * BLOCK
+
+
+def test_socket_lanes_run_in_order_within_a_lane_and_side_by_side_across(smollm2):
+    with client(smollm2).responses.connect() as conn:
+        for lane, prompt in (("a", "Name a fruit."), ("b", "Name a color."), ("a", "Name a tree.")):
+            conn.response.create(model=MODEL, input=prompt, max_output_tokens=6, temperature=0, stream_id=lane)
+        by_lane = {"a": [], "b": []}
+        done = 0
+        for ev in conn:
+            assert ev.type != "error", ev
+            by_lane[ev.stream_id].append(ev)
+            if ev.type in ("response.completed", "response.incomplete"):
+                done += 1
+                if done == 3:
+                    break
+    # Lane a: the first response ends before the second is created.
+    a = [(e.type, e.response.id if hasattr(e, "response") else None) for e in by_lane["a"] if e.type.startswith("response.") and hasattr(e, "response")]
+    created = [rid for t, rid in a if t == "response.created"]
+    ended = [rid for t, rid in a if t in ("response.completed", "response.incomplete")]
+    assert len(created) == 2 and ended == created
+    first_end = next(i for i, e in enumerate(by_lane["a"]) if e.type in ("response.completed", "response.incomplete"))
+    second_start = next(i for i, e in enumerate(by_lane["a"]) if e.type == "response.created" and e.response.id == created[1])
+    assert first_end < second_start
+    assert [e.sequence_number for e in by_lane["b"]] == list(range(len(by_lane["b"])))
+
+
+def test_socket_cancel_and_hang_up_free_the_work(smollm2):
+    prompt = "Count from 1 to 500, separated by commas."
+    with client(smollm2).responses.connect() as conn:
+        conn.response.create(model=MODEL, input=prompt, max_output_tokens=2000, temperature=0)
+        rid = None
+        for ev in conn:
+            if ev.type == "response.created":
+                rid = ev.response.id
+            if ev.type == "response.output_text.delta":
+                break
+        conn.send({"type": "response.cancel", "response_id": rid})
+        for ev in conn:
+            assert ev.type != "error", ev
+            if ev.type in ("response.completed", "response.incomplete", "response.failed"):
+                assert ev.response.status == "cancelled" and ev.response.id == rid
+                break
+        # Hang up in the middle of the next one.
+        conn.response.create(model=MODEL, input=prompt, max_output_tokens=2000, temperature=0)
+        for ev in conn:
+            if ev.type == "response.output_text.delta":
+                break
+    deadline = time.time() + 20
+    while (h := smollm2.health())["requests_in_flight"] != 0 or h["engine"]["running"] != 0:
+        assert time.time() < deadline, h
+        time.sleep(0.1)
+
+
+def test_a_new_socket_continues_a_dropped_sockets_responses(smollm2):
+    with client(smollm2).responses.connect() as conn:
+        conn.response.create(model=MODEL, input=QUESTION, max_output_tokens=10, temperature=0, store=False)
+        _, first = until_done(conn)
+    with client(smollm2).responses.connect() as conn:
+        conn.response.create(input="And of Spain?", previous_response_id=first.id, max_output_tokens=6, temperature=0, store=False)
+        _, second = until_done(conn)
+    assert cached(second) >= first.usage.input_tokens // BLOCK * BLOCK > 0
+    # Never for another key.
+    with client(smollm2, api_key="sk-tenant-b").responses.connect() as conn:
+        conn.response.create(input="hi", previous_response_id=first.id, max_output_tokens=2)
+        ev = conn.recv()
+    assert ev.type == "error" and ev.error.code == "previous_response_not_found" and ev.status == 404
+
+
+def test_the_socket_wants_the_servers_bearer_token(guarded):
+    with pytest.raises(Exception):
+        with client(guarded, api_key="sk-wrong").responses.connect() as conn:
+            conn.response.create(model=MODEL, input="hi", max_output_tokens=2)
+            conn.recv()
+    with client(guarded, api_key=TOKEN).responses.connect() as conn:
+        conn.response.create(model=MODEL, input="hi", max_output_tokens=2)
+        _, r = until_done(conn)
+    assert r.usage.output_tokens > 0
+
+
+OK = {"type": "response.create", "model": MODEL, "input": "hi", "max_output_tokens": 2}
+
+# Bad client events on the socket: (frame, HTTP-like status, error code or None).
+BAD_EVENTS = [
+    ("{not json", 400, None),
+    ("[1, 2]", 400, None),
+    ('"response.create"', 400, None),
+    ({}, 400, None),
+    ({"type": "session.update"}, 400, "unknown_event_type"),
+    ({"type": "response.steer", "input": "x", "previous_response_id": "resp_x"}, 400, "unknown_event_type"),
+    ({**OK, "surprise": 1}, 400, "unknown_parameter"),
+    ({**OK, "background": True}, 400, "unknown_parameter"),
+    ({**OK, "stream": False}, 400, None),
+    ({**OK, "model": "gpt-nope"}, 404, "model_not_found"),
+    ({**OK, "input": 7}, 400, "invalid_value"),
+    ({**OK, "input": []}, 400, None),
+    ({**OK, "input": [{"role": "wizard", "content": "hi"}]}, 400, None),
+    ({**OK, "input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, 400, None),
+    ({**OK, "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, None),
+    ({**OK, "temperature": 9}, 400, "invalid_parameter"),
+    ({**OK, "top_p": 0}, 400, "invalid_parameter"),
+    ({**OK, "max_output_tokens": 0}, 400, None),
+    ({**OK, "max_output_tokens": -3}, 400, "invalid_value"),
+    ({**OK, "max_output_tokens": 100000000}, 400, "invalid_parameter"),
+    ({**OK, "tools": [{"type": "function", "name": "f"}]}, 400, None),
+    ({**OK, "reasoning": {"effort": "high"}}, 400, None),
+    ({**OK, "text": {"format": {"type": "json_object"}}}, 400, None),
+    ({**OK, "truncation": "auto"}, 400, None),
+    ({**OK, "stream_id": ""}, 400, None),
+    ({**OK, "metadata": {"k": 1}}, 400, None),
+    ({**OK, "previous_response_id": "resp_does_not_exist"}, 404, "previous_response_not_found"),
+    ({**OK, "input": "word " * 9000}, 400, "context_length_exceeded"),
+    ({"type": "response.cancel"}, 400, None),
+    ({"type": "response.cancel", "response_id": "resp_nothing_running"}, 404, "response_not_found"),
+]
+
+
+def test_bad_events_get_error_events_and_the_socket_stays_up(smollm2):
+    url = smollm2.base_url.replace("http://", "ws://") + "/responses"
+    with ws_connect(url, additional_headers={"Authorization": "Bearer sk-tenant-a"}) as ws:
+        for frame, status, code in BAD_EVENTS:
+            ws.send(frame if isinstance(frame, str) else json.dumps(frame))
+            got = json.loads(ws.recv(timeout=60))
+            assert got["type"] == "error" and got["status"] == status, (frame, got)
+            assert set(got["error"]) == {"message", "type", "param", "code"} and got["error"]["message"], got
+            if code is not None:
+                assert got["error"]["code"] == code, (frame, got)
+        ws.send(json.dumps({**OK, "stream_id": "after"}))
+        while (got := json.loads(ws.recv(timeout=60)))["type"] not in ("response.completed", "response.incomplete"):
+            assert got["type"] != "error", got
+        assert got["stream_id"] == "after"
+
+
+# Bad bodies for POST /v1/responses: (body, status, error code or None).
+BAD_BODIES = [
+    (b"{not json", 400, None),
+    (b"[]", 400, None),
+    ({"model": MODEL}, 400, None),
+    ({"model": MODEL, "input": None}, 400, None),
+    ({"model": MODEL, "input": ""}, 400, None),
+    ({"model": MODEL, "input": {"role": "user"}}, 400, "invalid_value"),
+    ({"model": MODEL, "input": [{"role": "user"}]}, 400, None),
+    ({"model": MODEL, "input": [{"role": "user", "content": "hi", "extra": 1}]}, 400, None),
+    ({"model": MODEL, "input": [{"type": "item_reference", "id": "msg_1"}]}, 400, None),
+    ({"model": "gpt-nope", "input": "hi"}, 404, "model_not_found"),
+    ({"model": MODEL, "input": "hi", "generate": False}, 400, "unknown_parameter"),
+    ({"model": MODEL, "input": "hi", "stream_id": "a"}, 400, "unknown_parameter"),
+    ({"model": MODEL, "input": "hi", "background": True}, 400, None),
+    ({"model": MODEL, "input": "hi", "stream_options": {}}, 400, None),
+    ({"model": MODEL, "input": "hi", "temperature": "warm"}, 400, "invalid_value"),
+    ({"model": MODEL, "input": "hi", "temperature": 3}, 400, "invalid_parameter"),
+    ({"model": MODEL, "input": "hi", "top_p": 1.5}, 400, "invalid_parameter"),
+    ({"model": MODEL, "input": "hi", "max_output_tokens": 0}, 400, None),
+    ({"model": MODEL, "input": "hi", "include": ["reasoning.encrypted_content"]}, 400, None),
+    ({"model": MODEL, "input": "hi", "top_logprobs": 5}, 400, None),
+    ({"model": MODEL, "input": "hi", "tool_choice": "required"}, 400, None),
+    ({"model": MODEL, "input": "hi", "metadata": {str(i): "v" for i in range(17)}}, 400, None),
+    ({"model": MODEL, "input": "hi", "prompt_cache_key": "k" * 300}, 400, None),
+    ({"model": MODEL, "input": "hi", "previous_response_id": "resp_unknown"}, 404, "previous_response_not_found"),
+    ({"model": MODEL, "input": "word " * 9000, "max_output_tokens": 4}, 400, "context_length_exceeded"),
+]
+
+
+@pytest.mark.parametrize("body,status,code", BAD_BODIES)
+def test_bad_responses_bodies_get_typed_errors(smollm2, body, status, code):
+    got_status, got = smollm2.post("/v1/responses", body)
+    assert got_status == status, got
+    assert set(got) == {"error"} and set(got["error"]) == {"message", "type", "param", "code"}, got
+    if code is not None:
+        assert got["error"]["code"] == code, got
+
+
+def test_a_flood_of_requests_gets_429_and_other_keys_are_unharmed(throttled):
+    statuses = [throttled.post("/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 1}, {"Authorization": "Bearer sk-flood"})[0] for _ in range(12)]
+    assert statuses.count(200) >= 4 and 429 in statuses, statuses
+    status, got = throttled.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}, {"Authorization": "Bearer sk-flood"})
+    assert status == 429 and got["error"]["type"] == "rate_limit_error" and got["error"]["code"] == "rate_limit_exceeded"
+    with pytest.raises(openai.RateLimitError):
+        client(throttled, api_key="sk-flood").responses.create(model=MODEL, input="hi", max_output_tokens=1)
+    r = client(throttled, api_key="sk-calm").responses.create(model=MODEL, input="hi", max_output_tokens=1)
+    assert r.usage.output_tokens == 1
