@@ -2,7 +2,7 @@
 """Load benchmark: drives a running server over its streaming API and writes one
 JSON line per (engine, workload, setting); `--report` prints them side by side.
 
-Two client backends behind one interface (`Client.open()` / `stream()` / `close()`):
+Client backends behind one interface (`Client.open()` / `stream()` / `close()`):
   tether   protocol v1 over WebSocket (ws://HOST:PORT/v1/ws): one session per
            stream, `generate` with `prompt`, `max_tokens`, temperature 0; every
            `delta` arrival is timed (a delta may carry several tokens:
@@ -11,6 +11,15 @@ Two client backends behind one interface (`Client.open()` / `stream()` / `close(
            temperature 0, stream_options.include_usage (tokens counted from the
            final usage chunk), logit_bias -100 on the EOS ids so every stream runs
            to max_tokens; every SSE text chunk is timed as one token.
+  tether-openai  the same OpenAI client against Tether's own /v1/completions
+           (with `model`, without logit_bias: the counting prompts run to
+           max_tokens anyway). Beside `tether` on the same server it measures
+           what the HTTP edge costs against /v1/ws (bench/edges.sh). The raw
+           completions endpoint, not chat: the same prompt text reaches the
+           engine on both edges, so only the edge differs.
+  tether-llamacpp  Tether's llama.cpp-compatible POST /completion, streamed
+           (`data: {...}` lines; tokens from the final `timings.predicted_n`),
+           the editor edge, measured the same way.
 Tether has no logit_bias, so every prompt is a counting prompt ("1050,1051,
 1052,...") that greedy decoding continues to max_tokens; the tokens that really
 came are recorded. Every request gets a different prompt (the numbers start at a
@@ -115,11 +124,11 @@ def pct(xs, p):
 class Prompts:
     """Prompt texts sized in tokens with the model's own tokenizer."""
 
-    def __init__(self, model_dir):
+    def __init__(self, model_dir, first_number=1000):
         from tokenizers import Tokenizer
 
         self.tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
-        self.next_start = 1000
+        self.next_start = first_number
         self.next_doc = 1
 
     def count(self, text):
@@ -353,13 +362,15 @@ class TetherClient:
             await self.ws.close()
 
 
-class MlxLmClient:
-    """One HTTP stream at a time against mlx_lm.server."""
+class OpenAIClient:
+    """One HTTP stream at a time against an OpenAI-compatible /v1/completions
+    (mlx_lm.server, or Tether's own HTTP edge when `model` is given)."""
 
-    def __init__(self, http, base, eos, bias_eos=True):
+    def __init__(self, http, base, eos, bias_eos=True, model=None):
         self.http = http
         self.url = base.rstrip("/") + "/v1/completions"
-        self.bias = {str(i): -100 for i in eos} if bias_eos else None
+        self.bias = {str(i): -100 for i in eos} if bias_eos and eos else None
+        self.model = model
 
     async def open(self):
         pass
@@ -372,6 +383,8 @@ class MlxLmClient:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if self.model:
+            body["model"] = self.model
         if self.bias:
             body["logit_bias"] = self.bias
         st.t_submit = time.perf_counter()
@@ -422,19 +435,93 @@ class MlxLmClient:
         pass
 
 
+def is_ws(engine):
+    """Tether over its own protocol (this build or the previous one)."""
+    return engine in ("tether", "tether-prev")
+
+
+def served_model(url):
+    """The one model an OpenAI-compatible server lists."""
+    import urllib.request
+
+    with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=30) as r:
+        return json.load(r)["data"][0]["id"]
+
+
+class LlamaCppClient:
+    """One HTTP stream at a time against a llama.cpp-style POST /completion."""
+
+    def __init__(self, http, base):
+        self.http = http
+        self.url = base.rstrip("/") + "/completion"
+
+    async def open(self):
+        pass
+
+    async def stream(self, st, prompt, max_tokens, stop=None, chunk_size=None):
+        body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "stream": True}
+        st.t_submit = time.perf_counter()
+        resp = await self.http.post(self.url, json=body)
+        closer = None
+        if stop is not None:
+
+            async def close_on_stop():
+                await stop.wait()
+                st.finish = st.finish or "cancelled"
+                resp.close()
+
+            closer = asyncio.ensure_future(close_on_stop())
+        try:
+            if resp.status != 200:
+                st.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return st
+            async for raw in resp.content:
+                now = time.perf_counter()
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                msg = json.loads(line[5:].strip())
+                if msg.get("content"):
+                    st.arrivals.append((now, 1))
+                    st.text.append(msg["content"])
+                if msg.get("stop"):
+                    st.t_end = now
+                    st.finish = msg.get("stop_type")
+                    timings = msg.get("timings") or {}
+                    st.completion_tokens = timings.get("predicted_n")
+                    st.prompt_tokens = msg.get("tokens_evaluated")
+                    st.cached_tokens = timings.get("cache_n")
+                    break
+        except Exception as e:
+            if not (stop is not None and stop.is_set()):
+                st.error = f"{type(e).__name__}: {e}"
+        finally:
+            if closer is not None:
+                closer.cancel()
+            resp.release()
+        return st
+
+    async def close(self):
+        pass
+
+
 class Bench:
     def __init__(self, args, http):
         self.a = args
         self.http = http
-        self.prompts = Prompts(args.model_dir)
+        self.prompts = Prompts(args.model_dir, args.first_number)
         self.eos = eos_ids(args.model_dir) if args.engine == "mlx-lm" else []
         if args.engine == "mlx-lm" and not self.eos:
             raise SystemExit(f"no EOS ids found in {args.model_dir}")
 
     def client(self, bias_eos=True):
-        if self.a.engine.startswith("tether"):
+        if is_ws(self.a.engine):
             return TetherClient(self.http, self.a.url)
-        return MlxLmClient(self.http, self.a.url, self.eos, bias_eos)
+        if self.a.engine == "tether-openai":
+            return OpenAIClient(self.http, self.a.url, [], bias_eos=False, model=self.a.served_model)
+        if self.a.engine == "tether-llamacpp":
+            return LlamaCppClient(self.http, self.a.url)
+        return OpenAIClient(self.http, self.a.url, self.eos, bias_eos)
 
     async def clients(self, n):
         cs = [self.client() for _ in range(n)]
@@ -488,6 +575,7 @@ class Bench:
             prompt_tokens=statistics.mean(s.prompt_tokens for s in sts) if all(s.prompt_tokens for s in sts) else None,
             max_tokens=self.a.max_tokens,
             completion_tokens=tokens,
+            cached_tokens=sum(s.cached_tokens or 0 for s in sts),
             short_streams=sum(1 for s in sts if s.tokens() < self.a.max_tokens),
             agg_tok_s=tokens / (last - first) if got and last > first else None,
             all_decoding_tok_s=window_tokens / (end - start) if all_decoding and window_tokens else None,
@@ -671,7 +759,7 @@ async def run(args):
                 log(f"{args.engine}: decode, {n} streams x {args.max_tokens} tokens")
                 await attempt(b.decode(n), workload="decode", streams=n, setting="-")
         if "admit" in work:
-            if args.engine.startswith("tether"):
+            if is_ws(args.engine):
                 settings = [("chunked", None, "server default"), ("unchunked", 4096, "chunk_size=4096 requested")]
                 settings = [s for s in settings if s[0] in args.tether_settings.split(",")]
             else:
@@ -690,7 +778,7 @@ async def run(args):
                 await asyncio.wait_for(c.stream(Stream("warmup-agent"), b.prompts.long(330), 4), args.warmup_timeout)
             finally:
                 await c.close()
-            settings = args.tether_agent_settings.split(",") if args.engine.startswith("tether") else ["prompt-cache"]
+            settings = args.tether_agent_settings.split(",") if is_ws(args.engine) else ["prompt-cache"]
             for setting in settings:
                 log(f"{args.engine}: agent, {args.agent_turns} turns, {setting}")
                 await attempt(b.agent(setting), workload="agent", setting=setting)
@@ -789,12 +877,42 @@ def report_agent(rows):
               f"{s_(med(off))} s uncached")
 
 
+EDGES = {"tether-openai": "openai", "tether-llamacpp": "llamacpp"}
+
+
+def report_edges(rows):
+    """Tether's HTTP edges against its WebSocket edge, same server and
+    workload: medians over the runs, ratio = edge / WebSocket."""
+    edges = [e for e in EDGES if any(r["engine"] == e for r in rows)]
+    print("\nedge overhead: Tether over its HTTP edges (openai: /v1/completions, llamacpp: /completion; SSE) "
+          "vs /v1/ws, same server; median of the runs; ratio = edge / ws")
+    head = "".join(f" {EDGES[e]:>9} {'ratio':>7}" for e in edges)
+    print(f"{'streams':>7} {'metric':<22} {'ws':>9}{head}  better")
+
+    def median(engine, n, key):
+        xs = [r[key] for r in rows if r["engine"] == engine and r.get("workload") == "decode" and r.get("streams") == n and r.get(key)]
+        return statistics.median(xs) if xs else None
+
+    for n in sorted({r["streams"] for r in rows if r.get("workload") == "decode" and r.get("streams")}):
+        for key, name, better in (("ttft_mean_s", "TTFT mean (s)", "lower"), ("agg_tok_s", "aggregate tok/s", "higher")):
+            fmt = (lambda v: "-" if v is None else f"{v:.3f}") if key.startswith("ttft") else (lambda v: "-" if v is None else f"{v:.1f}")
+            ws = median("tether", n, key)
+            cols = ""
+            for e in edges:
+                v = median(e, n, key)
+                cols += f" {fmt(v):>9} {(f'{v / ws:.3f}x' if v and ws else '-'):>7}"
+            print(f"{n:>7} {name:<22} {fmt(ws):>9}{cols}  {better}")
+
+
 def report(path):
     rows = [json.loads(l) for l in open(path) if l.strip()]
     agent = [r for r in rows if "turn" in r]
     rows = [r for r in rows if "turn" not in r and "model" in r]
     if agent:
         report_agent(agent)
+    if any(r["engine"] in EDGES for r in rows):
+        report_edges(rows)
+        return
     models = []
     for r in rows:
         if r["model"] not in models:
@@ -890,7 +1008,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--report", metavar="RESULTS", help="print the side-by-side table of RESULTS.jsonl and exit")
     # tether-prev: a previous build of Tether, measured beside the current one.
-    ap.add_argument("--engine", choices=["tether", "tether-prev", "mlx-lm"])
+    # tether-openai: this build of Tether over its OpenAI HTTP edge.
+    # tether-llamacpp: this build over its llama.cpp-compatible /completion.
+    ap.add_argument("--engine", choices=["tether", "tether-prev", "tether-openai", "tether-llamacpp", "mlx-lm"])
     ap.add_argument("--url", help="server base URL, http://127.0.0.1:PORT")
     ap.add_argument("--model-dir", help="HF model folder: tokenizer.json (prompt sizing), EOS ids")
     ap.add_argument("--label", help="model name in the results (default: the folder's name)")
@@ -899,6 +1019,9 @@ def main():
     ap.add_argument("--workloads", default="decode,admit")
     ap.add_argument("--streams", default="1,8,32", help="decode workload: concurrent streams")
     ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--first-number", type=int, default=1000,
+                    help="counting prompts start here; runs against one server need different values, "
+                         "or a run's prompts are the previous run's, already cached")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--admit-streams", type=int, default=8)
     ap.add_argument("--steady-max-tokens", type=int, default=1024, help="cap of the steady streams (cancelled when done)")
@@ -923,6 +1046,7 @@ def main():
     lo, _, hi = args.agent_user_tokens.partition(":")
     args.agent_user_tokens = (int(lo), int(hi or lo))
     args.label = args.label or os.path.basename(os.path.normpath(args.model_dir))
+    args.served_model = served_model(args.url) if args.engine == "tether-openai" else None
     asyncio.run(run(args))
 
 

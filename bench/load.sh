@@ -71,36 +71,8 @@ read -r -a EXTRA <<<"${LOAD_ARGS:-}"
 read -r -a SERVE_EXTRA <<<"${TETHER_ARGS:-}"
 
 log() { printf '[load.sh] %s\n' "$*" >&2; }
-
-SERVER_PID=""
-stop_server() {
-  [ -n "$SERVER_PID" ] || return 0
-  if kill -0 "$SERVER_PID" 2>/dev/null; then
-    kill "$SERVER_PID" 2>/dev/null || true
-    for _ in $(seq 50); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.2; done
-    kill -9 "$SERVER_PID" 2>/dev/null || true
-  fi
-  wait "$SERVER_PID" 2>/dev/null || true
-  SERVER_PID=""
-}
-trap stop_server EXIT
-trap 'exit 130' INT TERM
-
-# wait_http URL LOGFILE SECONDS: until URL answers 200 (the server still alive)
-wait_http() {
-  local url="$1" logf="$2" deadline=$((SECONDS + $3))
-  while [ $SECONDS -lt $deadline ]; do
-    kill -0 "$SERVER_PID" 2>/dev/null || { log "server exited; its log:"; tail -20 "$logf" >&2; return 1; }
-    curl -sf -m 2 -o /dev/null "$url" && return 0
-    sleep 0.5
-  done
-  log "no answer from $url after $3 s; log:"; tail -20 "$logf" >&2
-  return 1
-}
-
-free_port() {
-  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
+# shellcheck source=bench/lib.sh
+. bench/lib.sh
 
 if [ -z "$TETHER_BIN" ]; then
   cargo build --release --locked -p tether
@@ -127,17 +99,7 @@ for m in $MODELS; do
   for engine_bin in "${engines[@]}"; do
     engine="${engine_bin%%:*}" bin="${engine_bin#*:}"
     tlog="$OUT/$engine-$m.log"
-    "$bin" serve --model "$m" --device "$TETHER_DEVICE" --weights "$TETHER_WEIGHTS" --host 127.0.0.1 --port 0 "${SERVE_EXTRA[@]}" >"$tlog" 2>&1 &
-    SERVER_PID=$!
-    port=""
-    for _ in $(seq 240); do
-      port=$(sed -n 's#.*listening on http://127\.0\.0\.1:\([0-9]*\).*#\1#p' "$tlog" | head -1)
-      [ -n "$port" ] && break
-      kill -0 "$SERVER_PID" 2>/dev/null || break
-      sleep 0.5
-    done
-    [ -n "$port" ] || { log "$engine serve did not start; log:"; tail -20 "$tlog" >&2; exit 1; }
-    wait_http "http://127.0.0.1:$port/healthz" "$tlog" 60
+    start_tether "$bin" "$tlog" --model "$m" --device "$TETHER_DEVICE" --weights "$TETHER_WEIGHTS" "${SERVE_EXTRA[@]}"
     log "$engine ($m, $TETHER_WEIGHTS weights) on :$port"
     timeout "$RUN_LIMIT" "$PY" bench/load.py --engine "$engine" --url "http://127.0.0.1:$port" --workloads "$TETHER_WORK" \
       "${common[@]}" || log "$engine run failed (rc $?)"

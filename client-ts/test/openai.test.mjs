@@ -54,3 +54,37 @@ test('errors arrive as the SDK error classes', async () => {
   const models = await c.models.list();
   assert.deepEqual(models.data.map((m) => m.id), [MODEL]);
 });
+
+// The Responses API's WebSocket mode through the SDK's own socket client.
+test('responses over the WebSocket mode: two chained turns on the socket state', async () => {
+  const { ResponsesWS } = await import('openai/resources/responses/ws');
+  const ws = new ResponsesWS(client(URL_, 'sk-npm-responses'));
+  const events = ws.stream();
+  const finish = async () => {
+    for (;;) {
+      const { value, done } = await events.next();
+      assert.ok(!done, 'the socket closed before the response ended');
+      if (value.type !== 'message') continue;
+      const ev = value.message;
+      assert.notEqual(ev.type, 'error', JSON.stringify(ev));
+      if (ev.type === 'response.completed' || ev.type === 'response.incomplete') return ev.response;
+    }
+  };
+  try {
+    ws.send({ type: 'response.create', model: MODEL, input: 'Name three colours of the rainbow.', max_output_tokens: 10, temperature: 0, store: false });
+    const first = await finish();
+    assert.ok(first.output[0].content[0].text.length > 0);
+    ws.send({ type: 'response.create', input: 'And two more?', previous_response_id: first.id, max_output_tokens: 4, temperature: 0, store: false });
+    const second = await finish();
+    assert.equal(second.previous_response_id, first.id);
+    assert.ok(second.usage.input_tokens_details.cached_tokens >= 16, JSON.stringify(second.usage));
+  } finally {
+    ws.close();
+  }
+});
+
+test('responses over HTTP, whole', async () => {
+  const r = await client().responses.create({ model: MODEL, input: 'Say hello.', max_output_tokens: 6, temperature: 0 });
+  assert.ok(r.output_text.length > 0);
+  assert.equal(r.usage.output_tokens <= 6, true);
+});
