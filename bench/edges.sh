@@ -7,7 +7,10 @@
 # a table of TTFT and aggregate tok/s per edge at 1 and 32 streams with the
 # ratio edge / ws. The same prompts reach the engine on every edge (raw
 # counting prompts, see bench/load.py), so the difference is the edge: HTTP
-# parsing, tenant lookup, SSE framing, one request per stream. (The
+# parsing, tenant lookup, SSE framing, one request per stream. The CPU
+# seconds of the server and of the load generator are recorded per run: on
+# a 2-core machine they share the cores, so a heavier client wire (larger
+# SSE chunks to parse) slows the server too. (The
 # Responses API takes chat input only, so its prompts differ: not here.)
 #
 # usage: bench/edges.sh
@@ -48,7 +51,7 @@ for rep in $(seq "$REPS"); do
   for engine in tether tether-openai tether-llamacpp; do
     log "round $rep of $REPS: $engine"
     first=$((first + 100000))
-    timeout 900 "$PY" bench/load.py --engine "$engine" --url "http://127.0.0.1:$port" --workloads decode --streams "$STREAMS" --first-number "$first" \
+    timeout 900 "$PY" bench/load.py --engine "$engine" --url "http://127.0.0.1:$port" --workloads decode --streams "$STREAMS" --first-number "$first" --server-pid "$SERVER_PID" \
       --model-dir "$PEER/models/$MODEL-f32" --label "$MODEL" --out "$RESULTS" --build "$BUILD" "${EXTRA[@]}"
   done
 done

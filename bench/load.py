@@ -546,8 +546,20 @@ class Bench:
             raise SystemExit(f"warm-up request failed: {st.error or 'no tokens'}")
         log(f"{self.a.engine}: warm-up ok ({st.tokens()} tokens, TTFT {st.t_first - st.t_submit:.2f}s)")
 
+    def cpu_seconds(self):
+        """(server, this client) CPU seconds so far; the server's from /proc
+        when --server-pid names it (a 2-core machine shares its cores between
+        them, so either one's cost slows the other)."""
+        server = None
+        if self.a.server_pid:
+            with open(f"/proc/{self.a.server_pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            server = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return server, time.process_time()
+
     async def decode(self, n):
         cs = await self.clients(n)
+        cpu_before = self.cpu_seconds()
         sts = [Stream(f"s{i}") for i in range(n)]
         prompts = [self.prompts.counting(self.a.prompt_tokens) for _ in range(n)]
         try:
@@ -557,6 +569,7 @@ class Bench:
             )
         finally:
             await asyncio.gather(*(c.close() for c in cs), return_exceptions=True)
+        cpu_after = self.cpu_seconds()
         errors = [s.error for s in sts if s.error]
         got = [s for s in sts if s.arrivals]
         first = min(s.t_first for s in got) if got else None
@@ -585,6 +598,8 @@ class Bench:
             ttft_p50_s=pct(ttft, 50),
             ttft_max_s=max(ttft) if ttft else None,
             tokens_per_delta=tokens / max(1, sum(len(s.arrivals) for s in sts)),
+            server_cpu_s=cpu_after[0] - cpu_before[0] if cpu_before[0] is not None else None,
+            client_cpu_s=cpu_after[1] - cpu_before[1],
             errors=errors[:3],
         )
         return r
@@ -883,6 +898,10 @@ EDGES = {"tether-openai": "openai", "tether-llamacpp": "llamacpp"}
 def report_edges(rows):
     """Tether's HTTP edges against its WebSocket edge, same server and
     workload: medians over the runs, ratio = edge / WebSocket."""
+    for r in rows:
+        for who in ("server", "client"):
+            if r.get(f"{who}_cpu_s") is not None and r.get("completion_tokens"):
+                r[f"{who}_cpu_ms_per_token"] = r[f"{who}_cpu_s"] * 1e3 / r["completion_tokens"]
     edges = [e for e in EDGES if any(r["engine"] == e for r in rows)]
     print("\nedge overhead: Tether over its HTTP edges (openai: /v1/completions, llamacpp: /completion; SSE) "
           "vs /v1/ws, same server; median of the runs; ratio = edge / ws")
@@ -894,9 +913,14 @@ def report_edges(rows):
         return statistics.median(xs) if xs else None
 
     for n in sorted({r["streams"] for r in rows if r.get("workload") == "decode" and r.get("streams")}):
-        for key, name, better in (("ttft_mean_s", "TTFT mean (s)", "lower"), ("agg_tok_s", "aggregate tok/s", "higher")):
-            fmt = (lambda v: "-" if v is None else f"{v:.3f}") if key.startswith("ttft") else (lambda v: "-" if v is None else f"{v:.1f}")
+        for key, name, better in (("ttft_mean_s", "TTFT mean (s)", "lower"), ("agg_tok_s", "aggregate tok/s", "higher"),
+                                  ("server_cpu_ms_per_token", "server CPU ms/token", "lower"),
+                                  ("client_cpu_ms_per_token", "client CPU ms/token", "lower")):
+            digits = 1 if key == "agg_tok_s" else 3
+            fmt = lambda v, d=digits: "-" if v is None else f"{v:.{d}f}"
             ws = median("tether", n, key)
+            if ws is None and key.endswith("per_token"):
+                continue
             cols = ""
             for e in edges:
                 v = median(e, n, key)
@@ -1019,6 +1043,7 @@ def main():
     ap.add_argument("--workloads", default="decode,admit")
     ap.add_argument("--streams", default="1,8,32", help="decode workload: concurrent streams")
     ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--server-pid", type=int, help="record the server's CPU seconds per decode workload (Linux /proc)")
     ap.add_argument("--first-number", type=int, default=1000,
                     help="counting prompts start here; runs against one server need different values, "
                          "or a run's prompts are the previous run's, already cached")
