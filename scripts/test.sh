@@ -3,7 +3,9 @@
 # formatting and lints (rustfmt, clippy with warnings as errors), MLX +
 # OpenBLAS (scripts/setup.sh), the two real test models (fetched and
 # hash-checked into ~/.cache/tether/models), then the Rust workspace tests,
-# then the TypeScript client's and the browser playground's tests.
+# then the edges (OpenAI HTTP, the Responses API, llama.cpp's endpoints)
+# through their real clients, the TypeScript client's and the browser
+# playground's tests, and scale-out: replicas behind HAProxy.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TETHER_BIN="${CARGO_TARGET_DIR:-target}/release/tether"
@@ -24,11 +26,17 @@ bench/peer/setup.sh
 # Release profile: the numerical tests run real models token by token.
 cargo test --release --locked --workspace
 export TETHER_BIN="$(realpath "$TETHER_BIN")"
-# The OpenAI-compatible HTTP edge, driven by the official `openai` Python SDK
-# (pinned, in a venv under ~/.cache/tether) against real servers.
+# The HTTP edges: OpenAI's API and its Responses API (with the WebSocket
+# mode) through the official `openai` Python SDK (pinned, in a venv under
+# ~/.cache/tether), llama.cpp's endpoints with the editor plugins' requests.
 tests/edges/setup.sh
 "${TETHER_OPENAI_VENV:-$HOME/.cache/tether/openai-venv}/bin/python" -m pytest -q tests/edges
 # The TypeScript client and the playground (client-ts/) against real servers,
 # the playground in Debian's Chromium (installed by setup-node.sh if missing).
 scripts/setup-node.sh
 (cd client-ts && npm ci --no-audit --no-fund && npm test)
+# Scale-out: three replicas behind HAProxy with docker/haproxy.cfg, driven by
+# the TypeScript client just built; and the Dockerfiles linted.
+scripts/setup-proxy.sh
+node tests/proxy/run.mjs
+"${TETHER_CACHE:-$HOME/.cache/tether}/hadolint-venv/bin/hadolint" docker/Dockerfile docker/Dockerfile.cuda

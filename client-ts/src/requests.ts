@@ -16,6 +16,12 @@ export interface PendingRequest {
   cancelRequested: boolean;
   signal: AbortSignal | undefined;
   onAbort: (() => void) | undefined;
+  /** Tokens received under the current `request_id`. */
+  tokens: number;
+  /** Tokens received under earlier ids, before the session was lost and the request continued in a new one. */
+  carriedTokens: number;
+  /** Characters of output the new session's run repeats, not delivered again (a `messages` request run again whole). */
+  skipChars: number;
 }
 
 /** Sends a frame on the session's socket; false when no socket is open. */
@@ -47,7 +53,18 @@ export class RequestTable {
 
   /** Registers a request, not sent yet; aborting `signal` cancels its stream. */
   add(stream: GenerationStream, frame: GenerateRequest, signal: AbortSignal | undefined): PendingRequest {
-    const pending: PendingRequest = { stream, frame, sent: false, lastSeq: 0, cancelRequested: false, signal, onAbort: undefined };
+    const pending: PendingRequest = {
+      stream,
+      frame,
+      sent: false,
+      lastSeq: 0,
+      cancelRequested: false,
+      signal,
+      onAbort: undefined,
+      tokens: 0,
+      carriedTokens: 0,
+      skipChars: 0,
+    };
     if (signal) {
       pending.onAbort = () => stream.cancel();
       signal.addEventListener('abort', pending.onAbort, { once: true });
@@ -101,36 +118,100 @@ export class RequestTable {
     }
   }
 
-  /** The server no longer has the session: requests with output so far fail; the others start again in a new session. */
-  resumeFailed(error: TetherError): void {
+  /**
+   * The server no longer has the session (its replica was lost, or the
+   * session expired): every request goes on in the new session, which has
+   * none of the old one's state but the client has all it needs. A request
+   * with no output yet starts again; one with output continues where its
+   * output stopped (see {@link #continueElsewhere}).
+   */
+  resumeFailed(_error: TetherError): void {
     for (const p of [...this.#requests.values()]) {
       if (!p.sent) continue;
-      if (p.lastSeq === 0) {
-        // Nothing of it reached us: it starts again in the new session.
-        p.sent = false;
-        if (p.cancelRequested) {
-          this.#forget(p);
-          p.stream.fail(abortError(p.signal));
-        }
+      if (p.cancelRequested) {
+        this.#forget(p);
+        p.stream.fail(abortError(p.signal));
         continue;
       }
-      this.#forget(p);
-      const message = `the session could not be resumed (${error.message}); the request's output ends at seq ${p.lastSeq}`;
-      p.stream.fail(new TetherError(error.code, message, { requestId: p.frame.request_id, cause: error }));
+      if (p.lastSeq > 0) this.#continueElsewhere(p);
+      else p.sent = false;
     }
+  }
+
+  /**
+   * Re-issues a request that had output, under a new id, so its stream goes
+   * on as if nothing happened:
+   * - `prompt` and `fim`: the output so far is appended to the prompt (the
+   *   prefix) and only the remaining tokens are asked for: an exact
+   *   continuation at any temperature;
+   * - `messages`: the server renders the chat template, so the conversation
+   *   is sent again whole, and the first characters of the new output (as many
+   *   as were delivered) are not delivered again. Exact at temperature 0 or
+   *   with a `seed`; otherwise the rest continues from a different draw.
+   */
+  #continueElsewhere(p: PendingRequest): void {
+    const delivered = p.stream.text;
+    const frame: GenerateRequest = { ...p.frame, request_id: this.newId() };
+    p.carriedTokens += p.tokens;
+    if (frame.prompt !== undefined || frame.fim !== undefined) {
+      if (frame.prompt !== undefined) frame.prompt += delivered;
+      else if (frame.fim) frame.fim = { ...frame.fim, prefix: frame.fim.prefix + delivered };
+      if (frame.max_tokens !== undefined) {
+        const remaining = frame.max_tokens - p.carriedTokens;
+        if (remaining <= 0) return this.#finishLost(p);
+        frame.max_tokens = remaining;
+      }
+    } else {
+      p.skipChars = delivered.length;
+      p.carriedTokens = 0;
+    }
+    this.#requests.delete(p.frame.request_id);
+    p.frame = frame;
+    p.stream.setRequestId(frame.request_id);
+    p.stream.resumes++;
+    p.sent = false;
+    p.lastSeq = 0;
+    p.tokens = 0;
+    this.#requests.set(frame.request_id, p);
   }
 
   // ---- frames ----
 
+  /** All of a request's tokens had arrived, only its `done` was lost with the session. */
+  #finishLost(p: PendingRequest): void {
+    this.#forget(p);
+    p.stream.finish({
+      type: 'done',
+      request_id: p.frame.request_id,
+      seq: p.lastSeq + 1,
+      finish_reason: 'length',
+      usage: { prompt_tokens: 0, cached_tokens: 0, completion_tokens: p.carriedTokens },
+      timing: { queue_ms: 0, ttft_ms: 0, total_ms: 0 },
+    });
+  }
+
   onDelta(delta: Delta): void {
     const p = this.#requests.get(delta.request_id);
-    if (p && this.#inOrder(p, delta.seq)) p.stream.pushDelta(delta);
+    if (!p || !this.#inOrder(p, delta.seq)) return;
+    p.tokens += delta.token_ids.length;
+    if (p.skipChars > 0) {
+      // A request run again whole: its output up to here was delivered before.
+      const cut = Math.min(p.skipChars, delta.text.length);
+      p.skipChars -= cut;
+      if (cut === delta.text.length) return;
+      delta = { ...delta, text: delta.text.slice(cut) };
+    }
+    p.stream.pushDelta(delta);
   }
 
   onDone(done: Done): void {
     const p = this.#requests.get(done.request_id);
     if (!p || !this.#inOrder(p, done.seq)) return;
     this.#forget(p);
+    if (p.carriedTokens > 0) {
+      // The output of the session that was lost counts too.
+      done = { ...done, usage: { ...done.usage, completion_tokens: done.usage.completion_tokens + p.carriedTokens } };
+    }
     p.stream.finish(done);
   }
 
@@ -138,6 +219,12 @@ export class RequestTable {
   onError(requestId: string, error: TetherError): void {
     const p = this.#requests.get(requestId);
     if (!p || error.code === 'unknown_request') return;
+    if (error.code === 'shutting_down' && p.lastSeq === 0 && !p.cancelRequested) {
+      // A draining server refused it before it started: it is sent again once
+      // the session is back (the next connection reaches another replica).
+      p.sent = false;
+      return;
+    }
     if (error.code === 'replay_unavailable' && p.lastSeq === 0) {
       // Nothing of it reached us: start it again under a fresh id.
       this.#requests.delete(p.frame.request_id);

@@ -39,6 +39,13 @@ export interface ConnectOptions {
   url: string;
   /** Bearer token, when the server requires one (sent as the `tether.bearer.<token>` subprotocol, or as `?token=` when it has characters a subprotocol cannot carry). */
   token?: string;
+  /**
+   * The key a proxy places this session's sockets by, sent as `?affinity=` on
+   * every connect and reconnect (the first included, before the session has
+   * an id), so a session behind several replicas always reaches the one
+   * holding its state. Default: a random key per session.
+   */
+  affinity?: string;
   /** Automatic reconnect and resume; `false` turns it off. */
   reconnect?: ReconnectOptions | false;
   /** How long to wait for `session.ready` after the socket opens. Default 10000 ms. */
@@ -137,7 +144,7 @@ export class Session implements StreamOwner {
 
   private constructor(options: ConnectOptions) {
     this.#options = options;
-    this.#target = socketTarget(options.url, options.token);
+    this.#target = socketTarget(options.url, options.token, options.affinity ?? globalThis.crypto.randomUUID());
     this.#reconnector = new Reconnector(reconnectPolicy(options.reconnect), {
       attach: () => this.#attach(),
       over: () => this.#over(),

@@ -46,11 +46,12 @@ export function defaultWebSocket(): Promise<WebSocketConstructor> {
 const TOKEN_CHARS = /^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$/;
 
 /**
- * The socket URL and subprotocols for `url` and an optional bearer token.
+ * The socket URL and subprotocols for `url`, an optional bearer token and an
+ * optional affinity key (`?affinity=`, for a proxy in front of replicas).
  * `http(s)://` becomes `ws(s)://`; a URL with no path gets `/v1/ws`; a
  * relative URL resolves against the page (browsers).
  */
-export function socketTarget(url: string, token?: string): { url: string; protocols: string[] } {
+export function socketTarget(url: string, token?: string, affinity?: string): { url: string; protocols: string[] } {
   const base = (globalThis as { location?: { href?: string } }).location?.href;
   const u = new URL(url, base);
   if (u.protocol === 'http:') u.protocol = 'ws:';
@@ -59,6 +60,7 @@ export function socketTarget(url: string, token?: string): { url: string; protoc
     throw new TetherError('connection_failed', `unsupported URL scheme ${u.protocol} (use ws:, wss:, http: or https:)`);
   }
   if (u.pathname === '/' || u.pathname === '') u.pathname = '/v1/ws';
+  if (affinity) u.searchParams.set('affinity', affinity);
   const protocols = [SUBPROTOCOL];
   if (token) {
     if (TOKEN_CHARS.test(token)) protocols.push(BEARER_PREFIX + token);

@@ -232,27 +232,38 @@ test('a request lost on its way to the server is sent again under a new id', asy
   await s.close();
 });
 
-test('if the session expired meanwhile: requests with output fail, the others start again in a new session', async () => {
+test('if the session expired meanwhile: every request goes on in a new session, those with output where they stopped', async () => {
   const quick = { prompt: 'The capital of France is', max_tokens: 8 };
-  const expected = await reference(quick);
+  const chat = { messages: [{ role: 'user', content: 'Count from 1 to 20.' }], max_tokens: 40 };
+  const [expectedCount, expectedQuick, expectedChat] = [await reference(COUNT), await reference(quick), await reference(chat)];
   // The server keeps a detached session for 2 s (scripts/run-tests.mjs); stay away longer.
   const s = await open({ reconnect: { initialDelayMs: 3200 } });
   const firstId = s.id;
   const errors = [];
   s.on('error', (e) => errors.push(e.code));
   let second;
+  let third;
+  const chatting = s.generate(chat);
   const first = drain(s.generate(COUNT), (_, n) => {
     if (n === 2) {
       second = s.generate(quick); // sent, but nothing of it arrives before the drop
       dropConnection(s);
     }
   });
-  const gone = (e) => isTetherError(e, 'session_expired') || isTetherError(e, 'session_not_found');
-  await assert.rejects(first, gone);
-  assert.deepEqual((await second.result).tokenIds, expected.tokenIds);
+  // A prompt continues from its output so far; a chat conversation runs
+  // again whole and the part already delivered is not delivered twice.
+  const { result } = await first;
+  assert.equal(result.text, expectedCount.text);
+  assert.equal(result.usage.completion_tokens, COUNT.max_tokens);
+  assert.equal((await second.result).text, expectedQuick.text);
+  assert.equal((await chatting.result).text, expectedChat.text);
+  assert.ok(chatting.resumes + result.resumes >= 1);
   assert.notEqual(s.id, firstId, 'a new session');
   assert.equal(s.state, 'open');
   assert.equal(errors.length, 1);
+  assert.ok(errors[0] === 'session_expired' || errors[0] === 'session_not_found', errors[0]);
+  third = await s.generate(quick).result;
+  assert.equal(third.text, expectedQuick.text);
   await s.close();
 });
 

@@ -77,7 +77,10 @@ pub enum ErrorCode {
     /// An unexpected server-side failure. If it has a `request_id`, that
     /// request is over; the session remains usable.
     Internal,
-    /// The server is shutting down.
+    /// The server is shutting down. Without a `request_id`: the connection
+    /// closes (1001) after the running requests finished. With one: that
+    /// request was refused before it started; send it again on another
+    /// server (a draining replica takes no new work).
     ShuttingDown,
     /// The connection was idle longer than `limits.idle_timeout_ms`. The
     /// session survives for its TTL and can be resumed.

@@ -235,7 +235,7 @@ async fn graceful_shutdown_drains_in_flight_requests() {
     // New work is refused while the drain runs...
     c.generate("late", json!({"prompt": CAPITAL, "max_tokens": 4})).await;
     let late = c.collect("late").await;
-    assert_eq!(late.error().code, ErrorCode::Cancelled);
+    assert_eq!(late.error().code, ErrorCode::ShuttingDown);
     assert!(tokio_tungstenite::connect_async(srv.url("/v1/ws")).await.is_err(), "no new connections");
     // ...but the request in flight streams to its end.
     let rest = c.collect("r").await;

@@ -140,6 +140,13 @@ impl EngineHandle {
         self.control(Command::SetScopeLive { scope, live });
     }
 
+    /// Whether the engine thread is still running (it ends on shutdown, or
+    /// on a failure it could not recover from). Answers at once, unlike
+    /// [`stats`](Self::stats), which waits for the engine's next pause.
+    pub fn is_alive(&self) -> bool {
+        self.thread.lock().unwrap_or_else(|e| e.into_inner()).as_ref().is_some_and(|t| !t.is_finished())
+    }
+
     pub async fn stats(&self) -> Option<EngineStats> {
         let (reply, rx) = tokio::sync::oneshot::channel();
         self.control(Command::Stats { reply });

@@ -48,6 +48,11 @@ impl EnginePool {
         self.workers[0].info()
     }
 
+    /// Whether every worker's thread is running.
+    pub fn is_alive(&self) -> bool {
+        self.workers.iter().all(EngineHandle::is_alive)
+    }
+
     /// All workers' statistics added up (memory figures are per process, so
     /// those are taken once); `None` when no worker answers.
     pub async fn stats(&self) -> Option<EngineStats> {

@@ -273,15 +273,20 @@ pub fn ws_size_cap(max_frame_bytes: usize) -> usize {
     max_frame_bytes.saturating_add((max_frame_bytes / 4).max(64 << 10))
 }
 
-async fn engine_stats(state: &ServerState) -> Option<crate::engine::EngineStats> {
-    tokio::time::timeout(Duration::from_secs(2), state.engines.stats()).await.ok().flatten()
+async fn engine_stats(state: &ServerState, wait: Duration) -> Option<crate::engine::EngineStats> {
+    tokio::time::timeout(wait, state.engines.stats()).await.ok().flatten()
 }
 
+/// How long `/healthz` waits for the engine's numbers: the engine answers
+/// between steps, and a busy engine is healthy, so a proxy's health check
+/// must not wait for a long step (it would take the replica out under load).
+const HEALTH_STATS_WAIT: Duration = Duration::from_millis(200);
+
 async fn healthz(state: &ServerState) -> Response<Body> {
-    let stats = engine_stats(state).await;
+    let stats = engine_stats(state, HEALTH_STATS_WAIT).await;
     let status = if state.is_draining() {
         "draining"
-    } else if stats.is_none() {
+    } else if !state.engines.is_alive() {
         "engine_unavailable"
     } else {
         "ok"
@@ -314,7 +319,7 @@ async fn healthz(state: &ServerState) -> Response<Body> {
 }
 
 async fn metrics(state: &ServerState) -> Response<Body> {
-    let stats = engine_stats(state).await;
+    let stats = engine_stats(state, Duration::from_secs(2)).await;
     state.metrics.sessions.set(state.sessions.len() as i64);
     let body = state.metrics.render(stats.as_ref());
     let mut r = Response::new(full(body));

@@ -97,7 +97,7 @@ fn wire_speculative(s: &SpecStats) -> SpeculativeStats {
 pub fn engine_error(e: &EngineError) -> (ErrorCode, String) {
     let code = match e {
         EngineError::Overloaded { .. } => ErrorCode::Overloaded,
-        EngineError::ShuttingDown => ErrorCode::Cancelled,
+        EngineError::ShuttingDown => ErrorCode::ShuttingDown,
         EngineError::ContextOverflow { .. } | EngineError::OverKvBudget { .. } => ErrorCode::ContextOverflow,
         EngineError::Internal(_) => ErrorCode::Internal,
     };

@@ -180,7 +180,8 @@ fn check_speculation(state: &ServerState, req: &GenerateRequest) -> Result<(), P
 /// FIM support. Errors carry the request id.
 pub fn check_request(state: &ServerState, req: &GenerateRequest) -> Result<(), ProtocolError> {
     if state.is_draining() {
-        return Err(ProtocolError::new(ErrorCode::Cancelled, "the server is shutting down and accepts no new requests").with_request_id(req.request_id.clone()));
+        return Err(ProtocolError::new(ErrorCode::ShuttingDown, "the server is shutting down and accepts no new requests; send it to another server")
+            .with_request_id(req.request_id.clone()));
     }
     req.check_limits(&state.limits)?;
     check_speculation(state, req)?;

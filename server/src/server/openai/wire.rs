@@ -51,6 +51,18 @@ pub struct Message {
     /// A participant's name; no chat template here uses it, so ignored.
     #[serde(default, rename = "name")]
     _name: Option<serde::de::IgnoredAny>,
+    /// The fields of an assistant message as a response returned it, which
+    /// clients append to the conversation as is: accepted when empty.
+    #[serde(default)]
+    pub tool_calls: Option<Vec<Value>>,
+    #[serde(default)]
+    pub function_call: Option<Value>,
+    #[serde(default)]
+    pub refusal: Option<String>,
+    #[serde(default, rename = "annotations")]
+    _annotations: Option<serde::de::IgnoredAny>,
+    #[serde(default)]
+    pub audio: Option<Value>,
 }
 
 /// The fields [`Sampling`] reads (serde cannot deny unknown fields through
@@ -275,7 +287,20 @@ impl ChatRequest {
             .messages
             .into_iter()
             .enumerate()
-            .map(|(i, m)| Ok(ChatMessage { role: role(&m.role)?, content: content_text(m.content, i)? }))
+            .map(|(i, m)| {
+                if m.tool_calls.as_ref().is_some_and(|c| !c.is_empty()) || m.function_call.as_ref().is_some_and(|f| !f.is_null()) {
+                    return Err(bad("messages", format!("messages[{i}]: tool calls are not supported yet")));
+                }
+                if m.audio.as_ref().is_some_and(|a| !a.is_null()) {
+                    return Err(bad("messages", format!("messages[{i}]: audio is not supported")));
+                }
+                // A refusal is the assistant's text when it had no content.
+                let content = match (m.content, m.refusal) {
+                    (None, Some(refusal)) => refusal,
+                    (content, _) => content_text(content, i)?,
+                };
+                Ok(ChatMessage { role: role(&m.role)?, content })
+            })
             .collect::<Result<Vec<_>, ParamError>>()?;
         let mut req = GenerateRequest::new(request_id, GenerateInput::Messages(messages));
         let logprobs = self.logprobs.then(|| self.top_logprobs.unwrap_or(0));
