@@ -21,6 +21,18 @@ pub fn rope_offsets(x: &Array, dims: i32, traditional: bool, base: f32, scale: f
     wrap("rope", bridge::rope_offsets(x.raw(), dims, traditional, base, scale, offsets.raw()))
 }
 
+/// [`rope`] with the rotation's periods given per pair instead of derived
+/// from a base: pair `i` turns by `position / freqs[i]` (`freqs`: `[dims / 2]`
+/// float32; `base^(2i / dims)` is plain RoPE). For scaled RoPE (Llama 3).
+pub fn rope_freqs(x: &Array, dims: i32, traditional: bool, scale: f32, offset: i32, freqs: &Array) -> Result<Array> {
+    wrap("rope", bridge::rope_freqs(x.raw(), dims, traditional, scale, offset, freqs.raw()))
+}
+
+/// [`rope_offsets`] with per-pair periods (see [`rope_freqs`]).
+pub fn rope_offsets_freqs(x: &Array, dims: i32, traditional: bool, scale: f32, offsets: &Array, freqs: &Array) -> Result<Array> {
+    wrap("rope", bridge::rope_offsets_freqs(x.raw(), dims, traditional, scale, offsets.raw(), freqs.raw()))
+}
+
 /// Attention mask for [`sdpa`].
 #[derive(Clone, Copy)]
 pub enum Mask<'a> {

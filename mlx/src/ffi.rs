@@ -80,6 +80,8 @@ pub(crate) mod bridge {
         fn rms_norm(x: &Array, weight: &Array, eps: f32) -> Result<UniquePtr<Array>>;
         fn rope(x: &Array, dims: i32, traditional: bool, base: f32, scale: f32, offset: i32) -> Result<UniquePtr<Array>>;
         fn rope_offsets(x: &Array, dims: i32, traditional: bool, base: f32, scale: f32, offsets: &Array) -> Result<UniquePtr<Array>>;
+        fn rope_freqs(x: &Array, dims: i32, traditional: bool, scale: f32, offset: i32, freqs: &Array) -> Result<UniquePtr<Array>>;
+        fn rope_offsets_freqs(x: &Array, dims: i32, traditional: bool, scale: f32, offsets: &Array, freqs: &Array) -> Result<UniquePtr<Array>>;
         fn sdpa(q: &Array, k: &Array, v: &Array, scale: f32, mask_mode: &str) -> Result<UniquePtr<Array>>;
         fn sdpa_masked(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Array) -> Result<UniquePtr<Array>>;
         fn cpu_attention(q: &Array, kv: &ArrayList, n: &[i32], kv_len: &[i32], keys_in_blocks: bool) -> Result<UniquePtr<Array>>;

@@ -221,6 +221,12 @@ std::unique_ptr<Array> rope(const Array& x, int32_t dims, bool traditional, floa
 std::unique_ptr<Array> rope_offsets(const Array& x, int32_t dims, bool traditional, float base, float scale, const Array& offsets) {
   return boxed(mx::fast::rope(x, dims, traditional, base, scale, offsets));
 }
+std::unique_ptr<Array> rope_freqs(const Array& x, int32_t dims, bool traditional, float scale, int32_t offset, const Array& freqs) {
+  return boxed(mx::fast::rope(x, dims, traditional, std::nullopt, scale, offset, freqs));
+}
+std::unique_ptr<Array> rope_offsets_freqs(const Array& x, int32_t dims, bool traditional, float scale, const Array& offsets, const Array& freqs) {
+  return boxed(mx::fast::rope(x, dims, traditional, std::nullopt, scale, offsets, freqs));
+}
 std::unique_ptr<Array> sdpa(const Array& q, const Array& k, const Array& v, float scale, rust::Str mask_mode) {
   return boxed(mx::fast::scaled_dot_product_attention(q, k, v, scale, std::string(mask_mode)));
 }

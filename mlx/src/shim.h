@@ -107,6 +107,8 @@ bool cpu_panels_supported();
 std::unique_ptr<Array> rms_norm(const Array& x, const Array& weight, float eps);
 std::unique_ptr<Array> rope(const Array& x, int32_t dims, bool traditional, float base, float scale, int32_t offset);
 std::unique_ptr<Array> rope_offsets(const Array& x, int32_t dims, bool traditional, float base, float scale, const Array& offsets);
+std::unique_ptr<Array> rope_freqs(const Array& x, int32_t dims, bool traditional, float scale, int32_t offset, const Array& freqs);
+std::unique_ptr<Array> rope_offsets_freqs(const Array& x, int32_t dims, bool traditional, float scale, const Array& offsets, const Array& freqs);
 std::unique_ptr<Array> sdpa(const Array& q, const Array& k, const Array& v, float scale, rust::Str mask_mode);
 std::unique_ptr<Array> sdpa_masked(const Array& q, const Array& k, const Array& v, float scale, const Array& mask);
 // kv: each row's keys then values; n, kv_len: per row (see cpu_attention.h).

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Independent numpy forward pass for llama / qwen2 GGUF models (test oracle).
+"""Independent numpy forward pass for llama / qwen2 / qwen3 models (test oracle).
 
 Written from the architecture descriptions, not from any inference engine:
 
@@ -7,6 +7,7 @@ Written from the architecture descriptions, not from any inference engine:
     for each layer:
         h  = rmsnorm(x) * attn_norm
         q  = Wq h (+bq)   k = Wk h (+bk)   v = Wv h (+bv)        # qwen2 has biases
+        q, k = rmsnorm(q) * q_norm, rmsnorm(k) * k_norm           # qwen3, per head
         q, k = rope(q, pos), rope(k, pos)
         x += Wo · softmax(q kᵀ / sqrt(head_dim) + causal_mask) v  # grouped-query
         h  = rmsnorm(x) * ffn_norm
@@ -57,11 +58,11 @@ def _read_hparams(r: gguf.GGUFReader) -> dict:
         return f[key].contents() if key in f else default
 
     arch = get("general.architecture")
-    if arch not in ("llama", "qwen2"):
+    if arch not in ("llama", "qwen2", "qwen3"):
         raise ValueError(f"unsupported architecture {arch!r}")
     n_embd = int(get(f"{arch}.embedding_length"))
     n_head = int(get(f"{arch}.attention.head_count"))
-    head_dim = n_embd // n_head
+    head_dim = int(get(f"{arch}.attention.key_length", n_embd // n_head))
     hp = {
         "arch": arch,
         "n_layer": int(get(f"{arch}.block_count")),
@@ -106,6 +107,21 @@ def _load_weights(path: str) -> tuple[dict, dict]:
     return hp, w
 
 
+def llama3_scaled(inv_freq: np.ndarray, factor: float, low_freq_factor: float, high_freq_factor: float,
+                  original_context: float) -> np.ndarray:
+    """Llama 3's RoPE scaling of the angular frequencies: a pair whose
+    wavelength 2*pi/f exceeds original_context/low_freq_factor turns `factor`
+    times slower, one under original_context/high_freq_factor is kept, and in
+    between the two are mixed with weight
+    (original_context/wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    on the kept one."""
+    wavelength = 2.0 * np.pi / inv_freq
+    w = (original_context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    mixed = (1.0 - w) * inv_freq / factor + w * inv_freq
+    out = np.where(wavelength > original_context / low_freq_factor, inv_freq / factor, mixed)
+    return np.where(wavelength < original_context / high_freq_factor, inv_freq, out)
+
+
 class KVCache:
     """Per-layer keys/values, shape (n_head_kv, n_tokens, head_dim), grown by append."""
 
@@ -127,10 +143,12 @@ class KVCache:
 
 
 class Model:
-    def __init__(self, path: str, dtype=np.float64):
+    def __init__(self, path: str | None, dtype=np.float64, weights: tuple[dict, dict] | None = None):
+        """A GGUF file's model, or (``path=None``) ``weights = (hparams, {gguf
+        tensor name: float32 array})`` built elsewhere (synthetic models)."""
         self.path = path
         self.dtype = np.dtype(dtype)
-        hp, w32 = _load_weights(path)
+        hp, w32 = weights if weights is not None else _load_weights(path)
         self.hp = dict(hp)  # private copy: tests may flip e.g. rope_layout
         # Weights in the compute dtype (a no-op view for float32).
         self.w = {k: v.astype(self.dtype, copy=False) for k, v in w32.items()}
@@ -139,6 +157,8 @@ class Model:
         half = hp["n_rot"] // 2
         # theta_i = base^(-2i/n_rot), computed in float64.
         self.inv_freq = hp["rope_base"] ** (-np.arange(half, dtype=np.float64) * 2.0 / hp["n_rot"])
+        if hp.get("rope_scaling"):
+            self.inv_freq = llama3_scaled(self.inv_freq, **hp["rope_scaling"])
 
     # -- building blocks ------------------------------------------------------
     def rmsnorm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
@@ -193,6 +213,9 @@ class Model:
             q = self.linear(p + "attn_q", h).reshape(T, nh, hd).transpose(1, 0, 2)
             k = self.linear(p + "attn_k", h).reshape(T, nkv, hd).transpose(1, 0, 2)
             v = self.linear(p + "attn_v", h).reshape(T, nkv, hd).transpose(1, 0, 2)
+            if p + "attn_q_norm.weight" in self.w:                          # qwen3
+                q = self.rmsnorm(q, self.w[p + "attn_q_norm.weight"])
+                k = self.rmsnorm(k, self.w[p + "attn_k_norm.weight"])
             q, k = self.rope(q, pos), self.rope(k, pos)
             K, V = cache.append(L, k, v)                                    # (nkv, S, hd)
             S = K.shape[1]

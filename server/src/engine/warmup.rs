@@ -140,8 +140,10 @@ mod tests {
             context_length: 32_768,
             rms_eps: 1e-6,
             rope_theta: 1e6,
+            rope_scaling: None,
             rope_traditional: false,
             qkv_bias: true,
+            qk_norm: false,
             tied_embeddings: true,
         }
     }

@@ -5,6 +5,9 @@
 pub enum Architecture {
     Llama,
     Qwen2,
+    /// Qwen3: RMS norms on each head's queries and keys before RoPE, no
+    /// q/k/v biases, a head size of its own (not d_model / heads).
+    Qwen3,
 }
 
 impl Architecture {
@@ -12,6 +15,7 @@ impl Architecture {
         match name {
             "llama" | "LlamaForCausalLM" | "MistralForCausalLM" => Some(Architecture::Llama),
             "qwen2" | "Qwen2ForCausalLM" => Some(Architecture::Qwen2),
+            "qwen3" | "Qwen3ForCausalLM" => Some(Architecture::Qwen3),
             _ => None,
         }
     }
@@ -20,7 +24,48 @@ impl Architecture {
         match self {
             Architecture::Llama => "llama",
             Architecture::Qwen2 => "qwen2",
+            Architecture::Qwen3 => "qwen3",
         }
+    }
+
+    /// Every architecture the forward pass implements, for error messages.
+    pub const SUPPORTED: &'static str = "llama, qwen2, qwen3";
+}
+
+/// Llama 3's RoPE scaling (`rope_scaling` with `rope_type: "llama3"`): the
+/// slow-turning pairs (periods longer than the original context over
+/// `low_freq_factor`) turn `factor` times slower, the fast ones (shorter than
+/// the context over `high_freq_factor`) are kept, and those between blend
+/// the two, so a model trained on `original_context` positions reaches
+/// `factor` times as far.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Llama3RopeScaling {
+    pub factor: f64,
+    pub low_freq_factor: f64,
+    pub high_freq_factor: f64,
+    pub original_context: f64,
+}
+
+impl Llama3RopeScaling {
+    /// Each pair's rotation period (position / period = angle) for a head of
+    /// `dims` rotated dimensions: `base^(2i / dims)`, scaled as above.
+    pub fn periods(&self, base: f64, dims: usize) -> Vec<f32> {
+        let (low_wavelength, high_wavelength) = (self.original_context / self.low_freq_factor, self.original_context / self.high_freq_factor);
+        (0..dims / 2)
+            .map(|i| {
+                let inv = base.powf(-2.0 * i as f64 / dims as f64);
+                let wavelength = 2.0 * std::f64::consts::PI / inv;
+                let scaled = if wavelength < high_wavelength {
+                    inv
+                } else if wavelength > low_wavelength {
+                    inv / self.factor
+                } else {
+                    let smooth = (self.original_context / wavelength - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor);
+                    (1.0 - smooth) * inv / self.factor + smooth * inv
+                };
+                (1.0 / scaled) as f32
+            })
+            .collect()
     }
 }
 
@@ -37,12 +82,16 @@ pub struct ModelConfig {
     pub context_length: usize,
     pub rms_eps: f32,
     pub rope_theta: f32,
+    /// Llama 3.x's RoPE scaling, when the checkpoint asks for it.
+    pub rope_scaling: Option<Llama3RopeScaling>,
     /// Rotate adjacent pairs (2i, 2i+1) rather than the two halves of a head.
     /// llama-arch GGUF files store Q/K rows permuted for this layout; HF
     /// checkpoints of the same models use the split-half layout.
     pub rope_traditional: bool,
     /// q/k/v projections carry biases (Qwen2).
     pub qkv_bias: bool,
+    /// Each head's queries and keys are RMS-normed before RoPE (Qwen3).
+    pub qk_norm: bool,
     /// The output projection reuses the token embedding matrix.
     pub tied_embeddings: bool,
 }

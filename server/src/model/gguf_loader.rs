@@ -1,10 +1,10 @@
-//! Builds a [`Transformer`] from a GGUF file (llama and qwen2 architectures).
+//! Builds a [`Transformer`] from a GGUF file (llama, qwen2 and qwen3 architectures).
 use gguf::{GgufFile, TensorInfo};
 use mlx::Dtype;
 
 use super::config::{Architecture, ModelConfig};
 use super::linear::{Linear, Weight};
-use super::transformer::{Layer, Transformer};
+use super::transformer::{Layer, QkNorm, Transformer};
 use super::weights::{affine_to_mlx, dense, WeightFormat};
 use super::LoadError;
 
@@ -33,10 +33,14 @@ pub fn read_config(file: &GgufFile) -> Result<ModelConfig, LoadError> {
         context_length: int("context_length")?,
         rms_eps: file.get_f32(&key("attention.layer_norm_rms_epsilon")).unwrap_or(1e-6),
         rope_theta: file.get_f32(&key("rope.freq_base")).unwrap_or(10000.0),
+        // Llama 3.x GGUFs carry their scaling as per-pair factors instead
+        // (`rope_freqs.weight`, read by `load`).
+        rope_scaling: None,
         // llama.cpp's converter permutes llama Q/K rows for adjacent-pair RoPE;
         // qwen2 keeps the split-half (NeoX) layout.
         rope_traditional: arch == Architecture::Llama,
         qkv_bias: file.tensor("blk.0.attn_q.bias").is_some(),
+        qk_norm: file.tensor("blk.0.attn_q_norm.weight").is_some(),
         tied_embeddings: file.tensor("output.weight").is_none(),
     };
     config.validate().map_err(LoadError::Invalid)?;
@@ -107,7 +111,12 @@ pub fn load(file: &GgufFile, dtype: Dtype, format: WeightFormat) -> Result<Trans
         let v = loader.linear(&format!("{p}.attn_v"), c.n_kv_heads * hd, d)?;
         let gate = loader.linear(&format!("{p}.ffn_gate"), ff, d)?;
         let up = loader.linear(&format!("{p}.ffn_up"), ff, d)?;
+        let qk_norm = match c.qk_norm {
+            true => Some(QkNorm { q: loader.dense(&format!("{p}.attn_q_norm.weight"), &[hd])?, k: loader.dense(&format!("{p}.attn_k_norm.weight"), &[hd])? }),
+            false => None,
+        };
         layers.push(Layer {
+            qk_norm,
             attn_norm: loader.dense(&format!("{p}.attn_norm.weight"), &[d])?,
             qkv: fuse_or_dense(&loader, [q, k, v], &[&format!("{p}.attn_q"), &format!("{p}.attn_k"), &format!("{p}.attn_v")])?,
             attn_out: loader.linear(&format!("{p}.attn_output"), d, c.n_heads * hd)?,
@@ -131,7 +140,18 @@ pub fn load(file: &GgufFile, dtype: Dtype, format: WeightFormat) -> Result<Trans
     } else {
         loader.linear("output", c.vocab_size, d)?
     };
-    let t = Transformer { config, dtype, embedding, layers, final_norm, lm_head };
+    // Llama 3.x: each pair's period is the base one times its factor.
+    let rope_periods = match file.tensor("rope_freqs.weight") {
+        Some(t) => {
+            check_shape(t, &[hd / 2])?;
+            let factors = file.dequantize_f32(t)?;
+            let periods: Vec<f32> =
+                factors.iter().enumerate().map(|(i, f)| ((c.rope_theta as f64).powf(2.0 * i as f64 / hd as f64) * *f as f64) as f32).collect();
+            Some(mlx::Array::from_f32(&periods, &[hd / 2])?)
+        }
+        None => None,
+    };
+    let t = Transformer { config, dtype, embedding, layers, final_norm, lm_head, rope_periods };
     mlx::eval(&[&t.embedding, &t.final_norm])?;
     Ok(t)
 }

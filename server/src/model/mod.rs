@@ -28,7 +28,7 @@ pub enum LoadError {
     Io(String, #[source] std::io::Error),
     #[error(transparent)]
     Gguf(#[from] gguf::GgufError),
-    #[error("unsupported architecture {0:?} (supported: llama, qwen2)")]
+    #[error("unsupported architecture {0:?} (supported: {supported})", supported = config::Architecture::SUPPORTED)]
     UnsupportedArchitecture(String),
     #[error("model is missing tensor {0}")]
     MissingTensor(String),

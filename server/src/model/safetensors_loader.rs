@@ -8,9 +8,9 @@ use std::path::Path;
 use mlx::{Array, Dtype, QuantizedWeights};
 use serde_json::Value;
 
-use super::config::{Architecture, ModelConfig};
+use super::config::{Architecture, Llama3RopeScaling, ModelConfig};
 use super::linear::{Linear, Weight};
-use super::transformer::{Layer, Transformer};
+use super::transformer::{Layer, QkNorm, Transformer};
 use super::LoadError;
 
 pub fn read_config(dir: &Path) -> Result<(ModelConfig, Option<(i32, i32)>), LoadError> {
@@ -34,13 +34,39 @@ pub fn read_config(dir: &Path) -> Result<(ModelConfig, Option<(i32, i32)>), Load
         context_length: int("max_position_embeddings").unwrap_or(4096),
         rms_eps: v["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32,
         rope_theta: v["rope_theta"].as_f64().unwrap_or(10000.0) as f32,
+        rope_scaling: rope_scaling(&v["rope_scaling"])?,
         rope_traditional: false,
         qkv_bias: arch == Architecture::Qwen2,
+        qk_norm: arch == Architecture::Qwen3,
         tied_embeddings: v["tie_word_embeddings"].as_bool().unwrap_or(false),
     };
     config.validate().map_err(LoadError::Invalid)?;
     let quant = v.get("quantization").map(|q| (q["group_size"].as_i64().unwrap_or(64) as i32, q["bits"].as_i64().unwrap_or(4) as i32));
     Ok((config, quant))
+}
+
+/// `rope_scaling` of config.json: none, or Llama 3's; other kinds are refused
+/// rather than run unscaled (which would be silently wrong).
+fn rope_scaling(v: &Value) -> Result<Option<Llama3RopeScaling>, LoadError> {
+    if v.is_null() {
+        return Ok(None);
+    }
+    let kind = v["rope_type"].as_str().or_else(|| v["type"].as_str()).unwrap_or("");
+    match kind {
+        "default" => Ok(None),
+        "llama3" => {
+            let num = |k: &str, default: Option<f64>| {
+                v[k].as_f64().or(default).ok_or_else(|| LoadError::Invalid(format!("config.json: rope_scaling.{k} is missing")))
+            };
+            Ok(Some(Llama3RopeScaling {
+                factor: num("factor", None)?,
+                low_freq_factor: num("low_freq_factor", Some(1.0))?,
+                high_freq_factor: num("high_freq_factor", Some(4.0))?,
+                original_context: num("original_max_position_embeddings", Some(8192.0))?,
+            }))
+        }
+        other => Err(LoadError::Invalid(format!("config.json: rope_scaling type {other:?} is not supported (supported: llama3)"))),
+    }
 }
 
 struct Tensors {
@@ -110,7 +136,12 @@ pub fn load(dir: &Path, dtype: Dtype) -> Result<Transformer, LoadError> {
         let p = format!("model.layers.{i}");
         let qkv = [t.linear(&format!("{p}.self_attn.q_proj"))?, t.linear(&format!("{p}.self_attn.k_proj"))?, t.linear(&format!("{p}.self_attn.v_proj"))?];
         let gate_up = [t.linear(&format!("{p}.mlp.gate_proj"))?, t.linear(&format!("{p}.mlp.up_proj"))?];
+        let qk_norm = match config.qk_norm {
+            true => Some(QkNorm { q: t.float(&format!("{p}.self_attn.q_norm.weight"))?, k: t.float(&format!("{p}.self_attn.k_norm.weight"))? }),
+            false => None,
+        };
         layers.push(Layer {
+            qk_norm,
             attn_norm: t.float(&format!("{p}.input_layernorm.weight"))?,
             qkv: Linear::fuse(&qkv)?,
             attn_out: t.linear(&format!("{p}.self_attn.o_proj"))?,
@@ -132,5 +163,9 @@ pub fn load(dir: &Path, dtype: Dtype) -> Result<Transformer, LoadError> {
     if embedding.dim(0) != config.vocab_size {
         return Err(LoadError::Invalid(format!("embedding has {} rows, config says vocab {}", embedding.dim(0), config.vocab_size)));
     }
-    Ok(Transformer { config, dtype, embedding, layers, final_norm, lm_head })
+    let rope_periods = match config.rope_scaling {
+        Some(s) => Some(Array::from_f32(&s.periods(config.rope_theta as f64, config.head_dim), &[config.head_dim / 2])?),
+        None => None,
+    };
+    Ok(Transformer { config, dtype, embedding, layers, final_norm, lm_head, rope_periods })
 }

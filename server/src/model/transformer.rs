@@ -1,5 +1,6 @@
-//! The decoder forward pass shared by llama and qwen2: RMSNorm, grouped-query
-//! attention with RoPE and a preallocated KV cache, SwiGLU feed-forward.
+//! The decoder forward pass shared by llama, qwen2 and qwen3: RMSNorm,
+//! grouped-query attention with RoPE (after per-head query/key norms on
+//! qwen3) and a preallocated KV cache, SwiGLU feed-forward.
 use std::sync::OnceLock;
 
 use mlx::fast::{self, AttentionRow, KeyLayout, Mask};
@@ -11,8 +12,16 @@ use super::kv_batch::KvBatch;
 use super::kv_cache::KvCache;
 use super::linear::{Linear, Weight};
 
+/// The RMS-norm weights (`[head_dim]`) of each head's queries and keys (Qwen3).
+pub struct QkNorm {
+    pub q: Array,
+    pub k: Array,
+}
+
 pub struct Layer {
     pub attn_norm: Array,
+    /// Applied to the projected queries and keys, head by head, before RoPE.
+    pub qk_norm: Option<QkNorm>,
     /// q, k and v stacked along the output axis: one matmul per layer.
     pub qkv: Linear,
     pub attn_out: Linear,
@@ -25,7 +34,8 @@ pub struct Layer {
 impl Layer {
     /// Bytes held by this layer's weights.
     pub fn nbytes(&self) -> usize {
-        self.attn_norm.nbytes() + self.qkv.nbytes() + self.attn_out.nbytes() + self.ffn_norm.nbytes() + self.gate_up.nbytes() + self.down.nbytes()
+        let qk = self.qk_norm.as_ref().map_or(0, |n| n.q.nbytes() + n.k.nbytes());
+        qk + self.attn_norm.nbytes() + self.qkv.nbytes() + self.attn_out.nbytes() + self.ffn_norm.nbytes() + self.gate_up.nbytes() + self.down.nbytes()
     }
 }
 
@@ -39,6 +49,9 @@ pub struct Transformer {
     pub final_norm: Array,
     /// The LM head; for tied embeddings it shares the embedding's buffer.
     pub lm_head: Linear,
+    /// Each RoPE pair's period (`[head_dim / 2]`) when the model scales its
+    /// RoPE (Llama 3.x); `None`: plain RoPE from `config.rope_theta`.
+    pub rope_periods: Option<Array>,
 }
 
 impl Transformer {
@@ -174,6 +187,10 @@ impl Transformer {
         for (li, layer) in self.layers.iter().enumerate() {
             let x = fast::rms_norm(&h, &layer.attn_norm, c.rms_eps)?;
             let qkv = layer.qkv.forward(&x)?; // [1, T, (hq + 2 hkv) hd]
+            let qkv = match &layer.qk_norm {
+                Some(norm) => self.norm_queries_and_keys(&qkv, norm, total)?,
+                None => qkv,
+            };
             let mut parts: Vec<Array> = Vec::with_capacity(rows.len() + 1);
             if let (Some(b), Some(step)) = (&mut batched, &batch_step) {
                 let mine = qkv.slice(&[0, 0, 0], &[1, batch_tokens, (hq + 2 * hkv) * hd])?;
@@ -264,7 +281,7 @@ impl Transformer {
         let heads = |start: i32, count: i32| -> mlx::Result<Array> {
             qkv.slice(&[0, 0, start * hd], &[1, n, (start + count) * hd])?.reshape(&[1, n, count, hd])?.transpose(&[0, 2, 1, 3])
         };
-        let rope = |a: &Array| fast::rope(a, hd, c.rope_traditional, c.rope_theta, 1.0, offset as i32);
+        let rope = |a: &Array| self.rope(a, offset as i32);
         let q = rope(&heads(0, hq)?)?;
         let k = rope(&heads(hq, hkv)?)?;
         let v = heads(hq + hkv, hkv)?;
@@ -306,7 +323,7 @@ impl Transformer {
         let (slots, n) = (step.slots as i32, step.n as i32);
         let x = qkv.reshape(&[slots, n, hq + 2 * hkv, hd])?;
         let heads = |from: i32, to: i32| x.slice(&[0, 0, from, 0], &[slots, n, to, hd])?.transpose(&[0, 2, 1, 3]);
-        let rope = |a: &Array| fast::rope_offsets(a, hd, c.rope_traditional, c.rope_theta, 1.0, &step.offsets);
+        let rope = |a: &Array| self.rope_at(a, &step.offsets);
         let q = rope(&heads(0, hq)?)?;
         let k = rope(&heads(hq, hq + hkv)?)?;
         let v = heads(hq + hkv, hq + 2 * hkv)?;
@@ -318,6 +335,38 @@ impl Transformer {
 }
 
 impl Transformer {
+    /// RoPE over whole heads from position `offset` on.
+    fn rope(&self, a: &Array, offset: i32) -> mlx::Result<Array> {
+        let c = &self.config;
+        match &self.rope_periods {
+            Some(periods) => fast::rope_freqs(a, c.head_dim as i32, c.rope_traditional, 1.0, offset, periods),
+            None => fast::rope(a, c.head_dim as i32, c.rope_traditional, c.rope_theta, 1.0, offset),
+        }
+    }
+
+    /// RoPE with one starting position per row of `a` (`offsets`: int32).
+    fn rope_at(&self, a: &Array, offsets: &Array) -> mlx::Result<Array> {
+        let c = &self.config;
+        match &self.rope_periods {
+            Some(periods) => fast::rope_offsets_freqs(a, c.head_dim as i32, c.rope_traditional, 1.0, offsets, periods),
+            None => fast::rope_offsets(a, c.head_dim as i32, c.rope_traditional, c.rope_theta, 1.0, offsets),
+        }
+    }
+
+    /// Qwen3's per-head RMS norms on the fused projection's output
+    /// `[1, total, (hq + 2 hkv) hd]`: queries with `norm.q`, keys with
+    /// `norm.k`, values untouched. Done once here, before the rows split into
+    /// the attention paths, so every path sees normed queries and keys.
+    fn norm_queries_and_keys(&self, qkv: &Array, norm: &QkNorm, total: i32) -> mlx::Result<Array> {
+        let c = &self.config;
+        let (hq, hkv, hd) = (c.n_heads as i32, c.n_kv_heads as i32, c.head_dim as i32);
+        let heads = qkv.reshape(&[1, total, hq + 2 * hkv, hd])?;
+        let q = fast::rms_norm(&heads.slice(&[0, 0, 0, 0], &[1, total, hq, hd])?, &norm.q, c.rms_eps)?;
+        let k = fast::rms_norm(&heads.slice(&[0, 0, hq, 0], &[1, total, hq + hkv, hd])?, &norm.k, c.rms_eps)?;
+        let v = heads.slice(&[0, 0, hq + hkv, 0], &[1, total, hq + 2 * hkv, hd])?;
+        mlx::concatenate(&[&q, &k, &v], 2)?.reshape(&[1, total, (hq + 2 * hkv) * hd])
+    }
+
     /// `silu(gate) * up` of the fused gate/up projection's output
     /// `[1, total, 2 d_ff]`: one vectorised pass on the CPU in float32 (the
     /// same switch as the fused attention), MLX's ops elsewhere.
@@ -349,7 +398,7 @@ impl Transformer {
         let (hq, hkv, hd) = (c.n_heads as i32, c.n_kv_heads as i32, c.head_dim as i32);
         let total = positions.dim(0) as i32;
         let qk = qkv.slice(&[0, 0, 0], &[1, total, (hq + hkv) * hd])?.reshape(&[total, hq + hkv, 1, hd])?;
-        let qk = fast::rope_offsets(&qk, hd, c.rope_traditional, c.rope_theta, 1.0, positions)?;
+        let qk = self.rope_at(&qk, positions)?;
         let q = qk.slice(&[0, 0, 0, 0], &[total, hq, 1, hd])?;
         let k = qk.slice(&[0, hq, 0, 0], &[total, hq + hkv, 1, hd])?;
         let v = qkv.slice(&[0, 0, (hq + hkv) * hd], &[1, total, (hq + 2 * hkv) * hd])?;
