@@ -119,39 +119,50 @@ def weights(spec: dict) -> dict:
     return w
 
 
+def fixture(name: str, spec: dict, layout: str) -> dict:
+    """Expected outputs of `spec` with RoPE over `layout` pairs: "neox" (split
+    halves: Hugging Face checkpoints, qwen GGUFs) or "interleaved" (llama
+    GGUFs, whose converter permuted the q/k rows)."""
+    hp = {
+        "arch": spec["arch"], "n_layer": spec["n_layer"], "n_embd": spec["n_embd"], "n_ff": spec["n_ff"],
+        "n_head": spec["n_head"], "n_head_kv": spec["n_head_kv"], "head_dim": spec["head_dim"],
+        "n_rot": spec["head_dim"], "rope_base": spec["rope_base"], "rms_eps": spec["rms_eps"],
+        "n_ctx_train": 4096, "rope_layout": layout, "tied_embeddings": False,
+        "rope_scaling": spec.get("rope_scaling"),
+    }
+    model = forward.Model(None, weights=(hp, weights(spec)))
+    gen, first, steps = model.greedy(spec["prompt_ids"], N_NEW)
+    out = {
+        "generator": "tests/reference/make_synthetic_fixtures.py (numpy forward.py, float64 arithmetic)",
+        "model": {k: v for k, v in spec.items() if k != "prompt_ids"},
+        "rope_layout": layout,
+        "prompt_ids": spec["prompt_ids"],
+        "last_logits": [float(np.float32(x)) for x in first],
+        "greedy_ids": gen,
+        "min_margin": min(s["margin"] for s in steps),
+    }
+    if hp["rope_scaling"]:
+        # The scaling must matter here, or the test could not fail without it.
+        plain = forward.Model(None, weights=(dict(hp, rope_scaling=None), weights(spec)))
+        unscaled = plain.forward(spec["prompt_ids"], plain.new_cache())
+        change = float(np.linalg.norm(unscaled - first) / np.linalg.norm(first))
+        assert change > 1e-2, f"{name}: rope scaling changes the logits by only {change:.2e}"
+        print(f"{name}: without the scaling the logits move by {change:.2e} (relative)", file=sys.stderr)
+        # What a GGUF stores instead (`rope_freqs.weight`): each pair's period factor.
+        out["rope_factors"] = [float(x) for x in (plain.inv_freq / model.inv_freq).astype(np.float32)]
+    return out
+
+
 def main() -> None:
     os.makedirs(FIXTURES, exist_ok=True)
-    for name, spec in MODELS.items():
-        hp = {
-            "arch": spec["arch"], "n_layer": spec["n_layer"], "n_embd": spec["n_embd"], "n_ff": spec["n_ff"],
-            "n_head": spec["n_head"], "n_head_kv": spec["n_head_kv"], "head_dim": spec["head_dim"],
-            "n_rot": spec["head_dim"], "rope_base": spec["rope_base"], "rms_eps": spec["rms_eps"],
-            # Hugging Face checkpoints rotate split halves, whatever the architecture.
-            "n_ctx_train": 4096, "rope_layout": "neox", "tied_embeddings": False,
-            "rope_scaling": spec.get("rope_scaling"),
-        }
-        model = forward.Model(None, weights=(hp, weights(spec)))
-        gen, first, steps = model.greedy(spec["prompt_ids"], N_NEW)
-        if hp["rope_scaling"]:
-            # The scaling must matter here, or the test could not fail without it.
-            plain = forward.Model(None, weights=(dict(hp, rope_scaling=None), weights(spec)))
-            unscaled = plain.forward(spec["prompt_ids"], plain.new_cache())
-            change = float(np.linalg.norm(unscaled - first) / np.linalg.norm(first))
-            assert change > 1e-2, f"{name}: rope scaling changes the logits by only {change:.2e}"
-            print(f"{name}: without the scaling the logits move by {change:.2e} (relative)", file=sys.stderr)
-        out = {
-            "generator": "tests/reference/make_synthetic_fixtures.py (numpy forward.py, float64 arithmetic)",
-            "model": {k: v for k, v in spec.items() if k != "prompt_ids"},
-            "prompt_ids": spec["prompt_ids"],
-            "last_logits": [float(np.float32(x)) for x in first],
-            "greedy_ids": gen,
-            "min_margin": min(s["margin"] for s in steps),
-        }
+    runs = [("qwen3", "qwen3", "neox"), ("llama3", "llama3", "neox"), ("llama3-gguf", "llama3", "interleaved")]
+    for name, model, layout in runs:
+        out = fixture(name, MODELS[model], layout)
         path = os.path.join(FIXTURES, f"{name}.json")
         with open(path, "w") as f:
             json.dump(out, f, indent=1)
             f.write("\n")
-        print(f"{name}: greedy {gen}, min margin {out['min_margin']:.3f} -> {path}", file=sys.stderr)
+        print(f"{name}: greedy {out['greedy_ids']}, min margin {out['min_margin']:.3f} -> {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":
