@@ -362,106 +362,25 @@ class TetherClient:
             await self.ws.close()
 
 
-class OpenAIClient:
-    """One HTTP stream at a time against an OpenAI-compatible /v1/completions
-    (mlx_lm.server, or Tether's own HTTP edge when `model` is given)."""
+class SseClient:
+    """One HTTP stream at a time: POST a JSON body, read `data:` lines until
+    the subclass's `event` says the stream is over. Closing the response
+    cancels the request (both servers stop a request whose socket breaks)."""
 
-    def __init__(self, http, base, eos, bias_eos=True, model=None):
+    url = None
+
+    def __init__(self, http):
         self.http = http
-        self.url = base.rstrip("/") + "/v1/completions"
-        self.bias = {str(i): -100 for i in eos} if bias_eos and eos else None
-        self.model = model
 
     async def open(self):
         pass
-
-    async def stream(self, st, prompt, max_tokens, stop=None, chunk_size=None):
-        body = {
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        if self.model:
-            body["model"] = self.model
-        if self.bias:
-            body["logit_bias"] = self.bias
-        st.t_submit = time.perf_counter()
-        resp = await self.http.post(self.url, json=body)
-        closer = None
-        if stop is not None:
-
-            async def close_on_stop():
-                await stop.wait()
-                st.finish = st.finish or "cancelled"
-                resp.close()  # mlx-lm stops the request when its socket breaks
-
-            closer = asyncio.ensure_future(close_on_stop())
-        try:
-            if resp.status != 200:
-                st.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                return st
-            async for raw in resp.content:
-                now = time.perf_counter()
-                line = raw.decode().strip()
-                if not line.startswith("data:"):
-                    continue  # blank lines and ": keepalive" comments during prefill
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    st.t_end = now
-                    break
-                msg = json.loads(data)
-                for ch in msg.get("choices") or []:
-                    if ch.get("text"):
-                        st.arrivals.append((now, 1))
-                        st.text.append(ch["text"])
-                    if ch.get("finish_reason"):
-                        st.finish = ch["finish_reason"]
-                if msg.get("usage"):
-                    st.completion_tokens = msg["usage"].get("completion_tokens")
-                    st.prompt_tokens = msg["usage"].get("prompt_tokens")
-                    st.cached_tokens = (msg["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
-        except Exception as e:  # the stream closed on purpose, or failed
-            if not (stop is not None and stop.is_set()):
-                st.error = f"{type(e).__name__}: {e}"
-        finally:
-            if closer is not None:
-                closer.cancel()
-            resp.release()
-        return st
 
     async def close(self):
         pass
 
-
-def is_ws(engine):
-    """Tether over its own protocol (this build or the previous one)."""
-    return engine in ("tether", "tether-prev")
-
-
-def served_model(url):
-    """The one model an OpenAI-compatible server lists."""
-    import urllib.request
-
-    with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=30) as r:
-        return json.load(r)["data"][0]["id"]
-
-
-class LlamaCppClient:
-    """One HTTP stream at a time against a llama.cpp-style POST /completion."""
-
-    def __init__(self, http, base):
-        self.http = http
-        self.url = base.rstrip("/") + "/completion"
-
-    async def open(self):
-        pass
-
     async def stream(self, st, prompt, max_tokens, stop=None, chunk_size=None):
-        body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "stream": True}
         st.t_submit = time.perf_counter()
-        resp = await self.http.post(self.url, json=body)
+        resp = await self.http.post(self.url, json=self.body(prompt, max_tokens))
         closer = None
         if stop is not None:
 
@@ -479,20 +398,11 @@ class LlamaCppClient:
                 now = time.perf_counter()
                 line = raw.decode().strip()
                 if not line.startswith("data:"):
-                    continue
-                msg = json.loads(line[5:].strip())
-                if msg.get("content"):
-                    st.arrivals.append((now, 1))
-                    st.text.append(msg["content"])
-                if msg.get("stop"):
+                    continue  # blank lines and ": keepalive" comments during prefill
+                if self.event(st, line[5:].strip(), now):
                     st.t_end = now
-                    st.finish = msg.get("stop_type")
-                    timings = msg.get("timings") or {}
-                    st.completion_tokens = timings.get("predicted_n")
-                    st.prompt_tokens = msg.get("tokens_evaluated")
-                    st.cached_tokens = timings.get("cache_n")
                     break
-        except Exception as e:
+        except Exception as e:  # the stream closed on purpose, or failed
             if not (stop is not None and stop.is_set()):
                 st.error = f"{type(e).__name__}: {e}"
         finally:
@@ -501,8 +411,78 @@ class LlamaCppClient:
             resp.release()
         return st
 
-    async def close(self):
-        pass
+
+class OpenAIClient(SseClient):
+    """An OpenAI-compatible /v1/completions (mlx_lm.server, or Tether's own
+    HTTP edge when `model` is given)."""
+
+    def __init__(self, http, base, eos, bias_eos=True, model=None):
+        super().__init__(http)
+        self.url = base.rstrip("/") + "/v1/completions"
+        self.bias = {str(i): -100 for i in eos} if bias_eos and eos else None
+        self.model = model
+
+    def body(self, prompt, max_tokens):
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        if self.model:
+            body["model"] = self.model
+        if self.bias:
+            body["logit_bias"] = self.bias
+        return body
+
+    def event(self, st, data, now):
+        if data == "[DONE]":
+            return True
+        msg = json.loads(data)
+        for ch in msg.get("choices") or []:
+            if ch.get("text"):
+                st.arrivals.append((now, 1))
+                st.text.append(ch["text"])
+            if ch.get("finish_reason"):
+                st.finish = ch["finish_reason"]
+        if msg.get("usage"):
+            st.completion_tokens = msg["usage"].get("completion_tokens")
+            st.prompt_tokens = msg["usage"].get("prompt_tokens")
+            st.cached_tokens = (msg["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+        return False
+
+
+class LlamaCppClient(SseClient):
+    """A llama.cpp-style POST /completion (Tether's editor edge)."""
+
+    def __init__(self, http, base):
+        super().__init__(http)
+        self.url = base.rstrip("/") + "/completion"
+
+    def body(self, prompt, max_tokens):
+        return {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "stream": True}
+
+    def event(self, st, data, now):
+        msg = json.loads(data)
+        if msg.get("content"):
+            st.arrivals.append((now, 1))
+            st.text.append(msg["content"])
+        if not msg.get("stop"):
+            return False
+        st.finish = msg.get("stop_type")
+        timings = msg.get("timings") or {}
+        st.completion_tokens = timings.get("predicted_n")
+        st.prompt_tokens = msg.get("tokens_evaluated")
+        st.cached_tokens = timings.get("cache_n")
+        return True
+
+
+def is_ws(engine):
+    """Tether over its own protocol (this build or the previous one)."""
+    return engine in ("tether", "tether-prev")
+
+
+def served_model(url):
+    """The one model an OpenAI-compatible server lists."""
+    import urllib.request
+
+    with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=30) as r:
+        return json.load(r)["data"][0]["id"]
 
 
 class Bench:
