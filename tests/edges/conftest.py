@@ -98,7 +98,8 @@ def coder():
 
 @pytest.fixture(scope="session")
 def throttled():
-    """A server that takes 2 requests per second per key (burst 4)."""
-    s = Server("smollm2-135m", "--rate-limit", "2")
+    """A server that takes one request per 10 s per key (burst 1): a second
+    request within the test's few seconds is always over the limit."""
+    s = Server("smollm2-135m", "--rate-limit", "0.1")
     yield s
     s.stop()
