@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything the tests need and runs all of them:
 # formatting and lints (rustfmt, clippy with warnings as errors), MLX +
-# OpenBLAS (scripts/setup.sh), the two real test models (fetched and
+# OpenBLAS (scripts/setup.sh), the three real test models (fetched and
 # hash-checked into ~/.cache/tether/models), then the Rust workspace tests,
 # then the edges (OpenAI HTTP, the Responses API, llama.cpp's endpoints)
 # through their real clients, the TypeScript client's and the browser
@@ -17,7 +17,7 @@ scripts/setup.sh
 # with the release build below instead of compiled twice.
 cargo clippy --release --locked --workspace --all-targets -- -D warnings
 cargo build --release --locked -p tether
-for model in smollm2-135m qwen2.5-coder-0.5b; do
+for model in smollm2-135m qwen2.5-coder-0.5b gemma3-270m; do
   "$TETHER_BIN" fetch-model "$model" >/dev/null
 done
 # The same models as HF safetensors folders (+ the mlx-lm peer that makes the

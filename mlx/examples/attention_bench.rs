@@ -63,8 +63,8 @@ fn compare(label: &str, heads: usize, kv_heads: usize, dim: usize, rows: &[(usiz
     // (The timing does not depend on the keys' values, so the same random
     // buffers serve as keys in either layout.)
     let fused = |keys: KeyLayout| {
-        let r: Vec<AttentionRow> = rows.iter().zip(&caches).map(|(&(n, kv_len), (k, v))| AttentionRow { keys: k, values: v, n, kv_len }).collect();
-        fast::cpu_attention(&q, &r, keys).unwrap()
+        let r: Vec<AttentionRow> = rows.iter().zip(&caches).map(|(&(n, kv_len), (k, v))| AttentionRow { keys: k, values: v, n, kv_len, first: 0 }).collect();
+        fast::cpu_attention(&q, &r, keys, None).unwrap()
     };
     let mut by_positions = || fused(KeyLayout::Positions);
     let mut in_blocks = || fused(KeyLayout::Blocks);

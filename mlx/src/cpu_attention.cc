@@ -28,10 +28,12 @@
 // over by donation) in eval_cpu and filled by the dispatched task, which
 // holds copies of the input arrays so their buffers outlive it. Every
 // pointer a task forms stays inside its array: rows tile the T tokens, and
-// a row reads cache positions below kv_len <= capacity (keys stored in
-// blocks: whole blocks, so below kv_len rounded up to a block, which is
+// a row reads cache indices below kv_len - first <= capacity (keys stored in
+// blocks: whole blocks, so below that rounded up to a block, which is
 // still <= capacity, a multiple of the block, checked when the primitive is
-// built) and writes positions below pos + n <= capacity.
+// built) and writes positions below pos + n <= capacity. With a window, a
+// query's lowest visible index is >= 0 (checked when built), so blocks
+// before it are skipped, never read out of range.
 #include "tether-mlx/src/cpu_attention.h"
 
 #include <algorithm>
@@ -94,7 +96,7 @@ CacheView cache_view(const mx::array& a) {
 
 struct RowKV {
   CacheView k, v;
-  int start, n, kv_len;
+  int start, n, kv_len, first;
 };
 
 struct Attention {
@@ -103,6 +105,7 @@ struct Attention {
   float* out;  // [T, n_heads * dim], row-contiguous
   int n_heads, kv_heads, dim;
   float scale;
+  int window;           // keys a query sees, itself included; 0: all before it
   bool keys_in_blocks;  // every row's keys are row-contiguous and stored in blocks
 };
 
@@ -112,11 +115,11 @@ struct BlockOps {
   void (*pack_keys)(const CacheView& k, int j0, int kb, int dim, float* kt);
   // s[m * kKeyBlock + j] = q[m] . key j, for m < rows and all kKeyBlock columns.
   void (*scores)(const float* q, int rows, int dim, const float* kt, float* s);
-  // Online-softmax step for one query over one block whose first `lim` scores
+  // Online-softmax step for one query over one block whose scores lo .. lim - 1
   // are visible: turns s into probabilities relative to the updated running
-  // max (zero past lim), updates *max and *sum, and returns the factor by
-  // which the query's earlier output must be rescaled.
-  float (*softmax_row)(float* s, int lim, float* max, float* sum);
+  // max (zero outside lo .. lim - 1), updates *max and *sum, and returns the
+  // factor by which the query's earlier output must be rescaled.
+  float (*softmax_row)(float* s, int lo, int lim, float* max, float* sum);
   // o[m] = alpha[m] * o[m] + sum_{j < kb} p[m][j] * v[j], v rows v_pos apart.
   void (*accumulate)(const float* p, int rows, int kb, const float* v, int64_t v_pos, int dim, const float* alpha, float* o);
 };
@@ -143,16 +146,17 @@ void scores_scalar(const float* q, int rows, int dim, const float* kt, float* s)
   }
 }
 
-float softmax_row_scalar(float* s, int lim, float* max, float* sum) {
-  if (lim <= 0) {
+float softmax_row_scalar(float* s, int lo, int lim, float* max, float* sum) {
+  if (lim <= lo) {
     std::fill(s, s + kKeyBlock, 0.f);
     return 1.f;
   }
-  const float block_max = *std::max_element(s, s + lim);
+  const float block_max = *std::max_element(s + lo, s + lim);
   const float m = std::max(*max, block_max);
   const float alpha = std::exp(*max - m);  // 0 on a query's first block (max = -inf)
   float total = 0.f;
-  for (int j = 0; j < lim; ++j) total += s[j] = std::exp(s[j] - m);
+  for (int j = lo; j < lim; ++j) total += s[j] = std::exp(s[j] - m);
+  std::fill(s, s + lo, 0.f);
   std::fill(s + lim, s + kKeyBlock, 0.f);
   *sum = *sum * alpha + total;
   *max = m;
@@ -264,8 +268,8 @@ void scores_avx512(const float* q, int rows, int dim, const float* kt, float* s)
 }
 
 __attribute__((target("avx512f")))
-float softmax_row_avx512(float* s, int lim, float* max, float* sum) {
-  if (lim <= 0) {
+float softmax_row_avx512(float* s, int lo, int lim, float* max, float* sum) {
+  if (lim <= lo) {
 #pragma GCC unroll 16
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + 16 * c, _mm512_setzero_ps());
     return 1.f;
@@ -275,8 +279,12 @@ float softmax_row_avx512(float* s, int lim, float* max, float* sum) {
   __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
 #pragma GCC unroll 16
   for (int c = 0; c < 4; ++c) {
-    const int left = lim - 16 * c;
-    visible[c] = left >= 16 ? 0xFFFF : left > 0 ? static_cast<__mmask16>((1u << left) - 1) : 0;
+    // Columns below k of this vector, for k = lim (seen) and k = lo (not).
+    auto below = [c](int k) -> __mmask16 {
+      const int left = k - 16 * c;
+      return left >= 16 ? 0xFFFF : left > 0 ? static_cast<__mmask16>((1u << left) - 1) : 0;
+    };
+    visible[c] = below(lim) & static_cast<__mmask16>(~below(lo));
     v[c] = _mm512_loadu_ps(s + 16 * c);
     best = _mm512_mask_max_ps(best, visible[c], best, v[c]);
   }
@@ -391,7 +399,7 @@ void attend_item(const Attention& a, const BlockOps& ops, const Item& it) {
   const RowKV& row = a.rows[it.row];
   const int group = a.n_heads / a.kv_heads, dim = a.dim;
   const int rows = (it.q1 - it.q0) * group;  // query vector m is token q0 + m / group, head m % group of the group
-  const int offset = row.kv_len - row.n;     // cache position of the row's first query
+  const int offset = row.kv_len - row.n;     // position of the row's first query
   Scratch& s = scratch();
   s.fit(rows, dim);
 
@@ -408,9 +416,12 @@ void attend_item(const Attention& a, const BlockOps& ops, const Item& it) {
   CacheView k = row.k, v = row.v;
   k.p += it.group * k.head;
   v.p += it.group * v.head;
-  // Keys past the one the item's last query sees are never scored.
-  const int end = offset + it.q1;
-  for (int j0 = 0; j0 < end; j0 += kKeyBlock) {
+  // Keys past the one the item's last query sees are never scored, nor
+  // (with a window) blocks wholly before the first one its first query sees.
+  // j0 and end are cache indices: position p is at index p - row.first.
+  const int end = offset + it.q1 - row.first;
+  const int start = a.window > 0 ? std::max(0, offset + it.q0 - a.window + 1 - row.first) / kKeyBlock * kKeyBlock : 0;
+  for (int j0 = start; j0 < end; j0 += kKeyBlock) {
     const int kb = std::min(kKeyBlock, end - j0);
     // A stored block is whole (capacity is a multiple of the block); its
     // columns past kb are stale or zero, scored, and masked by softmax_row.
@@ -421,8 +432,9 @@ void attend_item(const Attention& a, const BlockOps& ops, const Item& it) {
     }
     ops.scores(s.q.data(), rows, dim, kt, s.s.data());
     for (int m = 0; m < rows; ++m) {
-      const int visible = offset + it.q0 + m / group + 1 - j0;
-      s.alpha[m] = ops.softmax_row(s.s.data() + static_cast<size_t>(m) * kKeyBlock, std::clamp(visible, 0, kb), &s.max[m], &s.sum[m]);
+      const int index = offset + it.q0 + m / group - row.first - j0;  // the query's own key, in this block's columns
+      const int lo = a.window > 0 ? index - a.window + 1 : 0;
+      s.alpha[m] = ops.softmax_row(s.s.data() + static_cast<size_t>(m) * kKeyBlock, std::clamp(lo, 0, kb), std::clamp(index + 1, 0, kb), &s.max[m], &s.sum[m]);
     }
     const float* vb = v.p + j0 * v.pos;
     int64_t v_pos = v.pos;
@@ -454,8 +466,9 @@ void attend(const Attention& a) {
     const RowKV& row = a.rows[r];
     for (int q0 = 0; q0 < row.n; q0 += block) {
       const int q1 = std::min(row.n, q0 + block);
-      for (int g = 0; g < a.kv_heads; ++g)
-        items.push_back({r, g, q0, q1, static_cast<int64_t>(row.kv_len - row.n + q1) * (q1 - q0)});
+      const int last_key = row.kv_len - row.n + q1 - row.first;
+      const int keys = a.window > 0 ? std::min(last_key, a.window + q1 - q0) : last_key;
+      for (int g = 0; g < a.kv_heads; ++g) items.push_back({r, g, q0, q1, static_cast<int64_t>(keys) * (q1 - q0)});
     }
   }
   // Largest first, so the last items to start are small and cores finish together.
@@ -467,8 +480,8 @@ void attend(const Attention& a) {
 
 class CpuAttention : public mx::UnaryPrimitive {
  public:
-  CpuAttention(mx::Stream s, std::vector<AttentionRow> rows, bool keys_in_blocks)
-      : mx::UnaryPrimitive(s), rows_(std::move(rows)), keys_in_blocks_(keys_in_blocks) {}
+  CpuAttention(mx::Stream s, std::vector<AttentionRow> rows, int window, bool keys_in_blocks)
+      : mx::UnaryPrimitive(s), rows_(std::move(rows)), window_(window), keys_in_blocks_(keys_in_blocks) {}
 
   // in: q, then each row's keys and values.
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
@@ -477,13 +490,13 @@ class CpuAttention : public mx::UnaryPrimitive {
     // strides are final now that the inputs are evaluated.
     const int dim = in[1].shape(3);
     Attention a{token_view(in[0], dim), {}, out.data<float>(), token_shape(in[0], dim, "q").second, in[1].shape(1), dim,
-                1.f / std::sqrt(static_cast<float>(dim)), keys_in_blocks_};
+                1.f / std::sqrt(static_cast<float>(dim)), window_, keys_in_blocks_};
     int start = 0;
     for (size_t r = 0; r < rows_.size(); ++r) {
       // Blocks are found by offset, so a view of a blocked cache would be misread.
       if (keys_in_blocks_ && !in[1 + 2 * r].flags().row_contiguous)
         throw std::invalid_argument("cpu_attention: keys stored in blocks must be a whole, row-contiguous cache");
-      a.rows.push_back({cache_view(in[1 + 2 * r]), cache_view(in[2 + 2 * r]), start, rows_[r].n, rows_[r].kv_len});
+      a.rows.push_back({cache_view(in[1 + 2 * r]), cache_view(in[2 + 2 * r]), start, rows_[r].n, rows_[r].kv_len, rows_[r].first});
       start += rows_[r].n;
     }
     // The task holds the inputs, so the buffers `a` points into outlive it.
@@ -498,12 +511,14 @@ class CpuAttention : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto* o = dynamic_cast<const CpuAttention*>(&other);
-    return o && o->keys_in_blocks_ == keys_in_blocks_ && o->rows_.size() == rows_.size() &&
-           std::equal(rows_.begin(), rows_.end(), o->rows_.begin(), [](const AttentionRow& x, const AttentionRow& y) { return x.n == y.n && x.kv_len == y.kv_len; });
+    return o && o->keys_in_blocks_ == keys_in_blocks_ && o->window_ == window_ && o->rows_.size() == rows_.size() &&
+           std::equal(rows_.begin(), rows_.end(), o->rows_.begin(),
+                      [](const AttentionRow& x, const AttentionRow& y) { return x.n == y.n && x.kv_len == y.kv_len && x.first == y.first; });
   }
 
  private:
   std::vector<AttentionRow> rows_;
+  int window_;
   bool keys_in_blocks_;
 };
 
@@ -585,7 +600,8 @@ void check_cache(const mx::array& c, const char* what, bool in_blocks) {
 
 }  // namespace
 
-mx::array cpu_step_attention(const mx::array& q, const std::vector<mx::array>& keys, const std::vector<mx::array>& values, const std::vector<AttentionRow>& rows, bool keys_in_blocks) {
+mx::array cpu_step_attention(const mx::array& q, const std::vector<mx::array>& keys, const std::vector<mx::array>& values, const std::vector<AttentionRow>& rows, int window, bool keys_in_blocks) {
+  if (window < 0) throw std::invalid_argument("cpu_attention: window must be >= 0");
   if (rows.empty() || keys.size() != rows.size() || values.size() != rows.size())
     throw std::invalid_argument("cpu_attention: need one keys and one values array per row, and at least one row");
   if (q.dtype() != mx::float32) throw std::invalid_argument("cpu_attention: q must be float32");
@@ -599,17 +615,22 @@ mx::array cpu_step_attention(const mx::array& q, const std::vector<mx::array>& k
     check_cache(keys[r], "keys", keys_in_blocks);
     check_cache(values[r], "values", false);
     for (const auto* c : {&keys[r], &values[r]})
-      if (c->shape(1) != kv_heads || c->shape(3) != dim || c->shape(2) < rows[r].kv_len)
-        throw std::invalid_argument("cpu_attention: row " + std::to_string(r) + "'s cache is smaller than kv_len or differs in heads or head_dim");
+      if (c->shape(1) != kv_heads || c->shape(3) != dim || c->shape(2) < rows[r].kv_len - rows[r].first)
+        throw std::invalid_argument("cpu_attention: row " + std::to_string(r) + "'s cache is smaller than kv_len - first or differs in heads or head_dim");
     if (rows[r].n < 1 || rows[r].kv_len < rows[r].n)
       throw std::invalid_argument("cpu_attention: row " + std::to_string(r) + " needs 1 <= n <= kv_len");
+    // Every key a query sees must be held: the first query's window starts at or after `first`.
+    const int first_seen = window > 0 ? std::max(0, rows[r].kv_len - rows[r].n - window + 1) : 0;
+    if (rows[r].first < 0 || rows[r].first > first_seen || (keys_in_blocks && rows[r].first % kKeyBlock != 0))
+      throw std::invalid_argument("cpu_attention: row " + std::to_string(r) + "'s cache starts after a key its queries see" +
+                                  (keys_in_blocks ? " (or not at a block boundary)" : ""));
     total += rows[r].n;
     inputs.push_back(keys[r]);
     inputs.push_back(values[r]);
   }
   if (total != tokens) throw std::invalid_argument("cpu_attention: rows' token counts must add up to q's tokens");
   auto cpu = mx::default_stream(mx::Device::cpu);
-  return mx::array({1, tokens, n_heads * dim}, mx::float32, std::make_shared<CpuAttention>(cpu, rows, keys_in_blocks), std::move(inputs));
+  return mx::array({1, tokens, n_heads * dim}, mx::float32, std::make_shared<CpuAttention>(cpu, rows, window, keys_in_blocks), std::move(inputs));
 }
 
 mx::array cpu_cache_write(const mx::array& cache, const mx::array& fresh, int start, int n, int pos, bool in_blocks) {

@@ -18,17 +18,22 @@ inline constexpr int kCacheKeyBlock = 64;
 
 // One sequence's share of an attention step: its `n` query tokens follow the
 // previous rows' tokens in the flattened step, and sit at positions
-// kv_len - n .. kv_len - 1 of its cache, whose first kv_len positions are valid.
+// kv_len - n .. kv_len - 1 of the sequence. Its cache holds positions
+// first .. kv_len - 1, position p at index p - first (first > 0 once a
+// sliding-window layer has dropped the positions no query can see again).
 struct AttentionRow {
   int n;
   int kv_len;
+  int first;
 };
 
 // Causal grouped-query attention of a whole step, float32, on the CPU.
 //   q: the step's roped queries, [1, T, n_heads * head_dim] or
 //      [T, n_heads, 1, head_dim], any strides.
 //   keys[r], values[r]: row r's cache, [1, kv_heads, capacity >= kv_len, head_dim].
-// Row r's query i attends keys 0 ..= kv_len - n + i with scale 1/sqrt(head_dim).
+// Row r's query i, at position p = kv_len - n + i, attends the keys at
+// positions max(first, p - window + 1) ..= p (window 0: no window) with
+// scale 1/sqrt(head_dim).
 // Rows tile the T tokens in order. Returns [1, T, n_heads * head_dim].
 // keys_in_blocks: every row's keys are a whole cache (no view) written in
 // blocks by cpu_cache_write.
@@ -37,6 +42,7 @@ mlx::core::array cpu_step_attention(
     const std::vector<mlx::core::array>& keys,
     const std::vector<mlx::core::array>& values,
     const std::vector<AttentionRow>& rows,
+    int window,
     bool keys_in_blocks);
 
 // Writes tokens start .. start + n of `fresh` (laid out like q above, with

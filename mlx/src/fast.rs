@@ -83,9 +83,13 @@ pub struct AttentionRow<'a> {
     pub values: &'a Array,
     /// The row's query tokens; they follow the previous rows' tokens in `q`.
     pub n: usize,
-    /// Valid cache positions. The row's queries sit at positions
-    /// `kv_len - n .. kv_len`, and query `i` attends keys `0 ..= kv_len - n + i`.
+    /// The row's length after this step: its queries sit at positions
+    /// `kv_len - n .. kv_len`, and query `i` attends the keys at positions
+    /// `0 ..= kv_len - n + i` (within the window, if any).
     pub kv_len: usize,
+    /// The position the cache's index 0 holds: a sliding-window layer's
+    /// cache drops positions no query will see again (0: it holds all).
+    pub first: usize,
 }
 
 fn to_i32(op: &'static str, v: usize) -> Result<i32> {
@@ -100,13 +104,16 @@ fn to_i32(op: &'static str, v: usize) -> Result<i32> {
 /// [`KeyLayout::Blocks`] they must be whole caches written by
 /// [`cpu_kv_write`] (no views). Returns `[1, T, n_heads * head_dim]` float32
 /// (lazy, CPU stream).
-pub fn cpu_attention(q: &Array, rows: &[AttentionRow<'_>], keys: KeyLayout) -> Result<Array> {
+/// `window`: how many positions a query sees, itself included, on a
+/// sliding-window layer (`None`: all before it).
+pub fn cpu_attention(q: &Array, rows: &[AttentionRow<'_>], keys: KeyLayout, window: Option<usize>) -> Result<Array> {
     const OP: &str = "cpu_attention";
     let kv: Vec<&Array> = rows.iter().flat_map(|r| [r.keys, r.values]).collect();
     let n = rows.iter().map(|r| to_i32(OP, r.n)).collect::<Result<Vec<_>>>()?;
     let kv_len = rows.iter().map(|r| to_i32(OP, r.kv_len)).collect::<Result<Vec<_>>>()?;
+    let first = rows.iter().map(|r| to_i32(OP, r.first)).collect::<Result<Vec<_>>>()?;
     let list = make_list(OP, &kv)?;
-    wrap(OP, bridge::cpu_attention(q.raw(), &list, &n, &kv_len, keys == KeyLayout::Blocks))
+    wrap(OP, bridge::cpu_attention(q.raw(), &list, &n, &kv_len, &first, to_i32(OP, window.unwrap_or(0))?, keys == KeyLayout::Blocks))
 }
 
 /// Writes tokens `start .. start + n` of `fresh` (keys or values of a step,

@@ -67,28 +67,20 @@ fn check(case: &Case, seed: u64) {
             (cache(hkv, cap, len, d, seed * 31 + r as u64), cache(hkv, cap, len, d, seed * 37 + r as u64))
         })
         .collect();
-    let rows: Vec<AttentionRow> = case.rows.iter().zip(&caches).map(|(&(n, kv_len), (k, v))| AttentionRow { keys: k, values: v, n, kv_len }).collect();
+    let rows: Vec<AttentionRow> =
+        case.rows.iter().zip(&caches).map(|(&(n, kv_len), (k, v))| AttentionRow { keys: k, values: v, n, kv_len, first: 0 }).collect();
 
     // The reference: sdpa per row over the first kv_len positions.
-    let scale = 1.0 / (d as f32).sqrt();
     let mut want = Vec::new();
     let mut start = 0;
     for (&(n, kv_len), (k, v)) in case.rows.iter().zip(&caches) {
-        let qr = q
-            .slice(&[0, start as i32, 0], &[1, (start + n) as i32, width as i32])
-            .unwrap()
-            .reshape(&[1, n as i32, hq as i32, d as i32])
-            .unwrap()
-            .transpose(&[0, 2, 1, 3])
-            .unwrap();
         let view = |a: &Array| a.slice(&[0, 0, 0, 0], &[1, hkv as i32, kv_len as i32, d as i32]).unwrap();
         let mask = if n > 1 { Mask::Causal } else { Mask::None };
-        let o = fast::sdpa(&qr, &view(k), &view(v), scale, mask).unwrap();
-        want.extend(o.transpose(&[0, 2, 1, 3]).unwrap().reshape(&[1, n as i32, width as i32]).unwrap().to_vec_f32().unwrap());
+        want.extend(sdpa_row(&q, start, n, hq, (&view(k), &view(v)), mask));
         start += n;
     }
 
-    let got = fast::cpu_attention(&q, &rows, KeyLayout::Positions).unwrap();
+    let got = fast::cpu_attention(&q, &rows, KeyLayout::Positions, None).unwrap();
     assert_eq!(got.shape(), vec![1, total, width]);
     let err = max_error(&got.to_vec_f32().unwrap(), &want);
     assert!(err <= 2e-5, "heads {hq}/{hkv} dim {d} rows {:?}: max error {err}", case.rows);
@@ -97,20 +89,36 @@ fn check(case: &Case, seed: u64) {
     let wide = Array::from_f32(&noise(total * (width + 48), seed + 1, 4.0), &[1, total, width + 48]).unwrap();
     let wide = wide.slice_update(&q, &[0, 0, 8], &[1, total as i32, (8 + width) as i32]).unwrap();
     let view = wide.slice(&[0, 0, 8], &[1, total as i32, (8 + width) as i32]).unwrap();
-    assert!(max_error(&fast::cpu_attention(&view, &rows, KeyLayout::Positions).unwrap().to_vec_f32().unwrap(), &want) <= 2e-5, "strided q");
+    assert!(max_error(&fast::cpu_attention(&view, &rows, KeyLayout::Positions, None).unwrap().to_vec_f32().unwrap(), &want) <= 2e-5, "strided q");
 
     // And in the [T, H, 1, D] layout rope produces.
     let q4 = q.reshape(&[total as i32, hq as i32, 1, d as i32]).unwrap();
-    assert!(max_error(&fast::cpu_attention(&q4, &rows, KeyLayout::Positions).unwrap().to_vec_f32().unwrap(), &want) <= 2e-5, "[T, H, 1, D] q");
+    assert!(max_error(&fast::cpu_attention(&q4, &rows, KeyLayout::Positions, None).unwrap().to_vec_f32().unwrap(), &want) <= 2e-5, "[T, H, 1, D] q");
 
     // Keys stored in blocks give the same output, bit for bit: the same
     // products in the same order. Positions past kv_len hold NaN, as stale
     // keys of a block would, and must not show.
     let blocked: Vec<Array> = case.rows.iter().zip(&caches).map(|(&(_, kv_len), (k, _))| keys_in_blocks(k, kv_len)).collect();
     let rows: Vec<AttentionRow> =
-        case.rows.iter().zip(&caches).zip(&blocked).map(|((&(n, kv_len), (_, v)), k)| AttentionRow { keys: k, values: v, n, kv_len }).collect();
-    let in_blocks = fast::cpu_attention(&q, &rows, KeyLayout::Blocks).unwrap().to_vec_f32().unwrap();
+        case.rows.iter().zip(&caches).zip(&blocked).map(|((&(n, kv_len), (_, v)), k)| AttentionRow { keys: k, values: v, n, kv_len, first: 0 }).collect();
+    let in_blocks = fast::cpu_attention(&q, &rows, KeyLayout::Blocks, None).unwrap().to_vec_f32().unwrap();
     assert!(in_blocks == got.to_vec_f32().unwrap(), "heads {hq}/{hkv} dim {d} rows {:?}: keys in blocks differ", case.rows);
+}
+
+/// MLX's attention for one row of a step: its `n` queries from token
+/// `start` of `q` (`[1, T, heads * head_dim]`) over `keys`, `[1, n * width]`.
+fn sdpa_row(q: &Array, start: usize, n: usize, heads: usize, (keys, values): (&Array, &Array), mask: Mask<'_>) -> Vec<f32> {
+    let d = keys.dim(3);
+    let width = heads * d;
+    let qr = q
+        .slice(&[0, start as i32, 0], &[1, (start + n) as i32, width as i32])
+        .unwrap()
+        .reshape(&[1, n as i32, heads as i32, d as i32])
+        .unwrap()
+        .transpose(&[0, 2, 1, 3])
+        .unwrap();
+    let o = fast::sdpa(&qr, keys, values, 1.0 / (d as f32).sqrt(), mask).unwrap();
+    o.transpose(&[0, 2, 1, 3]).unwrap().reshape(&[1, n as i32, width as i32]).unwrap().to_vec_f32().unwrap()
 }
 
 /// A cache of whole blocks, NaN everywhere, with `keys`' first `len`
@@ -152,14 +160,62 @@ fn rejects_inconsistent_rows() {
     let _s = serial();
     let q = Array::zeros(&[1, 4, 128], Dtype::F32).unwrap();
     let k = Array::zeros(&[1, 1, 8, 64], Dtype::F32).unwrap();
-    let row = |n, kv_len| AttentionRow { keys: &k, values: &k, n, kv_len };
-    assert!(fast::cpu_attention(&q, &[row(4, 8)], KeyLayout::Positions).is_ok());
-    assert!(fast::cpu_attention(&q, &[row(3, 8)], KeyLayout::Positions).is_err(), "rows must cover q's tokens");
-    assert!(fast::cpu_attention(&q, &[row(4, 9)], KeyLayout::Positions).is_err(), "kv_len past the cache");
-    assert!(fast::cpu_attention(&q, &[row(4, 3)], KeyLayout::Positions).is_err(), "fewer keys than queries");
+    let row = |n, kv_len| AttentionRow { keys: &k, values: &k, n, kv_len, first: 0 };
+    assert!(fast::cpu_attention(&q, &[row(4, 8)], KeyLayout::Positions, None).is_ok());
+    assert!(fast::cpu_attention(&q, &[row(3, 8)], KeyLayout::Positions, None).is_err(), "rows must cover q's tokens");
+    assert!(fast::cpu_attention(&q, &[row(4, 9)], KeyLayout::Positions, None).is_err(), "kv_len past the cache");
+    assert!(fast::cpu_attention(&q, &[row(4, 3)], KeyLayout::Positions, None).is_err(), "fewer keys than queries");
     let q3 = Array::zeros(&[1, 4, 96], Dtype::F32).unwrap();
-    assert!(fast::cpu_attention(&q3, &[row(4, 8)], KeyLayout::Positions).is_err(), "width not a multiple of head_dim");
-    assert!(fast::cpu_attention(&q, &[row(4, 8)], KeyLayout::Blocks).is_err(), "keys in blocks need whole blocks");
+    assert!(fast::cpu_attention(&q3, &[row(4, 8)], KeyLayout::Positions, None).is_err(), "width not a multiple of head_dim");
+    assert!(fast::cpu_attention(&q, &[row(4, 8)], KeyLayout::Blocks, None).is_err(), "keys in blocks need whole blocks");
+    let late = AttentionRow { keys: &k, values: &k, n: 4, kv_len: 12, first: 4 };
+    assert!(fast::cpu_attention(&q, &[late], KeyLayout::Positions, Some(6)).is_err(), "a query sees position 3, which the cache dropped");
+    assert!(fast::cpu_attention(&q, &[late], KeyLayout::Positions, Some(5)).is_ok());
+}
+
+/// Sliding-window rows whose caches start past position 0 (the positions
+/// no query sees again dropped), against sdpa over the whole history with a
+/// causal window mask; keys in position order and in blocks.
+#[test]
+fn matches_sdpa_with_a_sliding_window() {
+    let _s = serial();
+    let (hq, hkv, d, window) = (4, 1, 64, 100);
+    // (n, kv_len, first): decode far past the window, a chunk crossing it,
+    // a row still inside it, and a chunk wider than the window.
+    let rows = [(1usize, 1000usize, 896usize), (37, 400, 256), (5, 60, 0), (150, 700, 448)];
+    let total: usize = rows.iter().map(|r| r.0).sum();
+    let width = hq * d;
+    let q = Array::from_f32(&noise(total * width, 11, 4.0), &[1, total, width]).unwrap();
+    let (mut want, mut start) = (Vec::new(), 0);
+    let mut held = Vec::new();
+    for (r, &(n, kv_len, first)) in rows.iter().enumerate() {
+        let (k, v) = (cache(hkv, kv_len, kv_len, d, 40 + r as u64), cache(hkv, kv_len, kv_len, d, 50 + r as u64));
+        let offset = kv_len - n;
+        let mask: Vec<f32> = (0..n * kv_len)
+            .map(|x| (offset + x / kv_len, x % kv_len))
+            .map(|(qp, kp)| if kp <= qp && kp + window > qp { 0.0 } else { f32::NEG_INFINITY })
+            .collect();
+        let mask = Array::from_f32(&mask, &[1, 1, n, kv_len]).unwrap();
+        want.extend(sdpa_row(&q, start, n, hq, (&k, &v), Mask::Array(&mask)));
+        start += n;
+        // What the cache holds: positions first.., then NaN past kv_len.
+        let kept = |a: &Array| {
+            let tail = a.slice(&[0, 0, first as i32, 0], &[1, hkv as i32, kv_len as i32, d as i32]).unwrap();
+            let out = Array::full(&[1, hkv, kv_len - first + 29, d], f32::NAN, Dtype::F32).unwrap();
+            out.slice_update(&tail, &[0; 4], &[1, hkv as i32, (kv_len - first) as i32, d as i32]).unwrap()
+        };
+        held.push((kept(&k), kept(&v), kv_len - first));
+    }
+    let attention = |keys: &[Array], layout| {
+        let rows: Vec<AttentionRow> =
+            rows.iter().zip(keys).zip(&held).map(|((&(n, kv_len, first), k), (_, v, _))| AttentionRow { keys: k, values: v, n, kv_len, first }).collect();
+        fast::cpu_attention(&q, &rows, layout, Some(window)).unwrap().to_vec_f32().unwrap()
+    };
+    let in_order = attention(&held.iter().map(|h| h.0.clone()).collect::<Vec<_>>(), KeyLayout::Positions);
+    let err = max_error(&in_order, &want);
+    assert!(err <= 2e-5, "window {window}: max error {err}");
+    let blocked: Vec<Array> = held.iter().map(|(k, _, len)| keys_in_blocks(k, *len)).collect();
+    assert!(attention(&blocked, KeyLayout::Blocks) == in_order, "keys in blocks differ");
 }
 
 #[test]

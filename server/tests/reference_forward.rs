@@ -1,6 +1,7 @@
 //! The forward pass against an independent numpy reference
 //! (tests/reference/make_fixtures.py): logits at the last prompt position and
-//! 32 greedy tokens, on CPU in float32, for both real models.
+//! 32 greedy tokens, on CPU in float32, for the real models (Gemma 3's
+//! cases include a prompt past its local layers' 512-token window).
 mod common;
 
 use std::ops::ControlFlow;
@@ -90,4 +91,11 @@ fn smollm2_quantized_weights_match_reference() {
 #[test]
 fn qwen_coder_quantized_weights_match_reference() {
     check_model("qwen2.5-coder-0.5b", "greedy/qwen2.5-coder-0.5b.json", WeightFormat::Quantized);
+}
+
+/// Gemma 3: Q5_0/Q8_0 as 8-bit, Q4_K as 4-bit, Q6_K as 8-bit in groups of
+/// 16 (the CPU default), with sliding-window layers that keep only their window.
+#[test]
+fn gemma3_quantized_weights_match_reference() {
+    check_model("gemma3-270m", "greedy/gemma3-270m.json", WeightFormat::Quantized);
 }

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Independent numpy forward pass for llama / qwen2 / qwen3 models (test oracle).
+"""Independent numpy forward pass for llama / qwen2 / qwen3 / gemma3 models (test oracle).
 
 Written from the architecture descriptions, not from any inference engine:
 
@@ -13,6 +13,15 @@ Written from the architecture descriptions, not from any inference engine:
         h  = rmsnorm(x) * ffn_norm
         x += W_down (silu(W_gate h) * (W_up h))                   # SwiGLU
     logits = W_out rmsnorm(x) * output_norm                        # W_out = token_embd if tied
+
+Gemma 3 on top of that (from its model card and paper): x starts as
+token_embd[ids] * sqrt(d_model); the attention output and the MLP output are
+each RMS-normed (post_attention_norm, post_ffw_norm) before they are added to
+x; the MLP is GeGLU, gelu_tanh(W_gate h) * (W_up h); of every 6 layers the
+first 5 are local: a query sees only the last `sliding_window` positions
+(itself included) and RoPE uses base 10,000 there, the 6th is global with the
+file's RoPE base. The GGUF's norm weights already hold 1 + w (the converter
+adds the one), so every RMSNorm is x / rms(x) * weight here too.
 
 Conventions verified against the files:
   * Quantized weights are dequantized once with ``gguf.quants.dequantize``.
@@ -58,7 +67,7 @@ def _read_hparams(r: gguf.GGUFReader) -> dict:
         return f[key].contents() if key in f else default
 
     arch = get("general.architecture")
-    if arch not in ("llama", "qwen2", "qwen3"):
+    if arch not in ("llama", "qwen2", "qwen3", "gemma3"):
         raise ValueError(f"unsupported architecture {arch!r}")
     n_embd = int(get(f"{arch}.embedding_length"))
     n_head = int(get(f"{arch}.attention.head_count"))
@@ -78,6 +87,14 @@ def _read_hparams(r: gguf.GGUFReader) -> dict:
         # llama arch GGUFs use interleaved pairs; qwen2 uses split halves.
         "rope_layout": "interleaved" if arch == "llama" else "neox",
     }
+    if arch == "gemma3":
+        hp.update({
+            "sliding_window": int(get(f"{arch}.attention.sliding_window")),
+            "local_every": 6,              # layers 0-4 local, 5 global, ...
+            "rope_base_local": 10000.0,
+            "embed_scale": float(np.sqrt(n_embd)),
+            "ffn_act": "gelu_tanh",
+        })
     # This oracle implements plain RoPE only; refuse files that ask for scaling.
     for key in (f"{arch}.rope.scaling.type", f"{arch}.rope.scaling.factor"):
         if key in f and get(key) not in ("none", 1.0, None):
@@ -159,16 +176,23 @@ class Model:
         self.inv_freq = hp["rope_base"] ** (-np.arange(half, dtype=np.float64) * 2.0 / hp["n_rot"])
         if hp.get("rope_scaling"):
             self.inv_freq = llama3_scaled(self.inv_freq, **hp["rope_scaling"])
+        self.inv_freq_local = (hp["rope_base_local"] ** (-np.arange(half, dtype=np.float64) * 2.0 / hp["n_rot"])
+                               if hp.get("sliding_window") else None)
+
+    def is_local(self, layer: int) -> bool:
+        """Gemma 3: a sliding-window layer (5 of every 6)."""
+        return bool(self.hp.get("sliding_window")) and (layer + 1) % self.hp["local_every"] != 0
 
     # -- building blocks ------------------------------------------------------
     def rmsnorm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
         ms = np.mean(x * x, axis=-1, keepdims=True)
         return x / np.sqrt(ms + self.dtype.type(self.hp["rms_eps"])) * weight
 
-    def rope(self, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    def rope(self, x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray | None = None) -> np.ndarray:
         """x: (n_heads, n_tokens, head_dim); rotates the first n_rot dims."""
         n_rot = self.hp["n_rot"]
-        ang = pos[:, None].astype(np.float64) * self.inv_freq[None, :]   # (T, n_rot/2)
+        inv_freq = self.inv_freq if inv_freq is None else inv_freq
+        ang = pos[:, None].astype(np.float64) * inv_freq[None, :]        # (T, n_rot/2)
         cos = np.cos(ang).astype(self.dtype)[None]
         sin = np.sin(ang).astype(self.dtype)[None]
         out = x.copy()
@@ -207,7 +231,10 @@ class Model:
         scale = self.dtype.type(1.0 / np.sqrt(hd))
 
         x = self.w["token_embd.weight"][np.asarray(ids)]                     # (T, d)
+        if hp.get("embed_scale"):
+            x = x * self.dtype.type(hp["embed_scale"])
         for L in range(hp["n_layer"]):
+            local = self.is_local(L)
             p = f"blk.{L}."
             h = self.rmsnorm(x, self.w[p + "attn_norm.weight"])
             q = self.linear(p + "attn_q", h).reshape(T, nh, hd).transpose(1, 0, 2)
@@ -216,11 +243,14 @@ class Model:
             if p + "attn_q_norm.weight" in self.w:                          # qwen3
                 q = self.rmsnorm(q, self.w[p + "attn_q_norm.weight"])
                 k = self.rmsnorm(k, self.w[p + "attn_k_norm.weight"])
-            q, k = self.rope(q, pos), self.rope(k, pos)
+            inv_freq = self.inv_freq_local if local else None
+            q, k = self.rope(q, pos, inv_freq), self.rope(k, pos, inv_freq)
             K, V = cache.append(L, k, v)                                    # (nkv, S, hd)
             S = K.shape[1]
             # causal mask: query at absolute position start+i sees keys 0..start+i
             mask = np.arange(S)[None, :] > (start + np.arange(T))[:, None]  # (T, S)
+            if local:  # ... and only the last sliding_window of them
+                mask |= np.arange(S)[None, :] <= (start + np.arange(T))[:, None] - hp["sliding_window"]
             attn = np.empty((nh, T, hd), dtype=self.dtype)
             for hq in range(nh):
                 kv = hq // group
@@ -230,13 +260,22 @@ class Model:
                 e = np.exp(s)
                 attn[hq] = (e / e.sum(axis=-1, keepdims=True)) @ V[kv]
             attn = attn.transpose(1, 0, 2).reshape(T, nh * hd)
-            x = x + self.linear(p + "attn_output", attn)
+            out = self.linear(p + "attn_output", attn)
+            if p + "post_attention_norm.weight" in self.w:                  # gemma3
+                out = self.rmsnorm(out, self.w[p + "post_attention_norm.weight"])
+            x = x + out
 
             h = self.rmsnorm(x, self.w[p + "ffn_norm.weight"])
             g = self.linear(p + "ffn_gate", h)
             u = self.linear(p + "ffn_up", h)
-            silu = g / (1.0 + np.exp(-g))
-            x = x + self.linear(p + "ffn_down", silu * u)
+            if hp.get("ffn_act") == "gelu_tanh":
+                act = 0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g ** 3)))
+            else:
+                act = g / (1.0 + np.exp(-g))                                # silu
+            out = self.linear(p + "ffn_down", act * u)
+            if p + "post_ffw_norm.weight" in self.w:                        # gemma3
+                out = self.rmsnorm(out, self.w[p + "post_ffw_norm.weight"])
+            x = x + out
 
         x = self.rmsnorm(x if all_logits else x[-1:], self.w["output_norm.weight"])
         logits = x @ self.out_w.T

@@ -71,6 +71,24 @@ MODELS = [
             ("fim", "<|fim_prefix|>def is_prime(n):\n<|fim_suffix|>\n    return True\n<|fim_middle|>"),
         ],
     },
+    {
+        # No chat template in this file: the chat case is Gemma's turn format
+        # written out here (BOS comes from add_bos_token).
+        "file": "gemma-3-270m.Q4_K_M.gguf",
+        "tokenizer_fixture": "gemma3.json",
+        "greedy_name": "gemma3-270m",
+        # A 270M base model, not an instruction-tuned one.
+        "capital_answer": " the capital of the country of France",
+        "chat_text": "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n",
+        "prompts": [
+            ("capital", "The capital of France is"),
+            ("python_def", 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'),
+            ("counting", "1, 2, 3, 4,"),
+            ("chat", None),
+            # Longer than the 512-token sliding window of the local layers.
+            ("past_window", None),
+        ],
+    },
 ]
 
 # Token texts treated as end-of-generation (recorded, never used to stop).
@@ -92,6 +110,29 @@ NLL_TEXT = (
     "    left = [x for x in arr if x < pivot]\n    middle = [x for x in arr if x == pivot]\n"
     "    right = [x for x in arr if x > pivot]\n    return quicksort(left) + middle + quicksort(right)\n"
 )
+
+
+# A prompt past a sliding window: three different passages, then the start
+# of the first again (what follows is in the window only through the copy).
+LONG_TEXT = NLL_TEXT + (
+    "The Great Wall of China is a series of fortifications that were built across the historical "
+    "northern borders of ancient Chinese states and Imperial China as protection against various "
+    "nomadic groups from the Eurasian Steppe. Several walls were built from as early as the 7th "
+    "century BC, with selective stretches later joined by Qin Shi Huang, the first emperor of China. "
+    "Little of the Qin wall remains. Later on, many successive dynasties built and maintained "
+    "multiple stretches of border walls. The best-known sections of the wall were built by the Ming "
+    "dynasty.\n\n"
+    "fn merge_sort(v: &mut Vec<i64>) {\n    if v.len() <= 1 {\n        return;\n    }\n"
+    "    let mid = v.len() / 2;\n    let mut right = v.split_off(mid);\n    merge_sort(v);\n"
+    "    merge_sort(&mut right);\n    let mut out = Vec::with_capacity(v.len() + right.len());\n"
+    "    let (mut i, mut j) = (0, 0);\n    while i < v.len() && j < right.len() {\n"
+    "        if v[i] <= right[j] { out.push(v[i]); i += 1; } else { out.push(right[j]); j += 1; }\n"
+    "    }\n    out.extend_from_slice(&v[i..]);\n    out.extend_from_slice(&right[j..]);\n    *v = out;\n}\n\n"
+    "Photosynthesis is the process by which green plants, algae and some bacteria convert light "
+    "energy into chemical energy. Water is split, oxygen is released, and the energy is stored in "
+    "sugars built from carbon dioxide. The light reactions take place in the thylakoid membranes of "
+    "the chloroplast; the Calvin cycle runs in the stroma, where the enzyme RuBisCO fixes carbon.\n\n"
+) + NLL_TEXT[:160]
 
 
 def sanity_checks(path: str, tok: ReferenceTokenizer, model: "forward.Model") -> dict:
@@ -180,10 +221,16 @@ def run_model(spec: dict, f32_check: bool) -> None:
     cases = []
     for name, text in spec["prompts"]:
         t0 = time.time()
-        if text is None:
+        if name == "past_window":
+            text = LONG_TEXT
+        elif text is None and "chat_text" in spec:
+            text = spec["chat_text"]
+        elif text is None:
             text = render_chat(v.chat_template, CHAT_MESSAGES, v.tokens[v.bos_id], v.tokens[v.eos_id])
             assert text == spec["expected_chat"], repr(text)
         prompt_ids = tok.encode(text, parse_special=True)  # adds BOS iff GGUF add_bos_token
+        if name == "past_window":
+            assert len(prompt_ids) > model.hp["sliding_window"] + 100, len(prompt_ids)
         if name == "fim":
             assert prompt_ids[0] == 151659 and 151661 in prompt_ids and prompt_ids[-1] == 151660, prompt_ids
 
@@ -221,7 +268,7 @@ def run_model(spec: dict, f32_check: bool) -> None:
             }
         # Known-good behaviour (see README): the oracle is broken if these fail.
         if name == "capital":
-            assert case["greedy_text"].startswith(" Paris"), case["greedy_text"]
+            assert case["greedy_text"].startswith(spec.get("capital_answer", " Paris")), case["greedy_text"]
         if name == "fim":
             assert case["greedy_text"].startswith("    if n <= 1:\n        return False"), case["greedy_text"]
         cases.append(case)

@@ -100,8 +100,12 @@ class GgufVocab:
         self.tokens = [bytes(tf.parts[i]).decode("utf-8") for i in tf.data]
         ty = f["tokenizer.ggml.token_type"]
         self.token_types = [int(ty.parts[i][0]) for i in ty.data]
-        mf = f["tokenizer.ggml.merges"]
-        self.merges = [bytes(mf.parts[i]).decode("utf-8") for i in mf.data]
+        mf = f.get("tokenizer.ggml.merges")
+        self.merges = [bytes(mf.parts[i]).decode("utf-8") for i in mf.data] if mf else []
+        sf = f.get("tokenizer.ggml.scores")
+        self.scores = [float(sf.parts[i][0]) for i in sf.data] if sf else []
+        self.add_space_prefix = bool(field("tokenizer.ggml.add_space_prefix", True))
+        self.unk_id = field("tokenizer.ggml.unknown_token_id")
         self.bos_id = field("tokenizer.ggml.bos_token_id")
         self.eos_id = field("tokenizer.ggml.eos_token_id")
         self.pad_id = field("tokenizer.ggml.padding_token_id")
@@ -117,6 +121,27 @@ class GgufVocab:
         self.control_ids = set(
             i for i, t in enumerate(self.token_types) if t == int(gguf.TokenType.CONTROL)
         )
+        self.user_defined_ids = [i for i, t in enumerate(self.token_types) if t == int(gguf.TokenType.USER_DEFINED)]
+
+
+def special_matcher(vocab: GgufVocab, ids) -> "regex.Pattern":
+    """Matches any of these tokens' texts, longest first (so e.g. "<|im_start|>"
+    can never be pre-empted by a shorter token that is its prefix)."""
+    texts = sorted({vocab.tokens[i] for i in ids}, key=len, reverse=True)
+    return regex.compile("|".join(regex.escape(t) for t in texts))
+
+
+def encode_around(matcher: "regex.Pattern", vocab: GgufVocab, text: str, plain) -> list[int]:
+    """Matched token texts become their ids; the stretches between go to ``plain``."""
+    out, pos = [], 0
+    for m in matcher.finditer(text):
+        if m.start() > pos:
+            out.extend(plain(text[pos:m.start()]))
+        out.append(vocab.token_to_id[m.group()])
+        pos = m.end()
+    if pos < len(text):
+        out.extend(plain(text[pos:]))
+    return out
 
 
 # --------------------------------------------------------------------------
@@ -175,10 +200,7 @@ class PyBPE:
         for i, m in enumerate(vocab.merges):
             a, b = m.split(" ")
             self.rank[(a, b)] = i
-        # Special-token matcher, longest text first so that e.g. "<|im_start|>"
-        # can never be pre-empted by a shorter token that is its prefix.
-        specials = sorted({vocab.tokens[i] for i in vocab.special_ids}, key=len, reverse=True)
-        self.special_re = regex.compile("|".join(regex.escape(s) for s in specials))
+        self.special_re = special_matcher(vocab, vocab.special_ids)
         self._bpe_cache: dict[str, list[int]] = {}
 
     # -- BPE on one pre-tokenized piece ---------------------------------------
@@ -223,15 +245,7 @@ class PyBPE:
     def encode(self, text: str, parse_special: bool = True) -> list[int]:
         if not parse_special:
             return self._encode_plain(text)
-        out, pos = [], 0
-        for m in self.special_re.finditer(text):
-            if m.start() > pos:
-                out.extend(self._encode_plain(text[pos:m.start()]))
-            out.append(self.vocab.token_to_id[m.group()])
-            pos = m.end()
-        if pos < len(text):
-            out.extend(self._encode_plain(text[pos:]))
-        return out
+        return encode_around(self.special_re, self.vocab, text, self._encode_plain)
 
     def decode_bytes(self, ids: list[int]) -> bytes:
         out = bytearray()
@@ -245,6 +259,72 @@ class PyBPE:
 
     def decode(self, ids: list[int]) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+
+# --------------------------------------------------------------------------
+# A'. Plain-Python SentencePiece-style BPE (tokenizer.ggml.model = "llama")
+# --------------------------------------------------------------------------
+SPACE = "\u2581"
+
+
+class PySPM:
+    """Score-ordered merging from GGUF data, no external tokenizer code.
+
+    Spaces become U+2581; the text starts as single characters; the adjacent
+    pair whose joined text is a vocabulary piece of highest score is joined
+    (leftmost on a tie), until none is; a character no piece covers becomes
+    its UTF-8 bytes as <0xAB> pieces. CONTROL and USER_DEFINED token texts are
+    matched before (USER_DEFINED ones even without special parsing)."""
+
+    def __init__(self, vocab: GgufVocab):
+        if vocab.model != "llama":
+            raise ValueError(f"PySPM reads SentencePiece vocabularies ('llama'), got {vocab.model}")
+        if vocab.add_space_prefix:
+            raise ValueError("the oracle implements add_space_prefix = false only (Gemma)")
+        self.vocab = vocab
+        self.byte_id = {}
+        for i, t in enumerate(vocab.tokens):
+            if vocab.token_types[i] == int(gguf.TokenType.BYTE):
+                self.byte_id[int(t[3:5], 16)] = i
+        self.special_re = special_matcher(vocab, vocab.special_ids)
+        self.user_re = special_matcher(vocab, vocab.user_defined_ids)
+
+    def _encode_plain(self, text: str) -> list[int]:
+        ids_of, scores = self.vocab.token_to_id, self.vocab.scores
+        symbols = list(text.replace(" ", SPACE))
+        while True:
+            best = None
+            for i in range(len(symbols) - 1):
+                tid = ids_of.get(symbols[i] + symbols[i + 1])
+                if tid is not None and (best is None or scores[tid] > best[0]):
+                    best = (scores[tid], i)
+            if best is None:
+                break
+            i = best[1]
+            symbols[i:i + 2] = [symbols[i] + symbols[i + 1]]
+        out = []
+        for s in symbols:
+            if s in ids_of:
+                out.append(ids_of[s])
+            else:
+                out.extend(self.byte_id[b] for b in s.encode("utf-8"))
+        return out
+
+    def encode(self, text: str, parse_special: bool = True) -> list[int]:
+        matcher = self.special_re if parse_special else self.user_re
+        return encode_around(matcher, self.vocab, text, self._encode_plain)
+
+    def decode(self, ids: list[int]) -> str:
+        out = bytearray()
+        for i in ids:
+            tok, kind = self.vocab.tokens[i], self.vocab.token_types[i]
+            if kind == int(gguf.TokenType.BYTE):
+                out.append(int(tok[3:5], 16))
+            elif kind == int(gguf.TokenType.NORMAL):
+                out += tok.replace(SPACE, " ").encode("utf-8")
+            else:
+                out += tok.encode("utf-8")
+        return bytes(out).decode("utf-8", errors="replace")
 
 
 # --------------------------------------------------------------------------
@@ -313,6 +393,32 @@ def hf_tokenizer_smollm(vocab: GgufVocab):
     return tok
 
 
+def hf_tokenizer_spm(vocab: GgufVocab):
+    """HF tokenizers BPE with byte fallback whose merges are every split of
+    every piece into two pieces, ranked by the joined piece's score."""
+    import tokenizers
+    from tokenizers import models, normalizers
+    ids = vocab.token_to_id
+    ranked = []
+    for tid, piece in enumerate(vocab.tokens):
+        if vocab.token_types[tid] == int(gguf.TokenType.BYTE):
+            continue
+        for at in range(1, len(piece)):
+            a, b = piece[:at], piece[at:]
+            if a in ids and b in ids:
+                ranked.append((-vocab.scores[tid], tid, at, a, b))
+    ranked.sort()
+    bpe = models.BPE(vocab=dict(ids), merges=[(a, b) for *_, a, b in ranked], byte_fallback=True,
+                     unk_token=vocab.tokens[vocab.unk_id], fuse_unk=False)
+    tok = tokenizers.Tokenizer(bpe)
+    tok.normalizer = normalizers.Replace(" ", SPACE)
+    tok.add_special_tokens([tokenizers.AddedToken(vocab.tokens[i], special=True, normalized=False)
+                            for i in vocab.special_ids if i in vocab.control_ids])
+    tok.add_tokens([tokenizers.AddedToken(vocab.tokens[i], special=False, normalized=False)
+                    for i in vocab.user_defined_ids])
+    return tok
+
+
 def hf_encode(tok, text: str, parse_special: bool = True) -> list[int]:
     tok.encode_special_tokens = not parse_special
     try:
@@ -329,6 +435,13 @@ class ReferenceTokenizer:
 
     def __init__(self, gguf_path: str):
         self.vocab = GgufVocab(gguf_path)
+        if self.vocab.model == "llama":
+            self.py = PySPM(self.vocab)
+            self.hf = hf_tokenizer_spm(self.vocab)
+            self.hf_source = (f"HF tokenizers {__import__('tokenizers').__version__} BPE with byte fallback, "
+                              "merges = every split of every GGUF piece ranked by the joined piece's score, "
+                              "normalizer Replace(' ', U+2581)")
+            return
         self.py = PyBPE(self.vocab)
         if self.vocab.pre == "qwen2":
             self.hf = hf_tokenizer_qwen(self.vocab)
@@ -445,11 +558,14 @@ def tokenizer_fixture(gguf_path: str, model_name: str, tok: "ReferenceTokenizer 
         "model": model_name,
         "gguf_file": os.path.basename(gguf_path),
         "source": ("tests/reference/tokenize_ref.py: ids produced by two independent "
-                   "implementations that must agree: (A) plain-Python byte-level BPE over GGUF "
-                   f"tokenizer.ggml.tokens/merges with pre-tokenizer {v.pre!r} = "
-                   f"{PRE_TOKENIZERS[v.pre]}; (B) {tok.hf_source}"),
+                   "implementations that must agree: (A) " + (
+                       "plain-Python SentencePiece-style merging by tokenizer.ggml.scores with byte fallback"
+                       if v.model == "llama" else
+                       "plain-Python byte-level BPE over GGUF "
+                       f"tokenizer.ggml.tokens/merges with pre-tokenizer {v.pre!r} = {PRE_TOKENIZERS[v.pre]}")
+                   + f"; (B) {tok.hf_source}"),
         "pre_tokenizer": v.pre,
-        "pre_tokenizer_regexes": PRE_TOKENIZERS[v.pre],
+        "pre_tokenizer_regexes": PRE_TOKENIZERS.get(v.pre, []),
         "ids_include_bos": False,
         "add_bos_token": v.add_bos,
         "bos_token_id": v.bos_id,

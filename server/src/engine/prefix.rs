@@ -157,8 +157,11 @@ impl PrefixCache {
             let id = *self.index.get(key)?;
             let len = (i + 1) * self.block;
             let entry = self.entries.get(&id)?;
-            // A hash collision must never serve the wrong state.
-            (entry.scope == *scope && entry.tokens.len() >= len && entry.tokens[..len] == prompt[..len]).then_some((id, len))
+            // A hash collision must never serve the wrong state; and a cache
+            // whose sliding-window layers dropped the keys a continuation at
+            // `len` would see cannot serve it (a miss, computed afresh).
+            let usable = entry.cache.earliest_truncation() <= len;
+            (usable && entry.scope == *scope && entry.tokens.len() >= len && entry.tokens[..len] == prompt[..len]).then_some((id, len))
         })
     }
 

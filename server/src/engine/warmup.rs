@@ -145,6 +145,10 @@ mod tests {
             qkv_bias: true,
             qk_norm: false,
             tied_embeddings: true,
+            embedding_scale: 1.0,
+            activation: crate::model::Activation::Silu,
+            post_norms: false,
+            sliding_window: None,
         }
     }
 

@@ -72,6 +72,9 @@ pub(super) struct BatchStep {
     pub positions: Array,
     /// `[slots, 1, n, capacity]` additive.
     pub mask: Array,
+    /// The same two for sliding-window layers, which index each slot's
+    /// positions from its first (see [`KvBatch`]); `None` without them.
+    pub window: Option<(Array, Array)>,
     /// int32 `[slots]`: each slot's first position.
     pub offsets: Array,
     /// Slots that attend alone this step.
@@ -166,6 +169,17 @@ impl BatchStep {
         b.kv.ensure_capacity(needed)?;
         let positions = b.kv.write_positions(&write_from, &shared_real, n)?;
         let mask = b.kv.step_mask(&positions)?;
+        let window = match widest_window(b.kv) {
+            Some(size) => {
+                let ends: Vec<usize> =
+                    (0..slots).map(|s| if shared { KvBatch::padded_room(write_from[s], shared_real[s], n) } else { lens[s] + real[s] }).collect();
+                b.kv.make_window_room(&ends)?;
+                let positions = b.kv.window_write_positions(&write_from, &shared_real, n)?;
+                let mask = b.kv.window_step_mask(&positions, size)?;
+                Some((positions, mask))
+            }
+            None => None,
+        };
         let tokens = ids.len();
         Ok(BatchStep {
             slots,
@@ -177,6 +191,7 @@ impl BatchStep {
             real,
             positions,
             mask,
+            window,
             offsets: b.kv.offsets()?,
             alone,
             layout,
@@ -210,6 +225,11 @@ impl BatchStep {
     pub fn logit_spans<'a>(&'a self, logits: &'a [usize]) -> impl Iterator<Item = (usize, usize)> + 'a {
         (0..self.slots).map(move |s| (self.starts[s] + self.real[s] - logits[s], logits[s]))
     }
+}
+
+/// The widest window of a batch's sliding-window layers, if it has any.
+fn widest_window(kv: &KvBatch) -> Option<usize> {
+    (0..kv.layer_count()).filter_map(|l| kv.window(l)).max()
 }
 
 /// Most queries per slot of the shared attention's smallest multi-query

@@ -8,6 +8,10 @@ pub enum Architecture {
     /// Qwen3: RMS norms on each head's queries and keys before RoPE, no
     /// q/k/v biases, a head size of its own (not d_model / heads).
     Qwen3,
+    /// Gemma 3: Qwen3's query/key norms, embeddings scaled by sqrt(d_model),
+    /// norms after attention and after the MLP as well as before, GeGLU,
+    /// and sliding-window layers interleaved with global ones.
+    Gemma3,
 }
 
 impl Architecture {
@@ -16,6 +20,7 @@ impl Architecture {
             "llama" | "LlamaForCausalLM" | "MistralForCausalLM" => Some(Architecture::Llama),
             "qwen2" | "Qwen2ForCausalLM" => Some(Architecture::Qwen2),
             "qwen3" | "Qwen3ForCausalLM" => Some(Architecture::Qwen3),
+            "gemma3" | "gemma3_text" => Some(Architecture::Gemma3),
             _ => None,
         }
     }
@@ -25,11 +30,39 @@ impl Architecture {
             Architecture::Llama => "llama",
             Architecture::Qwen2 => "qwen2",
             Architecture::Qwen3 => "qwen3",
+            Architecture::Gemma3 => "gemma3",
         }
     }
 
     /// Every architecture the forward pass implements, for error messages.
-    pub const SUPPORTED: &'static str = "llama, qwen2, qwen3";
+    pub const SUPPORTED: &'static str = "llama, qwen2, qwen3, gemma3";
+}
+
+/// The gate activation of the gated MLP: `act(gate) * up`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// SwiGLU (llama, qwen).
+    Silu,
+    /// GeGLU with GELU's tanh approximation (Gemma).
+    GeluTanh,
+}
+
+/// Sliding-window attention on some layers (Gemma 3): a local layer's query
+/// sees only the last `size` positions (itself included) and its RoPE turns
+/// at its own base; every `global_every`-th layer (the last of each group)
+/// attends to everything at the model's main RoPE base.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SlidingWindow {
+    pub size: usize,
+    pub global_every: usize,
+    pub local_rope_theta: f32,
+}
+
+impl SlidingWindow {
+    /// Whether layer `layer` (from 0) attends within the window.
+    pub fn is_local(&self, layer: usize) -> bool {
+        !(layer + 1).is_multiple_of(self.global_every)
+    }
 }
 
 /// Llama 3's RoPE scaling (`rope_scaling` with `rope_type: "llama3"`): the
@@ -94,12 +127,30 @@ pub struct ModelConfig {
     pub qk_norm: bool,
     /// The output projection reuses the token embedding matrix.
     pub tied_embeddings: bool,
+    /// Embeddings are multiplied by this before the first layer (Gemma: sqrt(d_model)).
+    pub embedding_scale: f32,
+    /// The MLP's gate activation.
+    pub activation: Activation,
+    /// Attention and MLP outputs are RMS-normed before they join the residual (Gemma).
+    pub post_norms: bool,
+    /// Sliding-window layers, if the model has them.
+    pub sliding_window: Option<SlidingWindow>,
 }
 
 impl ModelConfig {
     /// Bytes of KV cache one token occupies across all layers at `elem_bytes` per value.
     pub fn kv_bytes_per_token(&self, elem_bytes: usize) -> usize {
         2 * self.n_layers * self.n_kv_heads * self.head_dim * elem_bytes
+    }
+
+    /// Layer `layer`'s attention window (`None`: the whole history).
+    pub fn layer_window(&self, layer: usize) -> Option<usize> {
+        self.sliding_window.filter(|w| w.is_local(layer)).map(|w| w.size)
+    }
+
+    /// Each layer's attention window.
+    pub fn layer_windows(&self) -> Vec<Option<usize>> {
+        (0..self.n_layers).map(|l| self.layer_window(l)).collect()
     }
 
     pub fn validate(&self) -> Result<(), String> {
@@ -110,6 +161,7 @@ impl ModelConfig {
             (self.head_dim > 0 && self.head_dim.is_multiple_of(2), "head dimension must be even for RoPE"),
             (self.vocab_size > 0, "vocabulary is empty"),
             (self.rms_eps > 0.0, "RMS norm epsilon must be positive"),
+            (self.sliding_window.is_none_or(|w| w.size > 0 && w.global_every > 0), "sliding window or its layer pattern is zero"),
         ];
         match checks.iter().find(|(ok, _)| !ok) {
             Some((_, why)) => Err(why.to_string()),

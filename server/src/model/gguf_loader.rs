@@ -1,8 +1,8 @@
-//! Builds a [`Transformer`] from a GGUF file (llama, qwen2 and qwen3 architectures).
+//! Builds a [`Transformer`] from a GGUF file (llama, qwen2, qwen3 and gemma3 architectures).
 use gguf::{GgufFile, TensorInfo};
 use mlx::Dtype;
 
-use super::config::{Architecture, ModelConfig};
+use super::config::{Activation, Architecture, ModelConfig, SlidingWindow};
 use super::linear::{Linear, Weight};
 use super::transformer::{Layer, QkNorm, Transformer};
 use super::weights::{affine_to_mlx, dense, WeightFormat};
@@ -21,6 +21,21 @@ pub fn read_config(file: &GgufFile) -> Result<ModelConfig, LoadError> {
     let n_kv_heads = file.get_u64(&key("attention.head_count_kv")).map(|v| v as usize).unwrap_or(n_heads);
     let embedding = tensor(file, "token_embd.weight")?;
     let head_dim = file.get_u64(&key("attention.key_length")).map(|v| v as usize).unwrap_or(d_model / n_heads.max(1));
+    let gemma = arch == Architecture::Gemma3;
+    // Gemma 3's local layers: the window is in the file; the layer pattern
+    // (five local, one global) and the local RoPE base are the family's own
+    // (llama.cpp hard-codes them too; a file may name them).
+    let sliding_window = match file.get_u64(&key("attention.sliding_window")) {
+        Some(size) if gemma => Some(SlidingWindow {
+            size: size as usize,
+            global_every: file.get_u64(&key("attention.sliding_window_pattern")).map_or(6, |v| v as usize),
+            local_rope_theta: file.get_f32(&key("rope.freq_base_swa")).unwrap_or(10_000.0),
+        }),
+        _ => None,
+    };
+    if gemma && file.get_str(&key("rope.scaling.type")).is_some_and(|t| t != "none") {
+        return Err(LoadError::Invalid(format!("{arch_name}: RoPE scaling is not supported for this architecture yet")));
+    }
     let config = ModelConfig {
         arch,
         n_layers: int("block_count")?,
@@ -42,6 +57,11 @@ pub fn read_config(file: &GgufFile) -> Result<ModelConfig, LoadError> {
         qkv_bias: file.tensor("blk.0.attn_q.bias").is_some(),
         qk_norm: file.tensor("blk.0.attn_q_norm.weight").is_some(),
         tied_embeddings: file.tensor("output.weight").is_none(),
+        // Gemma's GGUF norms already hold 1 + w (its converter adds the one).
+        embedding_scale: if gemma { (d_model as f32).sqrt() } else { 1.0 },
+        activation: if gemma { Activation::GeluTanh } else { Activation::Silu },
+        post_norms: gemma,
+        sliding_window,
     };
     config.validate().map_err(LoadError::Invalid)?;
     Ok(config)
@@ -115,7 +135,15 @@ pub fn load(file: &GgufFile, dtype: Dtype, format: WeightFormat) -> Result<Trans
             true => Some(QkNorm { q: loader.dense(&format!("{p}.attn_q_norm.weight"), &[hd])?, k: loader.dense(&format!("{p}.attn_k_norm.weight"), &[hd])? }),
             false => None,
         };
+        let post_norm = |name: &str| -> Result<Option<mlx::Array>, LoadError> {
+            if !c.post_norms {
+                return Ok(None);
+            }
+            Ok(Some(loader.dense(&format!("{p}.{name}.weight"), &[d])?))
+        };
         layers.push(Layer {
+            post_attn_norm: post_norm("post_attention_norm")?,
+            post_ffn_norm: post_norm("post_ffw_norm")?,
             qk_norm,
             attn_norm: loader.dense(&format!("{p}.attn_norm.weight"), &[d])?,
             qkv: fuse_or_dense(&loader, [q, k, v], &[&format!("{p}.attn_q"), &format!("{p}.attn_k"), &format!("{p}.attn_v")])?,

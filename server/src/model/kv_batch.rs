@@ -21,9 +21,18 @@
 //! A slot's valid positions are `..len`; anything written past it (padding,
 //! rejected drafts) is masked out and overwritten later, so rolling back is
 //! just lowering `len`.
+//!
+//! Sliding-window layers hold a window's worth, as a row's own cache does
+//! (see [`KvCache`]): their buffers `[slots, kv_heads, window capacity,
+//! head_dim]` hold each slot's positions from its own first one, at index
+//! `p - first`, and a step that would overflow a slot first moves that
+//! slot's visible positions to the front (one gather per window layer, only
+//! on such steps). Their writes and masks use those indices; RoPE still
+//! uses positions.
+use mlx::fast::KEY_BLOCK;
 use mlx::{Array, Dtype};
 
-use super::kv_cache::{zeros_keeping, KvCache, CAPACITY_STEP};
+use super::kv_cache::{window_first, zeros_keeping, KvCache, CAPACITY_STEP, WINDOW_ROOM};
 
 /// The capacity a batch takes to hold `needed` positions: a multiple of
 /// [`CAPACITY_STEP`] up to four of them, then four sizes per doubling (1,280,
@@ -45,12 +54,17 @@ pub fn capacity_classes(needed: usize) -> impl Iterator<Item = usize> {
 }
 
 pub struct KvBatch {
-    /// Per layer (keys, values), `[slots, kv_heads, capacity, head_dim]`;
-    /// empty until the first row is admitted.
+    /// Per layer (keys, values), `[slots, kv_heads, capacity, head_dim]`
+    /// (window layers: `window_capacity`); empty until the first row is admitted.
     layers: Vec<(Array, Array)>,
+    /// Per layer, its attention window (`None`: the whole history).
+    windows: Vec<Option<usize>>,
     /// Valid positions of each slot; `None` for a free slot.
     lens: Vec<Option<usize>>,
+    /// Per slot, the first position its window layers hold.
+    firsts: Vec<usize>,
     capacity: usize,
+    window_capacity: usize,
     n_layers: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -59,7 +73,44 @@ pub struct KvBatch {
 
 impl KvBatch {
     pub fn new(n_layers: usize, kv_heads: usize, head_dim: usize, dtype: Dtype) -> KvBatch {
-        KvBatch { layers: Vec::new(), lens: Vec::new(), capacity: 0, n_layers, kv_heads, head_dim, dtype }
+        KvBatch {
+            layers: Vec::new(),
+            windows: vec![None; n_layers],
+            lens: Vec::new(),
+            firsts: Vec::new(),
+            capacity: 0,
+            window_capacity: 0,
+            n_layers,
+            kv_heads,
+            head_dim,
+            dtype,
+        }
+    }
+
+    /// The same (empty) batch whose layers attend within `windows`, one per layer.
+    pub fn with_windows(mut self, windows: Vec<Option<usize>>) -> KvBatch {
+        assert!(self.lens.is_empty() && windows.len() == self.n_layers, "windows are set on an empty batch, one per layer");
+        self.windows = windows;
+        self
+    }
+
+    /// Layers, window layers included.
+    pub fn layer_count(&self) -> usize {
+        self.n_layers
+    }
+
+    /// Layer `layer`'s window, if it is a sliding-window layer.
+    pub fn window(&self, layer: usize) -> Option<usize> {
+        self.windows[layer]
+    }
+
+    /// The first position layer `layer` of `slot` holds (at index 0).
+    pub fn first(&self, layer: usize, slot: usize) -> usize {
+        if self.windows[layer].is_some() {
+            self.firsts[slot]
+        } else {
+            0
+        }
     }
 
     /// Slots, free ones included: the batch dimension of a step.
@@ -90,19 +141,26 @@ impl KvBatch {
     /// next power of two when none is free), with room for `room` positions
     /// in all (a row's whole prompt: one reallocation, where growing chunk by
     /// chunk would copy every slot at each class), and returns the slot.
+    /// Window layers take only what the cache holds; they make room step by
+    /// step ([`make_window_room`](Self::make_window_room)).
     pub fn admit(&mut self, cache: &KvCache, room: usize) -> mlx::Result<usize> {
         let len = cache.len();
+        let first = self.windows.iter().position(Option::is_some).map_or(0, |l| cache.first(l));
         let free = self.lens.iter().position(Option::is_none);
         let slots = if free.is_some() { self.lens.len() } else { (self.lens.len() * 2).max(1) };
         let capacity = self.capacity.max(capacity_class(len.max(room)));
-        if slots != self.lens.len() || capacity != self.capacity {
-            self.resize(slots, capacity)?;
+        let has_windows = self.windows.iter().any(Option::is_some);
+        let window_capacity = if has_windows { self.window_capacity.max(window_class(len - first)) } else { 0 };
+        if slots != self.lens.len() || capacity != self.capacity || window_capacity != self.window_capacity {
+            self.resize(slots, capacity, window_capacity)?;
         }
         let slot = free.unwrap_or_else(|| self.lens.iter().position(Option::is_none).expect("grown by a slot at least"));
+        self.firsts[slot] = first;
         if len > 0 {
             let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
-            let (s, n) = (slot as i32, len as i32);
+            let s = slot as i32;
             for (layer, (k, v)) in self.layers.iter_mut().enumerate() {
+                let n = (len - cache.first(layer)) as i32;
                 let (ck, cv) = cache.positions(layer)?.ok_or_else(|| mlx::Error { op: "kv_batch", message: "admitting a cache with no buffers".into() })?;
                 *k = k.slice_update(&ck, &[s, 0, 0, 0], &[s + 1, h, n, d])?;
                 *v = v.slice_update(&cv, &[s, 0, 0, 0], &[s + 1, h, n, d])?;
@@ -117,16 +175,18 @@ impl KvBatch {
     /// and the next step can still write them in place).
     pub fn release(&mut self, slot: usize) -> mlx::Result<KvCache> {
         let len = self.len(slot);
-        let mut cache = KvCache::new(self.n_layers, self.kv_heads, self.head_dim, self.dtype);
+        let mut cache = KvCache::new(self.n_layers, self.kv_heads, self.head_dim, self.dtype).with_windows(self.windows.clone());
         if len > 0 {
             let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
-            let (s, n) = (slot as i32, len as i32);
-            let layers = self
-                .layers
-                .iter()
-                .map(|(k, v)| Ok((k.slice(&[s, 0, 0, 0], &[s + 1, h, n, d])?, v.slice(&[s, 0, 0, 0], &[s + 1, h, n, d])?)))
+            let s = slot as i32;
+            let layers = (0..self.n_layers)
+                .map(|layer| {
+                    let (k, v) = &self.layers[layer];
+                    let n = (len - self.first(layer, slot)) as i32;
+                    Ok((k.slice(&[s, 0, 0, 0], &[s + 1, h, n, d])?, v.slice(&[s, 0, 0, 0], &[s + 1, h, n, d])?))
+                })
                 .collect::<mlx::Result<Vec<_>>>()?;
-            cache.fill(&layers, len)?;
+            cache.fill(&layers, len, self.firsts[slot])?;
             mlx::eval(&cache.buffers())?;
         }
         self.forget(slot);
@@ -136,11 +196,14 @@ impl KvBatch {
     /// Frees `slot`, dropping its contents.
     pub fn forget(&mut self, slot: usize) {
         self.lens[slot] = None;
+        self.firsts[slot] = 0;
         if self.occupied() == 0 {
             // Nothing decoding: give the memory back.
             self.layers.clear();
             self.lens.clear();
+            self.firsts.clear();
             self.capacity = 0;
+            self.window_capacity = 0;
         }
     }
 
@@ -186,8 +249,10 @@ impl KvBatch {
 
     /// Writes one layer's keys and values of one slot, `[1, kv_heads, n,
     /// head_dim]`, at positions `at .. at + n`, and returns that slot's keys
-    /// and values up to there, `[1, kv_heads, at + n, head_dim]`.
+    /// and values from its first position up to there,
+    /// `[1, kv_heads, at + n - first, head_dim]`.
     pub fn write_slot(&mut self, layer: usize, slot: usize, at: usize, keys: &Array, values: &Array) -> mlx::Result<(Array, Array)> {
+        let at = at - self.first(layer, slot);
         let (k, v) = self.layers.get_mut(layer).ok_or_else(|| mlx::Error { op: "kv_batch", message: "write to an empty batch".into() })?;
         let (h, d, s, end) = (self.kv_heads as i32, self.head_dim as i32, slot as i32, (at + keys.dim(2)) as i32);
         *k = k.slice_update(keys, &[s, 0, at as i32, 0], &[s + 1, h, end, d])?;
@@ -231,24 +296,103 @@ impl KvBatch {
         if needed <= self.capacity {
             return Ok(());
         }
-        self.resize(self.lens.len(), capacity_class(needed))
+        self.resize(self.lens.len(), capacity_class(needed), self.window_capacity)
     }
 
-    /// Reallocates every layer as `[slots, .., capacity, ..]`, keeping the
-    /// current contents (slots and capacity only grow).
-    fn resize(&mut self, slots: usize, capacity: usize) -> mlx::Result<()> {
-        let shape = [slots, self.kv_heads, capacity, self.head_dim];
-        let keep = [self.lens.len(), self.kv_heads, self.capacity, self.head_dim];
-        let grow = |old: Option<&Array>| zeros_keeping(&shape, self.dtype, old, keep);
-        self.layers = if self.layers.is_empty() {
-            (0..self.n_layers).map(|_| Ok((grow(None)?, grow(None)?))).collect::<mlx::Result<_>>()?
-        } else {
-            self.layers.iter().map(|(k, v)| Ok((grow(Some(k))?, grow(Some(v))?))).collect::<mlx::Result<_>>()?
-        };
-        self.lens.resize(slots, None);
-        self.capacity = capacity;
+    /// Makes room in the window layers for a step that writes slot `s`'s
+    /// positions up to `ends[s]` (padding included): a slot that would
+    /// overflow first drops the positions its queries can no longer see
+    /// (as a row's cache does, see [`window_first`]), and the capacity grows
+    /// if that is still not enough. No-op without window layers.
+    pub fn make_window_room(&mut self, ends: &[usize]) -> mlx::Result<()> {
+        let Some(window) = self.windows.iter().flatten().copied().max() else { return Ok(()) };
+        let lens: Vec<usize> = (0..self.slots()).map(|s| self.len(s)).collect();
+        let firsts: Vec<usize> = (0..self.slots())
+            .map(|s| match ends[s] - self.firsts[s] > self.window_capacity {
+                true => window_first(lens[s], window).max(self.firsts[s]),
+                false => self.firsts[s],
+            })
+            .collect();
+        let most = (0..self.slots()).map(|s| ends[s] - firsts[s]).max().unwrap_or(0);
+        let capacity = if most > self.window_capacity { window_class(most) } else { self.window_capacity };
+        if firsts == self.firsts && capacity == self.window_capacity {
+            return Ok(());
+        }
+        // Index i of slot s takes old index i + (new first - old first);
+        // past the old buffer it takes its last index (nothing a query sees:
+        // those positions are written by this step before attention reads them).
+        let old_capacity = self.window_capacity;
+        let index: Vec<i32> = (0..self.slots())
+            .flat_map(|s| {
+                let shift = firsts[s] - self.firsts[s];
+                (0..capacity).map(move |i| (i + shift).min(old_capacity - 1) as i32)
+            })
+            .collect();
+        let index = Array::from_i32(&index, &[self.slots(), 1, capacity, 1])?;
+        for ((k, v), _) in self.layers.iter_mut().zip(&self.windows).filter(|(_, w)| w.is_some()) {
+            *k = k.take_along_axis(&index, 2)?;
+            *v = v.take_along_axis(&index, 2)?;
+        }
+        self.firsts = firsts;
+        self.window_capacity = capacity;
         Ok(())
     }
+
+    /// [`write_positions`](Self::write_positions) for the window layers:
+    /// each slot's positions as indices from its first, padding kept
+    /// within the window capacity.
+    pub fn window_write_positions(&self, from: &[usize], real: &[usize], n: usize) -> mlx::Result<Array> {
+        let last = self.window_capacity.saturating_sub(1);
+        let pos: Vec<i32> = (0..self.slots())
+            .flat_map(|s| {
+                let f = from[s] - self.firsts[s];
+                let r = real[s];
+                (0..n).map(move |i| if i < r { f + i } else { (f + i).min(last) } as i32)
+            })
+            .collect();
+        Array::from_i32(&pos, &[self.slots(), 1, n, 1])
+    }
+
+    /// The window layers' additive mask, `[slots, 1, n, window capacity]`,
+    /// from [`window_write_positions`](Self::window_write_positions): a
+    /// query at index `q` sees indices `q - window + 1 ..= q`.
+    pub fn window_step_mask(&self, query: &Array, window: usize) -> mlx::Result<Array> {
+        let keys = Array::arange(0.0, self.window_capacity as f64, 1.0, Dtype::I32)?.reshape(&[1, 1, 1, self.window_capacity as i32])?;
+        let oldest = query.subtract(&Array::scalar(window as f32 - 1.0, Dtype::I32)?)?;
+        let seen = keys.less_equal(query)?.logical_and(&keys.greater_equal(&oldest)?)?;
+        mlx::where_(&seen, &Array::scalar(0.0, self.dtype)?, &Array::scalar(f32::NEG_INFINITY, self.dtype)?)
+    }
+
+    /// Reallocates every layer as `[slots, .., capacity, ..]` (window
+    /// layers: `window_capacity`), keeping the current contents (slots and
+    /// capacities only grow).
+    fn resize(&mut self, slots: usize, capacity: usize, window_capacity: usize) -> mlx::Result<()> {
+        let old_slots = self.lens.len();
+        let layers = std::mem::take(&mut self.layers);
+        let grow = |old: Option<&Array>, window: bool| {
+            let (cap, old_cap) = if window { (window_capacity, self.window_capacity) } else { (capacity, self.capacity) };
+            zeros_keeping(&[slots, self.kv_heads, cap, self.head_dim], self.dtype, old, [old_slots, self.kv_heads, old_cap, self.head_dim])
+        };
+        self.layers = (0..self.n_layers)
+            .map(|l| {
+                let window = self.windows[l].is_some();
+                let old = layers.get(l);
+                Ok((grow(old.map(|o| &o.0), window)?, grow(old.map(|o| &o.1), window)?))
+            })
+            .collect::<mlx::Result<_>>()?;
+        self.lens.resize(slots, None);
+        self.firsts.resize(slots, 0);
+        self.capacity = capacity;
+        self.window_capacity = window_capacity;
+        Ok(())
+    }
+}
+
+/// The window capacity that holds `needed` indices: whole key blocks with
+/// [`WINDOW_ROOM`] to spare, so a decoding slot moves its window every
+/// hundred-odd steps, not every step.
+fn window_class(needed: usize) -> usize {
+    (needed + WINDOW_ROOM).div_ceil(KEY_BLOCK) * KEY_BLOCK
 }
 
 #[cfg(test)]
@@ -259,7 +403,7 @@ mod tests {
         let mut cache = KvCache::new(2, 1, 4, Dtype::F32);
         if len > 0 {
             let layer = (Array::full(&[1, 1, len, 4], fill, Dtype::F32).unwrap(), Array::full(&[1, 1, len, 4], -fill, Dtype::F32).unwrap());
-            cache.fill(&[layer.clone(), layer], len).unwrap();
+            cache.fill(&[layer.clone(), layer], len, 0).unwrap();
         }
         cache
     }

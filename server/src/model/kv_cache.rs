@@ -7,6 +7,14 @@
 //! draft tokens) is just moving `len` back: stale positions are overwritten
 //! by the next write and never read, since attention only sees `..len`.
 //!
+//! Sliding-window layers (Gemma 3's local layers) keep only what a query can
+//! still see: their buffers hold positions `first ..` (at index `p - first`),
+//! and when a step would overflow them, the positions older than the window
+//! are dropped in one copy and the buffer is sized again to the window plus
+//! the step and a little room ([`WINDOW_ROOM`]), so however long a session
+//! grows, those layers hold about a window. A window layer can then only be
+//! rolled back as far as [`earliest_truncation`](KvCache::earliest_truncation).
+//!
 //! For the CPU's fused attention the keys are stored in blocks
 //! ([`KeyLayout::Blocks`]): the order its score loop reads them in, written
 //! so by its cache write, so no step transposes a row's whole history again.
@@ -19,6 +27,24 @@ use mlx::{Array, Dtype};
 /// Capacity grows in multiples of this many tokens.
 pub const CAPACITY_STEP: usize = 256;
 const _: () = assert!(CAPACITY_STEP.is_multiple_of(KEY_BLOCK), "caches with keys in blocks hold whole blocks");
+
+/// Positions a window layer's buffer holds beyond the window and the step
+/// when it is sized again: how many decode steps pass between the copies
+/// that drop old positions (each copies about a window).
+pub const WINDOW_ROOM: usize = 2 * KEY_BLOCK;
+
+/// Positions a window layer keeps before the oldest one its next query
+/// sees, so the cache can still be rolled back this far: a prefix-cache hit
+/// lands on a 16-token block boundary below the stored length, and rejected
+/// drafts roll back a few.
+pub const WINDOW_ROLLBACK: usize = KEY_BLOCK;
+
+/// The first position a window layer of `window` keeps at length `len`:
+/// the oldest its next query sees, less [`WINDOW_ROLLBACK`], down to a whole
+/// key block.
+pub fn window_first(len: usize, window: usize) -> usize {
+    len.saturating_sub(window - 1 + WINDOW_ROLLBACK) / KEY_BLOCK * KEY_BLOCK
+}
 
 /// `[1, heads, len, dim]` position-order keys laid out in blocks, padded
 /// with zeros to whole blocks: `[1, heads, ceil(len / KEY_BLOCK) * KEY_BLOCK, dim]`.
@@ -69,8 +95,14 @@ pub(super) fn zeros_keeping(shape: &[usize; 4], dtype: Dtype, old: Option<&Array
 #[derive(Clone)]
 pub struct KvCache {
     layers: Vec<Option<(Array, Array)>>,
+    /// Per layer, its attention window (`None`: it sees the whole history).
+    windows: Vec<Option<usize>>,
     len: usize,
+    /// Positions the whole-history layers have room for.
     capacity: usize,
+    /// The window layers' span: the first position they hold, and room.
+    window_first: usize,
+    window_capacity: usize,
     kv_heads: usize,
     head_dim: usize,
     dtype: Dtype,
@@ -80,13 +112,37 @@ pub struct KvCache {
 impl KvCache {
     /// An empty cache storing keys in position order.
     pub fn new(n_layers: usize, kv_heads: usize, head_dim: usize, dtype: Dtype) -> KvCache {
-        KvCache { layers: (0..n_layers).map(|_| None).collect(), len: 0, capacity: 0, kv_heads, head_dim, dtype, keys: KeyLayout::Positions }
+        KvCache {
+            layers: (0..n_layers).map(|_| None).collect(),
+            windows: vec![None; n_layers],
+            len: 0,
+            capacity: 0,
+            window_first: 0,
+            window_capacity: 0,
+            kv_heads,
+            head_dim,
+            dtype,
+            keys: KeyLayout::Positions,
+        }
     }
 
     /// An empty cache storing keys in blocks, for the CPU's fused attention
     /// (written by [`write_step`](Self::write_step) only).
     pub fn with_keys_in_blocks(n_layers: usize, kv_heads: usize, head_dim: usize, dtype: Dtype) -> KvCache {
         KvCache { keys: KeyLayout::Blocks, ..KvCache::new(n_layers, kv_heads, head_dim, dtype) }
+    }
+
+    /// The same cache whose layers attend within `windows` (one per layer,
+    /// `None` for a whole-history layer); set before anything is stored.
+    pub fn with_windows(mut self, windows: Vec<Option<usize>>) -> KvCache {
+        assert!(self.is_empty() && windows.len() == self.layers.len(), "windows are set on an empty cache, one per layer");
+        self.windows = windows;
+        self
+    }
+
+    /// Per layer, its attention window.
+    pub fn windows(&self) -> &[Option<usize>] {
+        &self.windows
     }
 
     /// How the keys are stored.
@@ -112,8 +168,36 @@ impl KvCache {
         self.len == 0
     }
 
-    /// Forgets everything after the first `len` tokens.
+    /// The first position layer `layer` holds (at index 0 of its buffers):
+    /// 0 for a whole-history layer.
+    pub fn first(&self, layer: usize) -> usize {
+        if self.windows[layer].is_some() {
+            self.window_first
+        } else {
+            0
+        }
+    }
+
+    /// The largest window of the window layers (what they must keep).
+    fn widest_window(&self) -> Option<usize> {
+        self.windows.iter().flatten().copied().max()
+    }
+
+    /// The shortest length this cache can be truncated to and still go on:
+    /// the next query must find its whole window in the window layers.
+    pub fn earliest_truncation(&self) -> usize {
+        match self.widest_window() {
+            Some(w) if self.window_first > 0 => self.window_first + w - 1,
+            _ => 0,
+        }
+    }
+
+    /// Forgets everything after the first `len` tokens. Not below
+    /// [`earliest_truncation`](Self::earliest_truncation), which the engine's
+    /// rollbacks never reach (they stay at or after the last step's start)
+    /// and the prefix cache checks.
     pub fn truncate(&mut self, len: usize) {
+        debug_assert!(len >= self.earliest_truncation().min(self.len), "truncating to {len} drops keys the window still needs");
         self.len = self.len.min(len);
     }
 
@@ -122,41 +206,94 @@ impl KvCache {
         self.layers.iter().flatten().map(|(k, v)| k.nbytes() + v.nbytes()).sum()
     }
 
-    /// Makes room for `extra` more tokens, growing all layers together.
+    /// Bytes reserved by the window layers.
+    pub fn window_nbytes(&self) -> usize {
+        self.layers.iter().zip(&self.windows).filter(|(_, w)| w.is_some()).filter_map(|(l, _)| l.as_ref()).map(|(k, v)| k.nbytes() + v.nbytes()).sum()
+    }
+
+    /// Makes room for `extra` more tokens in every layer: whole-history
+    /// layers grow together; window layers drop what no query will see
+    /// again when they would overflow (see the module notes).
     pub fn reserve(&mut self, extra: usize) -> mlx::Result<()> {
         let needed = self.len + extra;
-        if needed <= self.capacity {
-            return Ok(());
+        if needed > self.capacity && self.windows.iter().any(Option::is_none) {
+            let new_cap = needed.div_ceil(CAPACITY_STEP) * CAPACITY_STEP;
+            let shape = [1, self.kv_heads, new_cap, self.head_dim];
+            let keep = [1, self.kv_heads, self.copied_positions(self.len), self.head_dim];
+            for (layer, _) in self.layers.iter_mut().zip(&self.windows).filter(|(_, w)| w.is_none()) {
+                let fresh = |old: Option<&Array>| zeros_keeping(&shape, self.dtype, old, keep);
+                let (k, v) = match layer.take() {
+                    Some((k, v)) => (fresh(Some(&k))?, fresh(Some(&v))?),
+                    None => (fresh(None)?, fresh(None)?),
+                };
+                *layer = Some((k, v));
+            }
+            self.capacity = new_cap;
         }
-        let new_cap = needed.div_ceil(CAPACITY_STEP) * CAPACITY_STEP;
-        let shape = [1, self.kv_heads, new_cap, self.head_dim];
-        let keep = [1, self.kv_heads, self.copied_positions(self.len), self.head_dim];
-        for layer in &mut self.layers {
-            let fresh = |old: Option<&Array>| zeros_keeping(&shape, self.dtype, old, keep);
-            let (k, v) = match layer.take() {
-                Some((k, v)) => (fresh(Some(&k))?, fresh(Some(&v))?),
-                None => (fresh(None)?, fresh(None)?),
-            };
-            *layer = Some((k, v));
+        if let Some(window) = self.widest_window() {
+            if needed > self.window_first + self.window_capacity {
+                self.resize_window_layers(window, extra)?;
+            }
         }
-        self.capacity = new_cap;
         Ok(())
     }
 
+    /// Drops the positions no query from the current length on can see
+    /// (keeping whole key blocks and [`WINDOW_ROLLBACK`]) and sizes the window layers for the
+    /// window, `extra` new tokens and [`WINDOW_ROOM`].
+    fn resize_window_layers(&mut self, window: usize, extra: usize) -> mlx::Result<()> {
+        let first = window_first(self.len, window).max(self.window_first);
+        // (An empty cache being filled may start past its length so far.)
+        let capacity = (self.len + extra - first + WINDOW_ROOM).div_ceil(KEY_BLOCK) * KEY_BLOCK;
+        let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
+        // Indices in the old buffers: from the new first position to the
+        // current length (for keys in blocks, to the end of its block).
+        let from = (first - self.window_first) as i32;
+        let held = self.len.saturating_sub(self.window_first);
+        let kept = |to: usize| -> (i32, [i32; 4]) { (to as i32 - from, [1, h, to as i32, d]) };
+        let (key_kept, key_stop) = kept(self.copied_positions(held));
+        let (value_kept, value_stop) = kept(held);
+        let shape = [1, self.kv_heads, capacity, self.head_dim];
+        let move_over = |old: Option<&Array>, kept: i32, stop: [i32; 4]| -> mlx::Result<Array> {
+            let fresh = Array::zeros(&shape, self.dtype)?;
+            match old {
+                Some(old) if kept > 0 => fresh.slice_update(&old.slice(&[0, 0, from, 0], &stop)?, &[0; 4], &[1, h, kept, d]),
+                _ => Ok(fresh),
+            }
+        };
+        for (layer, _) in self.layers.iter_mut().zip(&self.windows).filter(|(_, w)| w.is_some()) {
+            let old = layer.take();
+            *layer = Some((move_over(old.as_ref().map(|o| &o.0), key_kept, key_stop)?, move_over(old.as_ref().map(|o| &o.1), value_kept, value_stop)?));
+        }
+        self.window_first = first;
+        self.window_capacity = capacity;
+        Ok(())
+    }
+
+    /// Room layer `layer` has, in positions from its first.
+    fn layer_capacity(&self, layer: usize) -> usize {
+        if self.windows[layer].is_some() {
+            self.window_capacity
+        } else {
+            self.capacity
+        }
+    }
+
     /// Writes `[1, kv_heads, n, head_dim]` keys/values for layer `layer` at the
-    /// current length and returns views of all `len + n` stored positions.
+    /// current length and returns views of all it holds, the positions
+    /// `first(layer) .. len + n`.
     /// `reserve(n)` must have been called for this step; `advance(n)` commits.
     pub fn append(&mut self, layer: usize, k: &Array, v: &Array) -> mlx::Result<(Array, Array)> {
         if self.keys == KeyLayout::Blocks {
             return Err(mlx::Error { op: "kv_cache", message: "append writes keys in position order; a cache with keys in blocks takes write_step".into() });
         }
         let n = k.dim(2);
-        let end = self.len + n;
-        if end > self.capacity {
-            return Err(mlx::Error { op: "kv_cache", message: format!("append of {n} past capacity {}", self.capacity) });
+        let (at, end) = (self.len - self.first(layer), self.len + n - self.first(layer));
+        if end > self.layer_capacity(layer) {
+            return Err(mlx::Error { op: "kv_cache", message: format!("append of {n} past capacity {}", self.layer_capacity(layer)) });
         }
         let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
-        let (start, stop) = ([0, 0, self.len as i32, 0], [1, h, end as i32, d]);
+        let (start, stop) = ([0, 0, at as i32, 0], [1, h, end as i32, d]);
         let (old_k, old_v) = self.layers[layer].take().ok_or_else(|| mlx::Error { op: "kv_cache", message: "layer not reserved".into() })?;
         let new_k = old_k.slice_update(k, &start, &stop)?;
         let new_v = old_v.slice_update(v, &start, &stop)?;
@@ -171,13 +308,15 @@ impl KvCache {
     /// tokens `start .. start + n` of a whole step's keys and values
     /// (`[1, T, kv_heads * head_dim]` or `[T, kv_heads, 1, head_dim]`, views
     /// allowed) at the current length, and returns the updated buffers whole
-    /// (valid up to `len + n`). In place unless a snapshot shares the buffer.
+    /// (valid up to `len + n`, from `first(layer)`). In place unless a
+    /// snapshot shares the buffer.
     pub fn write_step(&mut self, layer: usize, keys: &Array, values: &Array, start: usize, n: usize) -> mlx::Result<(Array, Array)> {
-        if self.len + n > self.capacity {
-            return Err(mlx::Error { op: "kv_cache", message: format!("append of {n} past capacity {}", self.capacity) });
+        let at = self.len - self.first(layer);
+        if at + n > self.layer_capacity(layer) {
+            return Err(mlx::Error { op: "kv_cache", message: format!("append of {n} past capacity {}", self.layer_capacity(layer)) });
         }
         let (old_k, old_v) = self.layers[layer].take().ok_or_else(|| mlx::Error { op: "kv_cache", message: "layer not reserved".into() })?;
-        let write = |old: &Array, fresh: &Array, layout| mlx::fast::cpu_kv_write(old, fresh, start, n, self.len, layout);
+        let write = |old: &Array, fresh: &Array, layout| mlx::fast::cpu_kv_write(old, fresh, start, n, at, layout);
         match write(&old_k, keys, self.keys).and_then(|k| Ok((k, write(&old_v, values, KeyLayout::Positions)?))) {
             Ok((new_k, new_v)) => {
                 drop((old_k, old_v)); // the graph now holds the only reference: the write can be in place
@@ -191,42 +330,46 @@ impl KvCache {
         }
     }
 
-    /// Layer `layer`'s stored keys and values, `[1, kv_heads, len, head_dim]`
-    /// in position order (lazy views, or a reordered copy of keys stored in
-    /// blocks); `None` when the layer holds nothing.
+    /// Layer `layer`'s stored keys and values in position order, the
+    /// positions `first(layer) .. len` as `[1, kv_heads, len - first, head_dim]`
+    /// (lazy views, or a reordered copy of keys stored in blocks); `None`
+    /// when the layer holds nothing.
     pub fn positions(&self, layer: usize) -> mlx::Result<Option<(Array, Array)>> {
         let Some((k, v)) = self.layers.get(layer).and_then(Option::as_ref) else { return Ok(None) };
-        if self.len == 0 {
+        let held = self.len - self.first(layer);
+        if held == 0 {
             return Ok(None);
         }
-        let stop = [1, self.kv_heads as i32, self.len as i32, self.head_dim as i32];
+        let stop = [1, self.kv_heads as i32, held as i32, self.head_dim as i32];
         let keys = match self.keys {
             KeyLayout::Positions => k.slice(&[0; 4], &stop)?,
-            KeyLayout::Blocks => out_of_blocks(k, self.len)?,
+            KeyLayout::Blocks => out_of_blocks(k, held)?,
         };
         Ok(Some((keys, v.slice(&[0; 4], &stop)?)))
     }
 
     /// Replaces an empty cache's contents with copies of `layers`, each
-    /// `[1, kv_heads, len, head_dim]` in position order (views allowed): the
+    /// `[1, kv_heads, len - first, head_dim]` in position order (views
+    /// allowed), where `first` is 0 for a whole-history layer and
+    /// `window_first` for a window layer (a multiple of [`KEY_BLOCK`]): the
     /// cache then owns buffers of its own.
-    pub fn fill(&mut self, layers: &[(Array, Array)], len: usize) -> mlx::Result<()> {
-        if !self.is_empty() || layers.len() != self.layers.len() {
+    pub fn fill(&mut self, layers: &[(Array, Array)], len: usize, window_first: usize) -> mlx::Result<()> {
+        if !self.is_empty() || layers.len() != self.layers.len() || !window_first.is_multiple_of(KEY_BLOCK) || window_first > len {
             return Err(mlx::Error {
                 op: "kv_cache",
-                message: format!("fill of {} layers into a cache of {} holding {}", layers.len(), self.layers.len(), self.len),
+                message: format!("fill of {} layers from {window_first} into a cache of {} holding {}", layers.len(), self.layers.len(), self.len),
             });
         }
+        self.window_first = window_first;
         self.reserve(len)?;
-        let stop = [1, self.kv_heads as i32, len as i32, self.head_dim as i32];
-        let key_stop = [1, self.kv_heads as i32, self.copied_positions(len) as i32, self.head_dim as i32];
-        for (slot, (k, v)) in self.layers.iter_mut().zip(layers) {
-            let (bk, bv) = slot.take().expect("reserved above");
-            let k = match self.keys {
-                KeyLayout::Positions => k.clone(),
-                KeyLayout::Blocks => into_blocks(k, len)?,
-            };
-            *slot = Some((bk.slice_update(&k, &[0; 4], &key_stop)?, bv.slice_update(v, &[0; 4], &stop)?));
+        let keys_in_blocks = self.keys == KeyLayout::Blocks;
+        for (layer, (k, v)) in layers.iter().enumerate() {
+            let held = len - self.first(layer);
+            let stop = [1, self.kv_heads as i32, held as i32, self.head_dim as i32];
+            let key_stop = [1, self.kv_heads as i32, self.copied_positions(held) as i32, self.head_dim as i32];
+            let (bk, bv) = self.layers[layer].take().expect("reserved above");
+            let k = if keys_in_blocks { into_blocks(k, held)? } else { k.clone() };
+            self.layers[layer] = Some((bk.slice_update(&k, &[0; 4], &key_stop)?, bv.slice_update(v, &[0; 4], &stop)?));
         }
         self.len = len;
         Ok(())
@@ -297,13 +440,58 @@ mod tests {
         assert!(blocked.append(0, &keys, &keys).is_err(), "position-order writes into keys in blocks");
     }
 
+    /// A whole-history layer and a window layer written side by side, in
+    /// steps of `steps` tokens.
+    fn windowed(window: usize, steps: &[usize]) -> KvCache {
+        let (heads, dim) = (1, 16);
+        let mut cache = KvCache::with_keys_in_blocks(2, heads, dim, Dtype::F32).with_windows(vec![None, Some(window)]);
+        for &n in steps {
+            let keys = step_keys(cache.len(), n, heads, dim);
+            cache.reserve(n).unwrap();
+            for layer in 0..2 {
+                cache.write_step(layer, &keys, &keys, 0, n).unwrap();
+            }
+            cache.advance(n);
+        }
+        cache
+    }
+
+    #[test]
+    fn a_window_layer_keeps_about_a_window_and_its_positions_stay_in_place() {
+        let _device = mlx::set_default_device(mlx::Device::Cpu);
+        let window = 100;
+        // A prompt of 300, then 500 decode steps.
+        let steps: Vec<usize> = std::iter::once(300).chain(std::iter::repeat_n(1, 500)).collect();
+        let cache = windowed(window, &steps);
+        assert_eq!(cache.len(), 800);
+        let first = cache.first(1);
+        assert!(first > 0 && first.is_multiple_of(KEY_BLOCK) && first + window - 1 + WINDOW_ROLLBACK <= 800, "first {first}");
+        assert_eq!(cache.earliest_truncation(), first + window - 1);
+        let per_position = 16 * 4 * 2;
+        assert!(cache.window_nbytes() <= (window + WINDOW_ROLLBACK + 2 * KEY_BLOCK + WINDOW_ROOM) * per_position, "{}", cache.window_nbytes());
+        // The window layer holds positions first..800, the same values as the
+        // whole-history layer's.
+        let (all, _) = cache.positions(0).unwrap().unwrap();
+        let (kept, _) = cache.positions(1).unwrap().unwrap();
+        assert_eq!(kept.shape(), vec![1, 1, 800 - first, 16]);
+        let all = all.to_vec_f32().unwrap();
+        assert_eq!(kept.to_vec_f32().unwrap(), all[first * 16..].to_vec());
+
+        // Filled from those positions, another cache reads back the same.
+        let layers = [cache.positions(0).unwrap().unwrap(), cache.positions(1).unwrap().unwrap()];
+        let mut copy = KvCache::with_keys_in_blocks(2, 1, 16, Dtype::F32).with_windows(vec![None, Some(window)]);
+        copy.fill(&layers, 800, first).unwrap();
+        assert_eq!(copy.positions(1).unwrap().unwrap().0.to_vec_f32().unwrap(), all[first * 16..].to_vec());
+        assert_eq!(copy.earliest_truncation(), cache.earliest_truncation());
+    }
+
     #[test]
     fn a_cache_filled_from_positions_stores_its_keys_in_blocks() {
         let _device = mlx::set_default_device(mlx::Device::Cpu);
         let (_, plain) = written(&[100]);
         let (k, v) = plain.positions(0).unwrap().unwrap();
         let mut blocked = KvCache::with_keys_in_blocks(1, 2, 16, Dtype::F32);
-        blocked.fill(&[(k, v)], 100).unwrap();
+        blocked.fill(&[(k, v)], 100, 0).unwrap();
         assert_eq!(positions(&blocked), positions(&plain));
         // The stored keys are in blocks: position 65, feature 3 of head 1 sits
         // at block 1, row 3, column 1 of that head's buffer.

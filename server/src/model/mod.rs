@@ -15,7 +15,7 @@ mod weights;
 use std::path::Path;
 
 pub use batch_step::{queries_per_slot, BatchedRows, GATHERED_ROWS_MULTIPLE, SHARED_ATTENTION_SCORES, SMALL_QUERIES};
-pub use config::{Architecture, ModelConfig};
+pub use config::{Activation, Architecture, ModelConfig, SlidingWindow};
 pub use kv_batch::{capacity_class, capacity_classes, KvBatch};
 pub use kv_cache::{KvCache, CAPACITY_STEP as KV_CAPACITY_STEP};
 pub use linear::{Linear, Weight};

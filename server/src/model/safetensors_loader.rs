@@ -8,7 +8,7 @@ use std::path::Path;
 use mlx::{Array, Dtype, QuantizedWeights};
 use serde_json::Value;
 
-use super::config::{Architecture, Llama3RopeScaling, ModelConfig};
+use super::config::{Activation, Architecture, Llama3RopeScaling, ModelConfig};
 use super::linear::{Linear, Weight};
 use super::transformer::{Layer, QkNorm, Transformer};
 use super::LoadError;
@@ -19,6 +19,11 @@ pub fn read_config(dir: &Path) -> Result<(ModelConfig, Option<(i32, i32)>), Load
     let v: Value = serde_json::from_str(&text).map_err(|e| LoadError::Invalid(format!("config.json: {e}")))?;
     let arch_name = v["architectures"].get(0).and_then(Value::as_str).or_else(|| v["model_type"].as_str()).unwrap_or("");
     let arch = Architecture::parse(arch_name).ok_or_else(|| LoadError::UnsupportedArchitecture(arch_name.to_string()))?;
+    if arch == Architecture::Gemma3 {
+        // Gemma's checkpoints store norm weights as offsets from 1 and its
+        // layer pattern in fields of their own; only its GGUF form is read.
+        return Err(LoadError::Invalid("Gemma 3 loads from its GGUF file; Hugging Face folders of it are not supported".into()));
+    }
     let int = |k: &str| v[k].as_u64().map(|x| x as usize).ok_or_else(|| LoadError::Invalid(format!("config.json: missing {k}")));
     let d_model = int("hidden_size")?;
     let n_heads = int("num_attention_heads")?;
@@ -39,6 +44,10 @@ pub fn read_config(dir: &Path) -> Result<(ModelConfig, Option<(i32, i32)>), Load
         qkv_bias: arch == Architecture::Qwen2,
         qk_norm: arch == Architecture::Qwen3,
         tied_embeddings: v["tie_word_embeddings"].as_bool().unwrap_or(false),
+        embedding_scale: 1.0,
+        activation: Activation::Silu,
+        post_norms: false,
+        sliding_window: None,
     };
     config.validate().map_err(LoadError::Invalid)?;
     let quant = v.get("quantization").map(|q| (q["group_size"].as_i64().unwrap_or(64) as i32, q["bits"].as_i64().unwrap_or(4) as i32));
@@ -141,6 +150,8 @@ pub fn load(dir: &Path, dtype: Dtype) -> Result<Transformer, LoadError> {
             false => None,
         };
         layers.push(Layer {
+            post_attn_norm: None,
+            post_ffn_norm: None,
             qk_norm,
             attn_norm: t.float(&format!("{p}.input_layernorm.weight"))?,
             qkv: Linear::fuse(&qkv)?,

@@ -1,13 +1,16 @@
-//! The decoder forward pass shared by llama, qwen2 and qwen3: RMSNorm,
-//! grouped-query attention with RoPE (after per-head query/key norms on
-//! qwen3) and a preallocated KV cache, SwiGLU feed-forward.
+//! The decoder forward pass shared by llama, qwen2, qwen3 and gemma3:
+//! RMSNorm, grouped-query attention with RoPE (after per-head query/key
+//! norms on qwen3 and gemma3) and a preallocated KV cache, a gated MLP
+//! (SwiGLU; GeGLU on gemma3). Gemma 3 adds norms after attention and the
+//! MLP, scaled embeddings, and sliding-window layers with a RoPE base of
+//! their own, whose caches hold only their window.
 use std::sync::OnceLock;
 
 use mlx::fast::{self, AttentionRow, KeyLayout, Mask};
 use mlx::{Array, Dtype};
 
 use super::batch_step::{BatchStep, BatchedRows};
-use super::config::ModelConfig;
+use super::config::{Activation, ModelConfig};
 use super::kv_batch::KvBatch;
 use super::kv_cache::KvCache;
 use super::linear::{Linear, Weight};
@@ -26,6 +29,10 @@ pub struct Layer {
     pub qkv: Linear,
     pub attn_out: Linear,
     pub ffn_norm: Array,
+    /// Norms of the attention's and the MLP's outputs before they join the
+    /// residual stream (Gemma 3).
+    pub post_attn_norm: Option<Array>,
+    pub post_ffn_norm: Option<Array>,
     /// gate and up stacked along the output axis.
     pub gate_up: Linear,
     pub down: Linear,
@@ -35,7 +42,8 @@ impl Layer {
     /// Bytes held by this layer's weights.
     pub fn nbytes(&self) -> usize {
         let qk = self.qk_norm.as_ref().map_or(0, |n| n.q.nbytes() + n.k.nbytes());
-        qk + self.attn_norm.nbytes() + self.qkv.nbytes() + self.attn_out.nbytes() + self.ffn_norm.nbytes() + self.gate_up.nbytes() + self.down.nbytes()
+        let post = [&self.post_attn_norm, &self.post_ffn_norm].into_iter().flatten().map(Array::nbytes).sum::<usize>();
+        qk + post + self.attn_norm.nbytes() + self.qkv.nbytes() + self.attn_out.nbytes() + self.ffn_norm.nbytes() + self.gate_up.nbytes() + self.down.nbytes()
     }
 }
 
@@ -58,15 +66,16 @@ impl Transformer {
     pub fn new_cache(&self) -> KvCache {
         let c = &self.config;
         // The fused CPU attention reads keys stored in blocks in place.
-        match self.use_fused_cpu_kernels() {
+        let cache = match self.use_fused_cpu_kernels() {
             true => KvCache::with_keys_in_blocks(c.n_layers, c.n_kv_heads, c.head_dim, self.dtype),
             false => KvCache::new(c.n_layers, c.n_kv_heads, c.head_dim, self.dtype),
-        }
+        };
+        cache.with_windows(c.layer_windows())
     }
 
     /// An empty batch of KV slots for this model's running rows.
     pub fn new_kv_batch(&self) -> KvBatch {
-        KvBatch::new(self.config.n_layers, self.config.n_kv_heads, self.config.head_dim, self.dtype)
+        KvBatch::new(self.config.n_layers, self.config.n_kv_heads, self.config.head_dim, self.dtype).with_windows(self.config.layer_windows())
     }
 
     /// Bytes held by the weights.
@@ -174,6 +183,10 @@ impl Transformer {
         all_ids.extend(rows.iter().map(|r| r.ids.clone()));
         let ids = if all_ids.len() == 1 { all_ids.pop().expect("one") } else { mlx::concatenate(&all_ids.iter().collect::<Vec<_>>(), 1)? };
         let mut h = self.embedding.take(&ids, 0)?; // [1, T, d]
+        if c.embedding_scale != 1.0 {
+            h = h.multiply(&Array::scalar(c.embedding_scale, self.dtype)?)?;
+        }
+        let windows = c.layer_windows();
 
         let (hq, hkv, hd) = (c.n_heads as i32, c.n_kv_heads as i32, c.head_dim as i32);
         // The fused CPU path ropes every token of the step at once, each at its own position.
@@ -201,29 +214,31 @@ impl Transformer {
                 for alone in &step.alone {
                     let (at, n) = (alone.start as i32, alone.tokens as i32);
                     let rows = mine.slice(&[0, at, 0], &[1, at + n, (hq + 2 * hkv) * hd])?;
-                    outputs.push(self.attention_own(&rows, alone.offset, |k, v| b.kv.write_slot(li, alone.slot, alone.offset, k, v))?);
+                    let first = b.kv.first(li, alone.slot);
+                    outputs.push(self.attention_own(li, &rows, alone.offset, first, |k, v| b.kv.write_slot(li, alone.slot, alone.offset, k, v))?);
                 }
                 parts.push(step.to_flat(&outputs)?);
             }
             match &positions {
                 Some(positions) => {
                     let mine = qkv.slice(&[0, batch_tokens, 0], &[1, total, (hq + 2 * hkv) * hd])?;
-                    parts.push(self.attention_fused_cpu(li, &mine, rows, &lens, positions)?);
+                    parts.push(self.attention_fused_cpu(li, windows[li], &mine, rows, &lens, positions)?);
                 }
                 None => {
                     for (r, row) in rows.iter_mut().enumerate() {
                         let (s, n) = (starts[r], lens[r] as i32);
                         let mine = qkv.slice(&[0, s, 0], &[1, s + n, (hq + 2 * hkv) * hd])?;
-                        parts.push(self.attention_own(&mine, offsets[r] as usize, |k, v| row.cache.append(li, k, v))?);
+                        let first = row.cache.first(li);
+                        parts.push(self.attention_own(li, &mine, offsets[r] as usize, first, |k, v| row.cache.append(li, k, v))?);
                     }
                 }
             }
             let attn = if parts.len() == 1 { parts.pop().expect("one part") } else { mlx::concatenate(&parts.iter().collect::<Vec<_>>(), 1)? };
-            h = h.add(&layer.attn_out.forward(&attn)?)?;
+            h = h.add(&self.post_norm(layer.attn_out.forward(&attn)?, &layer.post_attn_norm)?)?;
 
             let x = fast::rms_norm(&h, &layer.ffn_norm, c.rms_eps)?;
             let gu = layer.gate_up.forward(&x)?;
-            h = h.add(&layer.down.forward(&self.swiglu(&gu, total)?)?)?;
+            h = h.add(&self.post_norm(layer.down.forward(&self.gated(&gu, total)?)?, &layer.post_ffn_norm)?)?;
         }
         for (r, row) in rows.iter_mut().enumerate() {
             row.cache.advance(lens[r]);
@@ -270,8 +285,9 @@ impl Transformer {
 impl Transformer {
     /// Attention of one layer for one sequence over its own keys: `qkv` is
     /// its `[1, n, ..]` rows at positions `offset ..`; `write` stores the new
-    /// keys and values and returns all of them so far. Returns `[1, n, n_heads * head_dim]`.
-    fn attention_own<W>(&self, qkv: &Array, offset: usize, write: W) -> mlx::Result<Array>
+    /// keys and values and returns all those held, positions `first ..`
+    /// (`first` > 0 only on a sliding-window layer). Returns `[1, n, n_heads * head_dim]`.
+    fn attention_own<W>(&self, layer: usize, qkv: &Array, offset: usize, first: usize, write: W) -> mlx::Result<Array>
     where
         W: FnOnce(&Array, &Array) -> mlx::Result<(Array, Array)>,
     {
@@ -281,15 +297,18 @@ impl Transformer {
         let heads = |start: i32, count: i32| -> mlx::Result<Array> {
             qkv.slice(&[0, 0, start * hd], &[1, n, (start + count) * hd])?.reshape(&[1, n, count, hd])?.transpose(&[0, 2, 1, 3])
         };
-        let rope = |a: &Array| self.rope(a, offset as i32);
+        let rope = |a: &Array| self.rope(layer, a, offset as i32);
         let q = rope(&heads(0, hq)?)?;
         let k = rope(&heads(hq, hkv)?)?;
         let v = heads(hq + hkv, hkv)?;
         let (keys, values) = write(&k, &v)?;
-        // Causal: query i sits at offset + i and sees keys up to there.
-        let mask = if n > 1 { Mask::Causal } else { Mask::None };
         let scale = 1.0 / (c.head_dim as f32).sqrt();
-        fast::sdpa(&q, &keys, &values, scale, mask)?.transpose(&[0, 2, 1, 3])?.reshape(&[1, n, hq * hd])
+        let out = match c.layer_window(layer) {
+            // Causal: query i sits at offset + i and sees keys up to there.
+            None => fast::sdpa(&q, &keys, &values, scale, if n > 1 { Mask::Causal } else { Mask::None })?,
+            Some(window) => fast::sdpa(&q, &keys, &values, scale, Mask::Array(&self.window_mask(offset, n as usize, first, window)?))?,
+        };
+        out.transpose(&[0, 2, 1, 3])?.reshape(&[1, n, hq * hd])
     }
 
     /// Runs the shared attention ([`attention_batched`](Self::attention_batched))
@@ -323,21 +342,47 @@ impl Transformer {
         let (slots, n) = (step.slots as i32, step.n as i32);
         let x = qkv.reshape(&[slots, n, hq + 2 * hkv, hd])?;
         let heads = |from: i32, to: i32| x.slice(&[0, 0, from, 0], &[slots, n, to, hd])?.transpose(&[0, 2, 1, 3]);
-        let rope = |a: &Array| self.rope_at(a, &step.offsets);
+        let rope = |a: &Array| self.rope_at(layer, a, &step.offsets);
         let q = rope(&heads(0, hq)?)?;
         let k = rope(&heads(hq, hq + hkv)?)?;
         let v = heads(hq + hkv, hq + 2 * hkv)?;
-        let (keys, values) = kv.write(layer, &k, &v, &step.positions)?;
+        // Window layers index each slot's keys from its first position.
+        let (positions, mask) = match (&step.window, kv.window(layer)) {
+            (Some((positions, mask)), Some(_)) => (positions, mask),
+            _ => (&step.positions, &step.mask),
+        };
+        let (keys, values) = kv.write(layer, &k, &v, positions)?;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
-        let out = fast::sdpa(&q, &keys, &values, scale, Mask::Array(&step.mask))?; // [slots, hq, n, hd]
+        let out = fast::sdpa(&q, &keys, &values, scale, Mask::Array(mask))?; // [slots, hq, n, hd]
         out.transpose(&[0, 2, 1, 3])?.reshape(&[1, slots * n, hq * hd])
     }
 }
 
 impl Transformer {
-    /// RoPE over whole heads from position `offset` on.
-    fn rope(&self, a: &Array, offset: i32) -> mlx::Result<Array> {
+    /// The additive mask of `n` queries at positions `offset ..` over the
+    /// keys of positions `first .. offset + n` on a layer of `window`:
+    /// each sees itself and the `window - 1` positions before it.
+    fn window_mask(&self, offset: usize, n: usize, first: usize, window: usize) -> mlx::Result<Array> {
+        let keys = offset + n - first;
+        let mask: Vec<f32> = (0..n * keys)
+            .map(|x| (offset + x / keys, first + x % keys))
+            .map(|(query, key)| if key <= query && key + window > query { 0.0 } else { f32::NEG_INFINITY })
+            .collect();
+        Array::from_f32(&mask, &[1, 1, n, keys])?.astype(self.dtype)
+    }
+
+    /// The RoPE base of layer `layer`: a sliding-window layer's own, when
+    /// the model gives its local layers one (Gemma 3).
+    fn local_rope_theta(&self, layer: usize) -> Option<f32> {
+        self.config.sliding_window.filter(|w| w.is_local(layer)).map(|w| w.local_rope_theta)
+    }
+
+    /// RoPE over whole heads from position `offset` on, as layer `layer` turns it.
+    fn rope(&self, layer: usize, a: &Array, offset: i32) -> mlx::Result<Array> {
         let c = &self.config;
+        if let Some(theta) = self.local_rope_theta(layer) {
+            return fast::rope(a, c.head_dim as i32, c.rope_traditional, theta, 1.0, offset);
+        }
         match &self.rope_periods {
             Some(periods) => fast::rope_freqs(a, c.head_dim as i32, c.rope_traditional, 1.0, offset, periods),
             None => fast::rope(a, c.head_dim as i32, c.rope_traditional, c.rope_theta, 1.0, offset),
@@ -345,8 +390,11 @@ impl Transformer {
     }
 
     /// RoPE with one starting position per row of `a` (`offsets`: int32).
-    fn rope_at(&self, a: &Array, offsets: &Array) -> mlx::Result<Array> {
+    fn rope_at(&self, layer: usize, a: &Array, offsets: &Array) -> mlx::Result<Array> {
         let c = &self.config;
+        if let Some(theta) = self.local_rope_theta(layer) {
+            return fast::rope_offsets(a, c.head_dim as i32, c.rope_traditional, theta, 1.0, offsets);
+        }
         match &self.rope_periods {
             Some(periods) => fast::rope_offsets_freqs(a, c.head_dim as i32, c.rope_traditional, 1.0, offsets, periods),
             None => fast::rope_offsets(a, c.head_dim as i32, c.rope_traditional, c.rope_theta, 1.0, offsets),
@@ -367,17 +415,38 @@ impl Transformer {
         mlx::concatenate(&[&q, &k, &v], 2)?.reshape(&[1, total, (hq + 2 * hkv) * hd])
     }
 
-    /// `silu(gate) * up` of the fused gate/up projection's output
-    /// `[1, total, 2 d_ff]`: one vectorised pass on the CPU in float32 (the
-    /// same switch as the fused attention), MLX's ops elsewhere.
-    fn swiglu(&self, gate_up: &Array, total: i32) -> mlx::Result<Array> {
-        if self.use_fused_cpu_kernels() {
+    /// `act(gate) * up` of the fused gate/up projection's output
+    /// `[1, total, 2 d_ff]`. SwiGLU runs in one vectorised pass on the CPU
+    /// in float32 (the same switch as the fused attention), MLX's ops
+    /// elsewhere; GeGLU (tanh GELU) on MLX's ops.
+    fn gated(&self, gate_up: &Array, total: i32) -> mlx::Result<Array> {
+        let activation = self.config.activation;
+        if activation == Activation::Silu && self.use_fused_cpu_kernels() {
             return fast::cpu_swiglu(gate_up);
         }
         let ff = self.config.d_ff as i32;
         let gate = gate_up.slice(&[0, 0, 0], &[1, total, ff])?;
         let up = gate_up.slice(&[0, 0, ff], &[1, total, 2 * ff])?;
-        gate.silu()?.multiply(&up)
+        match activation {
+            Activation::Silu => gate.silu()?.multiply(&up),
+            Activation::GeluTanh => self.gelu_tanh(&gate)?.multiply(&up),
+        }
+    }
+
+    /// GELU's tanh approximation, `x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
+    fn gelu_tanh(&self, x: &Array) -> mlx::Result<Array> {
+        let k = |v: f64| Array::scalar(v as f32, self.dtype);
+        let cubic = x.multiply(&x.square()?)?.multiply(&k(0.044715)?)?;
+        let inner = x.add(&cubic)?.multiply(&k((2.0 / std::f64::consts::PI).sqrt())?)?;
+        x.multiply(&k(0.5)?)?.multiply(&inner.tanh()?.add(&k(1.0)?)?)
+    }
+
+    /// `x` RMS-normed by `norm` when the layer has that norm, else `x`.
+    fn post_norm(&self, x: Array, norm: &Option<Array>) -> mlx::Result<Array> {
+        match norm {
+            Some(w) => fast::rms_norm(&x, w, self.config.rms_eps),
+            None => Ok(x),
+        }
     }
 
     /// Whether attention (and SwiGLU) run through the fused CPU kernels: on
@@ -393,12 +462,20 @@ impl Transformer {
     /// ops however many rows there are: one rope over all tokens' queries and
     /// keys (each token at its own position), two cache writes per row, and
     /// one attention over every row's cache. Returns `[1, T, n_heads * head_dim]`.
-    fn attention_fused_cpu(&self, layer: usize, qkv: &Array, rows: &mut [RowInput<'_>], lens: &[usize], positions: &Array) -> mlx::Result<Array> {
+    fn attention_fused_cpu(
+        &self,
+        layer: usize,
+        window: Option<usize>,
+        qkv: &Array,
+        rows: &mut [RowInput<'_>],
+        lens: &[usize],
+        positions: &Array,
+    ) -> mlx::Result<Array> {
         let c = &self.config;
         let (hq, hkv, hd) = (c.n_heads as i32, c.n_kv_heads as i32, c.head_dim as i32);
         let total = positions.dim(0) as i32;
         let qk = qkv.slice(&[0, 0, 0], &[1, total, (hq + hkv) * hd])?.reshape(&[total, hq + hkv, 1, hd])?;
-        let qk = self.rope_at(&qk, positions)?;
+        let qk = self.rope_at(layer, &qk, positions)?;
         let q = qk.slice(&[0, 0, 0, 0], &[total, hq, 1, hd])?;
         let k = qk.slice(&[0, hq, 0, 0], &[total, hq + hkv, 1, hd])?;
         let v = qkv.slice(&[0, 0, (hq + hkv) * hd], &[1, total, (hq + 2 * hkv) * hd])?;
@@ -408,13 +485,17 @@ impl Transformer {
             buffers.push(row.cache.write_step(layer, &k, &v, start, n)?);
             start += n;
         }
-        let attention_rows: Vec<AttentionRow<'_>> =
-            rows.iter().zip(&buffers).zip(lens).map(|((row, (keys, values)), &n)| AttentionRow { keys, values, n, kv_len: row.cache.len() + n }).collect();
+        let attention_rows: Vec<AttentionRow<'_>> = rows
+            .iter()
+            .zip(&buffers)
+            .zip(lens)
+            .map(|((row, (keys, values)), &n)| AttentionRow { keys, values, n, kv_len: row.cache.len() + n, first: row.cache.first(layer) })
+            .collect();
         let keys = rows.first().map_or(KeyLayout::Positions, |r| r.cache.key_layout());
         if rows.iter().any(|r| r.cache.key_layout() != keys) {
             return Err(mlx::Error { op: "forward", message: "rows of one step store their keys differently".into() });
         }
-        fast::cpu_attention(&q, &attention_rows, keys)
+        fast::cpu_attention(&q, &attention_rows, keys, window)
     }
 }
 

@@ -15,6 +15,22 @@ use serde::{Deserialize, Serialize};
 use super::error::{Result, TokenizerError};
 
 const TEMPLATE_NAME: &str = "chat";
+
+/// Gemma's turn format, for Gemma files that carry no template of their own
+/// (llama.cpp likewise falls back to a built-in one): `<start_of_turn>` and
+/// the role (`model` for the assistant) on a line, the content, then
+/// `<end_of_turn>`; a system message opens the first user turn, followed by
+/// a blank line.
+const GEMMA_TEMPLATE: &str = r#"{{ bos_token }}{% set has_system = messages and messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] + '\n\n' if has_system else '' %}{% set turns = messages[1:] if has_system else messages %}{% for message in turns %}{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}{{ '<start_of_turn>' + role + '\n' + (system if loop.first else '') + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"#;
+
+/// The template of a model family whose files may come without one, by
+/// GGUF architecture name.
+pub fn family_template(architecture: &str) -> Option<&'static str> {
+    match architecture {
+        "gemma3" => Some(GEMMA_TEMPLATE),
+        _ => None,
+    }
+}
 const RAISE_MARKER: &str = "raise_exception: ";
 
 /// One chat message.  Unknown fields (e.g. `reasoning_content`) are kept in

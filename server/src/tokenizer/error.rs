@@ -16,7 +16,7 @@ pub enum TokenizerError {
     #[error("failed to open GGUF file {path}: {detail}")]
     Gguf { path: PathBuf, detail: String },
 
-    #[error("unsupported tokenizer model `{0}` (tokenizer.ggml.model); only byte-level BPE (`gpt2`) is supported")]
+    #[error("unsupported tokenizer model `{0}` (tokenizer.ggml.model); supported: byte-level BPE (`gpt2`), SentencePiece-style BPE (`llama`)")]
     UnsupportedModel(String),
 
     #[error("unknown pre-tokenizer `{name}` (tokenizer.ggml.pre); supported: {supported}")]

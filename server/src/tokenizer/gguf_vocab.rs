@@ -16,6 +16,8 @@ pub const KEY_UNK: &str = "tokenizer.ggml.unknown_token_id";
 pub const KEY_ADD_BOS: &str = "tokenizer.ggml.add_bos_token";
 pub const KEY_ADD_EOS: &str = "tokenizer.ggml.add_eos_token";
 pub const KEY_CHAT_TEMPLATE: &str = "tokenizer.chat_template";
+pub const KEY_SCORES: &str = "tokenizer.ggml.scores";
+pub const KEY_ADD_SPACE_PREFIX: &str = "tokenizer.ggml.add_space_prefix";
 
 /// llama.cpp token types (`tokenizer.ggml.token_type`).
 pub mod token_type {
@@ -38,8 +40,12 @@ pub struct GgufVocab {
     pub tokens: Vec<String>,
     /// Per-token type; `None` means all normal.
     pub token_types: Option<Vec<i32>>,
-    /// `"left right"` merge strings in rank order.
+    /// `"left right"` merge strings in rank order (byte-level BPE).
     pub merges: Vec<String>,
+    /// Per-token scores (SentencePiece: pieces of higher score merge first).
+    pub scores: Vec<f32>,
+    /// SentencePiece: a space is put before the text (`None`: the model's default).
+    pub add_space_prefix: Option<bool>,
     pub bos_id: Option<u32>,
     pub eos_id: Option<u32>,
     pub eot_id: Option<u32>,
@@ -60,6 +66,18 @@ impl GgufVocab {
         let merges: Vec<String> = match file.get_str_array(KEY_MERGES) {
             Some(m) => m.into_iter().map(str::to_string).collect(),
             None => Vec::new(), // build() reports a missing key for BPE models
+        };
+        let scores = match file.get_array(KEY_SCORES) {
+            None => Vec::new(), // build() reports a missing key for SentencePiece models
+            Some(values) => values
+                .iter()
+                .enumerate()
+                .map(|(i, v)| {
+                    v.as_f64()
+                        .map(|x| x as f32)
+                        .ok_or_else(|| TokenizerError::InvalidKey { key: KEY_SCORES, detail: format!("element {i} is {v:?}, expected a float") })
+                })
+                .collect::<Result<Vec<f32>>>()?,
         };
         let token_types = match file.get_array(KEY_TOKEN_TYPE) {
             None => None,
@@ -87,6 +105,8 @@ impl GgufVocab {
             tokens,
             token_types,
             merges,
+            scores,
+            add_space_prefix: file.get_bool(KEY_ADD_SPACE_PREFIX),
             bos_id: id(KEY_BOS)?,
             eos_id: id(KEY_EOS)?,
             eot_id: id(KEY_EOT)?,
@@ -95,7 +115,10 @@ impl GgufVocab {
             unk_id: id(KEY_UNK)?,
             add_bos: file.get_bool(KEY_ADD_BOS),
             add_eos: file.get_bool(KEY_ADD_EOS),
-            chat_template: file.get_str(KEY_CHAT_TEMPLATE).map(str::to_string),
+            chat_template: file
+                .get_str(KEY_CHAT_TEMPLATE)
+                .map(str::to_string)
+                .or_else(|| super::chat::family_template(file.architecture()?).map(str::to_string)),
         })
     }
 }

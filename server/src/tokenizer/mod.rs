@@ -16,6 +16,7 @@ mod extend;
 mod gguf_vocab;
 mod hf;
 mod pretok;
+mod spm;
 mod stream;
 
 #[cfg(test)]
@@ -112,13 +113,11 @@ impl TextTokenizer {
         Self::from_gguf_vocab(GgufVocab::from_gguf(file)?)
     }
 
-    /// Build from GGUF tokenizer metadata (byte-level BPE, `tokenizer.ggml.model = "gpt2"`).
+    /// Build from GGUF tokenizer metadata: byte-level BPE
+    /// (`tokenizer.ggml.model = "gpt2"`) or SentencePiece-style BPE with
+    /// byte fallback (`"llama"`, see `spm.rs`).
     pub fn from_gguf_vocab(v: GgufVocab) -> Result<Self> {
         use gguf_vocab::*;
-        if v.model != "gpt2" {
-            return Err(TokenizerError::UnsupportedModel(v.model));
-        }
-        let spec = pretok::spec_for(v.pre.as_deref())?;
         let n = v.tokens.len();
         if n == 0 {
             return Err(TokenizerError::InvalidKey { key: KEY_TOKENS, detail: "empty token list".into() });
@@ -128,49 +127,13 @@ impl TextTokenizer {
                 return Err(TokenizerError::InvalidKey { key: KEY_TOKEN_TYPE, detail: format!("{} entries but {} tokens", tt.len(), n) });
             }
         }
-        if v.merges.is_empty() {
-            return Err(TokenizerError::MissingKey(KEY_MERGES));
-        }
+        let model = match v.model.as_str() {
+            "gpt2" => byte_level_model(&v)?,
+            "llama" => spm::model(&v)?,
+            _ => return Err(TokenizerError::UnsupportedModel(v.model)),
+        };
+        let mut tokenizer = model.tokenizer;
         let ttype = |i: usize| v.token_types.as_ref().map_or(token_type::NORMAL, |t| t[i]);
-
-        // Vocabulary (later duplicates win, as in llama.cpp's token_to_id).
-        let mut vocab = tokenizers::models::bpe::Vocab::with_capacity(n);
-        for (i, t) in v.tokens.iter().enumerate() {
-            vocab.insert(t.clone(), i as u32);
-        }
-        let mut merges = Vec::with_capacity(v.merges.len());
-        for (index, m) in v.merges.iter().enumerate() {
-            let bad = |reason: String| TokenizerError::BadMerge { index, merge: m.clone(), reason };
-            // Like llama.cpp: the first space at byte index >= 1 separates the pair.
-            let split = m.bytes().skip(1).position(|b| b == b' ').map(|p| p + 1);
-            let Some(pos) = split else {
-                return Err(bad("expected two tokens separated by a space".into()));
-            };
-            let (a, b) = (&m[..pos], &m[pos + 1..]);
-            if b.is_empty() {
-                return Err(bad("expected two tokens separated by a space".into()));
-            }
-            for part in [a, b] {
-                if !vocab.contains_key(part) {
-                    return Err(bad(format!("`{part}` is not in the vocabulary")));
-                }
-            }
-            if !vocab.contains_key(&format!("{a}{b}")) {
-                return Err(bad(format!("merged token `{a}{b}` is not in the vocabulary")));
-            }
-            merges.push((a.to_string(), b.to_string()));
-        }
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .ignore_merges(spec.ignore_merges)
-            .build()
-            .map_err(|e| TokenizerError::Tokenizers(format!("building BPE model: {e}")))?;
-
-        let mut tokenizer = Tokenizer::new(bpe);
-        tokenizer.with_normalizer(spec.normalizer());
-        tokenizer.with_pre_tokenizer(Some(spec.build()?));
-        tokenizer.with_decoder(Some(tokenizers::decoders::byte_level::ByteLevel::default()));
-
         let mut control = Vec::new();
         let mut user = Vec::new();
         let mut table = TokenBytes::with_capacity(n);
@@ -187,9 +150,9 @@ impl TextTokenizer {
                 token_type::UNUSED => table.push_with(TokenKind::Unused, |_| {}),
                 token_type::BYTE => table.push_with(TokenKind::Normal, |o| match bytes::parse_byte_token(t) {
                     Some(b) => o.push(b),
-                    None => bytes::byte_level_decode(t, o),
+                    None => (model.decode_piece)(t, o),
                 }),
-                _ => table.push_with(TokenKind::Normal, |o| bytes::byte_level_decode(t, o)),
+                _ => table.push_with(TokenKind::Normal, |o| (model.decode_piece)(t, o)),
             }
         }
         tokenizer.add_special_tokens(&control);
@@ -202,7 +165,7 @@ impl TextTokenizer {
                 }
             }
         }
-        let add_bos = v.add_bos.unwrap_or(spec.default_add_bos);
+        let add_bos = v.add_bos.unwrap_or(model.default_add_bos);
         if add_bos && v.bos_id.is_none() {
             return Err(TokenizerError::InvalidKey { key: KEY_ADD_BOS, detail: format!("add_bos is true but {KEY_BOS} is not set") });
         }
@@ -219,8 +182,8 @@ impl TextTokenizer {
             add_bos,
             add_eos,
             chat_template: v.chat_template,
-            strip_leading_space: false,
-            pre_family: spec.family.to_string(),
+            strip_leading_space: model.strip_leading_space,
+            pre_family: model.family,
         })
     }
 
@@ -441,6 +404,72 @@ impl TextTokenizer {
     pub fn hf_tokenizer(&self) -> &Tokenizer {
         &self.with_special
     }
+}
+
+/// A GGUF vocabulary's subword model, before its added tokens, and how the
+/// model spells pieces.
+pub(crate) struct VocabModel {
+    /// The `tokenizers` pipeline: normalizer, pre-tokenizer, BPE.
+    pub tokenizer: Tokenizer,
+    /// The bytes a normal piece stands for, appended to the buffer.
+    pub decode_piece: fn(&str, &mut Vec<u8>),
+    pub default_add_bos: bool,
+    pub strip_leading_space: bool,
+    /// Reported as the pre-tokenizer family.
+    pub family: String,
+}
+
+/// Byte-level BPE from `tokenizer.ggml.merges`, behind llama.cpp's
+/// pre-tokenizer regexes for `tokenizer.ggml.pre`.
+fn byte_level_model(v: &GgufVocab) -> Result<VocabModel> {
+    use gguf_vocab::*;
+    let spec = pretok::spec_for(v.pre.as_deref())?;
+    if v.merges.is_empty() {
+        return Err(TokenizerError::MissingKey(KEY_MERGES));
+    }
+    // Vocabulary (later duplicates win, as in llama.cpp's token_to_id).
+    let mut vocab = tokenizers::models::bpe::Vocab::with_capacity(v.tokens.len());
+    for (i, t) in v.tokens.iter().enumerate() {
+        vocab.insert(t.clone(), i as u32);
+    }
+    let mut merges = Vec::with_capacity(v.merges.len());
+    for (index, m) in v.merges.iter().enumerate() {
+        let bad = |reason: String| TokenizerError::BadMerge { index, merge: m.clone(), reason };
+        // Like llama.cpp: the first space at byte index >= 1 separates the pair.
+        let split = m.bytes().skip(1).position(|b| b == b' ').map(|p| p + 1);
+        let Some(pos) = split else {
+            return Err(bad("expected two tokens separated by a space".into()));
+        };
+        let (a, b) = (&m[..pos], &m[pos + 1..]);
+        if b.is_empty() {
+            return Err(bad("expected two tokens separated by a space".into()));
+        }
+        for part in [a, b] {
+            if !vocab.contains_key(part) {
+                return Err(bad(format!("`{part}` is not in the vocabulary")));
+            }
+        }
+        if !vocab.contains_key(&format!("{a}{b}")) {
+            return Err(bad(format!("merged token `{a}{b}` is not in the vocabulary")));
+        }
+        merges.push((a.to_string(), b.to_string()));
+    }
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .ignore_merges(spec.ignore_merges)
+        .build()
+        .map_err(|e| TokenizerError::Tokenizers(format!("building BPE model: {e}")))?;
+    let mut tokenizer = Tokenizer::new(bpe);
+    tokenizer.with_normalizer(spec.normalizer());
+    tokenizer.with_pre_tokenizer(Some(spec.build()?));
+    tokenizer.with_decoder(Some(tokenizers::decoders::byte_level::ByteLevel::default()));
+    Ok(VocabModel {
+        tokenizer,
+        decode_piece: bytes::byte_level_decode,
+        default_add_bos: spec.default_add_bos,
+        strip_leading_space: false,
+        family: spec.family.to_string(),
+    })
 }
 
 // The server shares one tokenizer across connections.

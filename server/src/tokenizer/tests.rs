@@ -12,6 +12,7 @@ use super::*;
 
 const SMOLLM: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 const QWEN: &str = "Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf";
+const GEMMA: &str = "gemma-3-270m.Q4_K_M.gguf";
 
 fn models_dir() -> PathBuf {
     match std::env::var_os("TETHER_MODELS_DIR") {
@@ -82,6 +83,42 @@ fn fixture_smollm2() {
 #[test]
 fn fixture_qwen25_coder() {
     check_fixture("qwen2.5-coder.json", QWEN);
+}
+
+/// SentencePiece-style merging by score with byte fallback (see spm.rs).
+#[test]
+fn fixture_gemma3() {
+    check_fixture("gemma3.json", GEMMA);
+}
+
+#[test]
+fn gemma3_metadata_round_trip_and_chat_template() {
+    let t = load(GEMMA);
+    assert_eq!(t.vocab_size(), 262_144);
+    assert!(t.add_bos() && t.bos_id() == Some(2));
+    assert!(t.is_eos(1) && t.is_eos(106), "<eos> and <end_of_turn> end generation");
+    assert_eq!(t.pre_tokenizer(), "sentencepiece");
+    for case in fixture("gemma3.json").cases {
+        assert_eq!(t.decode(&case.ids, false), case.text, "decode(encode(text)) is the text");
+    }
+    // A character no piece covers comes back through its bytes.
+    let ids = t.encode("\u{10FFFD}", true).unwrap();
+    assert!(ids.len() == 4 && ids.iter().all(|&i| t.id_to_token(i).is_some_and(|s| s.starts_with("<0x"))), "{ids:?}");
+    assert_eq!(t.decode(&ids, true), "\u{10FFFD}");
+
+    // The file has no template: Gemma's turn format is built in.
+    let out = t.apply_chat_template(&[ChatMessage::user("Hello!")], true).unwrap();
+    assert_eq!(out, "<bos><start_of_turn>user\nHello!<end_of_turn>\n<start_of_turn>model\n");
+    let msgs = [ChatMessage::system("Be brief."), ChatMessage::user("Hi"), ChatMessage::assistant("Hello!"), ChatMessage::user("Bye")];
+    let out = t.apply_chat_template(&msgs, true).unwrap();
+    assert_eq!(
+        out,
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n\
+         <start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
+    );
+    let ids = t.encode(&out, true).unwrap();
+    assert_eq!(ids[0], 2, "the template writes the one BOS");
+    assert_eq!(ids.iter().filter(|&&i| i == 105).count(), 4, "<start_of_turn> is one id");
 }
 
 #[test]
@@ -396,9 +433,14 @@ fn load_errors_name_the_problem() {
     assert!(e.contains("`tokenizer.ggml.merges` is missing"), "{e}");
 
     let mut v = tiny_vocab();
+    v.model = "t5".into();
+    let e = TextTokenizer::from_gguf_vocab(v).unwrap_err().to_string();
+    assert!(e.contains("unsupported tokenizer model `t5`") && e.contains("`llama`"), "{e}");
+
+    let mut v = tiny_vocab();
     v.model = "llama".into();
     let e = TextTokenizer::from_gguf_vocab(v).unwrap_err().to_string();
-    assert!(e.contains("unsupported tokenizer model `llama`"), "{e}");
+    assert!(e.contains("`tokenizer.ggml.scores` is invalid"), "SentencePiece needs scores: {e}");
 
     let mut v = tiny_vocab();
     v.bos_id = Some(100_000);

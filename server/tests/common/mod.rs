@@ -41,11 +41,16 @@ pub fn relative_error(a: &[f32], b: &[f32]) -> f64 {
 
 /// An engine thread serving SmolLM2 on the CPU with `config`.
 pub fn start_smollm2_engine(config: tether::engine::EngineConfig) -> tether::engine::EngineHandle {
-    let path = model_path("smollm2-135m");
+    start_engine("smollm2-135m", config)
+}
+
+/// An engine thread serving the known model `name` on the CPU with `config`.
+pub fn start_engine(name: &'static str, config: tether::engine::EngineConfig) -> tether::engine::EngineHandle {
+    let path = model_path(name);
     tether::engine::EngineHandle::start(config, move || {
         mlx::set_default_device(mlx::Device::Cpu)?;
         let opts = tether::model::LoadOptions::for_device(mlx::Device::Cpu);
-        Ok(tether::loaded::LoadedModel::load_path("smollm2-135m", &path, opts)?)
+        Ok(tether::loaded::LoadedModel::load_path(name, &path, opts)?)
     })
     .unwrap()
 }

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's `llama-server` for this CPU (the peer of the side-by-side
+# benchmarks, never part of Tether) under ~/.cache/tether/peer/llamacpp and
+# prints its path; a built one is reused. About 7 minutes on 2 cores.
+# Source: the llama.cpp tree vendored in the PyPI sdist of llama-cpp-python
+# (0.3.36: llama.cpp of 2026-10-01); cmake and ninja from their PyPI wheels
+# (not from source: `--no-binary=:all:` would compile cmake for half an hour).
+set -euo pipefail
+ROOT=${LLAMACPP_ROOT:-${TETHER_CACHE:-$HOME/.cache/tether}/peer/llamacpp}
+VERSION=${LLAMACPP_PY_VERSION:-0.3.36}
+SRC=$ROOT/llama_cpp_python-$VERSION/vendor/llama.cpp
+BIN=$SRC/build/bin/llama-server
+if [ -x "$BIN" ]; then echo "$BIN"; exit 0; fi
+mkdir -p "$ROOT/dl"
+cd "$ROOT"
+[ -f "dl/llama_cpp_python-$VERSION.tar.gz" ] ||
+  python3 -m pip download -q --no-deps --no-binary=llama-cpp-python "llama-cpp-python==$VERSION" -d dl
+[ -x tools/bin/cmake ] || { python3 -m venv tools && tools/bin/pip -q install cmake ninja; }
+tar xzf "dl/llama_cpp_python-$VERSION.tar.gz"
+cd "$SRC"
+"$ROOT/tools/bin/cmake" -B build -G Ninja -DCMAKE_MAKE_PROGRAM="$ROOT/tools/bin/ninja" -DCMAKE_BUILD_TYPE=Release \
+  -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+  -DLLAMA_BUILD_SERVER=ON >"$ROOT/cmake.log" 2>&1
+"$ROOT/tools/bin/cmake" --build build --target llama-server -j"$(nproc)" >"$ROOT/build.log" 2>&1
+echo "$BIN"
