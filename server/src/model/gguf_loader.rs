@@ -123,6 +123,14 @@ pub fn load(file: &GgufFile, dtype: Dtype, format: WeightFormat) -> Result<Trans
     let loader = Loader { file, dtype, format };
     let (d, ff, hd) = (c.d_model, c.d_ff, c.head_dim);
     let embedding = loader.dense("token_embd.weight", &[c.vocab_size, d])?;
+    // Attention scales scores by 1/sqrt(head_dim). Gemma 3 27B (62 layers)
+    // was trained with 1/sqrt(d_model / heads) instead (llama.cpp tells it
+    // by its layer count too); RoPE is linear, so folding the ratio into the
+    // query norm's weights scales the scores the same at no cost per step.
+    let query_scale = match c.arch == Architecture::Gemma3 && c.n_layers == 62 {
+        true => ((hd as f64) / (d as f64 / c.n_heads as f64)).sqrt() as f32,
+        false => 1.0,
+    };
     let mut layers = Vec::with_capacity(c.n_layers);
     for i in 0..c.n_layers {
         let p = format!("blk.{i}");
@@ -132,7 +140,11 @@ pub fn load(file: &GgufFile, dtype: Dtype, format: WeightFormat) -> Result<Trans
         let gate = loader.linear(&format!("{p}.ffn_gate"), ff, d)?;
         let up = loader.linear(&format!("{p}.ffn_up"), ff, d)?;
         let qk_norm = match c.qk_norm {
-            true => Some(QkNorm { q: loader.dense(&format!("{p}.attn_q_norm.weight"), &[hd])?, k: loader.dense(&format!("{p}.attn_k_norm.weight"), &[hd])? }),
+            true => {
+                let q = loader.dense(&format!("{p}.attn_q_norm.weight"), &[hd])?;
+                let q = if query_scale != 1.0 { q.multiply(&mlx::Array::scalar(query_scale, dtype)?)? } else { q };
+                Some(QkNorm { q, k: loader.dense(&format!("{p}.attn_k_norm.weight"), &[hd])? })
+            }
             false => None,
         };
         let post_norm = |name: &str| -> Result<Option<mlx::Array>, LoadError> {
