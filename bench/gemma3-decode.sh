@@ -2,8 +2,10 @@
 # One-stream decode of a GGUF on the CPU: Tether (`tether serve`, the GGUF as
 # it is) beside llama.cpp's server (bench/peer/llamacpp.sh) on the same file,
 # both driven by bench/completion_decode.py over llama.cpp's /completion.
-# The servers run one at a time (2 cores), alternating ROUNDS times; the
-# table gives each server's median and the ratio Tether / llama.cpp.
+# The servers run one at a time (2 cores), alternating ROUNDS times: Tether
+# with speculation off (plain decode, as llama.cpp's server runs by default)
+# and with its CPU default (prompt-lookup drafts), then llama.cpp. The table
+# gives each one's median and the ratios to llama.cpp.
 #
 # usage: bench/gemma3-decode.sh
 # env:   MODEL=gemma3-270m   ROUNDS=3   REQUESTS=3   N_PREDICT=128
@@ -32,10 +34,12 @@ drive() {
     --build "$BUILD" --requests "${REQUESTS:-3}" --n-predict "${N_PREDICT:-128}" --first "$2"
 }
 for round in $(seq "$ROUNDS"); do
-  log "round $round of $ROUNDS: tether"
-  start_tether "$TETHER_BIN" "$OUT/tether.log" --model "$GGUF" --device cpu
-  drive tether $((round * 1000))
-  stop_server
+  for speculation in off auto; do
+    log "round $round of $ROUNDS: tether, speculation $speculation"
+    start_tether "$TETHER_BIN" "$OUT/tether.log" --model "$GGUF" --device cpu --speculation "$speculation"
+    drive "tether-spec-$speculation" $((round * 1000 + ${#speculation} * 100))
+    stop_server
+  done
   log "round $round of $ROUNDS: llama.cpp"
   port=$(free_port)
   "$LLAMA_SERVER" -m "$GGUF" --host 127.0.0.1 --port "$port" -t 2 -tb 2 -c 8192 -np 1 --no-webui >"$OUT/llamacpp.log" 2>&1 &
@@ -50,11 +54,13 @@ python3 - "$RESULTS" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 med = {}
-for server in ("tether", "llama.cpp"):
+servers = ("tether-spec-off", "tether-spec-auto", "llama.cpp")
+for server in servers:
     mine = [r for r in rows if r["server"] == server]
     med[server] = {k: statistics.median(r[k] for r in mine) for k in ("decode_tok_s", "ttft_s")}
-    print(f"{server:10s} decode {med[server]['decode_tok_s']:7.1f} tok/s   TTFT {med[server]['ttft_s'] * 1000:7.1f} ms   ({len(mine)} requests)")
-print(f"ratio tether / llama.cpp: decode {med['tether']['decode_tok_s'] / med['llama.cpp']['decode_tok_s']:.2f}x, "
-      f"TTFT {med['tether']['ttft_s'] / med['llama.cpp']['ttft_s']:.2f}x (lower is faster)")
+    print(f"{server:17s} decode {med[server]['decode_tok_s']:7.1f} tok/s   TTFT {med[server]['ttft_s'] * 1000:7.1f} ms   ({len(mine)} requests)")
+for server in servers[:2]:
+    print(f"{server} / llama.cpp: decode {med[server]['decode_tok_s'] / med['llama.cpp']['decode_tok_s']:.2f}x, "
+          f"TTFT {med[server]['ttft_s'] / med['llama.cpp']['ttft_s']:.2f}x (lower is faster)")
 PY
 echo "results: $RESULTS"
