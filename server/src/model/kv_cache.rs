@@ -486,6 +486,43 @@ mod tests {
     }
 
     #[test]
+    fn a_window_layer_rolls_back_across_the_move_of_its_window() {
+        let _device = mlx::set_default_device(mlx::Device::Cpu);
+        let window = 100;
+        // Decode until the window moves, then roll back past the step that
+        // moved it (as rejected drafts and prefix-cache hits do), and write
+        // other keys there: both layers read back the same positions.
+        let mut cache = windowed(window, &[200]);
+        let moved_from = cache.first(1);
+        let mut len = cache.len();
+        while cache.first(1) == moved_from {
+            cache = {
+                let keys = step_keys(len, 3, 1, 16);
+                cache.reserve(3).unwrap();
+                for layer in 0..2 {
+                    cache.write_step(layer, &keys, &keys, 0, 3).unwrap();
+                }
+                cache.advance(3);
+                len += 3;
+                cache
+            };
+        }
+        let back = cache.earliest_truncation().max(len - 40);
+        assert!(back < len - 3, "the rollback crosses the step that moved the window");
+        cache.truncate(back);
+        let other = step_keys(back, 50, 1, 16).multiply(&Array::scalar(-1.0, Dtype::F32).unwrap()).unwrap();
+        cache.reserve(50).unwrap();
+        for layer in 0..2 {
+            cache.write_step(layer, &other, &other, 0, 50).unwrap();
+        }
+        cache.advance(50);
+        let first = cache.first(1);
+        let all = cache.positions(0).unwrap().unwrap().0.to_vec_f32().unwrap();
+        assert_eq!(cache.positions(1).unwrap().unwrap().0.to_vec_f32().unwrap(), all[first * 16..].to_vec());
+        assert_eq!(all[back * 16], -((back * 1000) as f32), "the rewritten positions are the new keys");
+    }
+
+    #[test]
     fn a_cache_filled_from_positions_stores_its_keys_in_blocks() {
         let _device = mlx::set_default_device(mlx::Device::Cpu);
         let (_, plain) = written(&[100]);
