@@ -3,6 +3,7 @@ use gguf::{GgufFile, TensorInfo};
 use mlx::Dtype;
 
 use super::config::{Activation, Architecture, ModelConfig, SlidingWindow};
+use super::embedding::Embedding;
 use super::linear::{Linear, Weight};
 use super::transformer::{Layer, QkNorm, Transformer};
 use super::weights::{affine_to_mlx, dense, WeightFormat};
@@ -122,7 +123,14 @@ pub fn load(file: &GgufFile, dtype: Dtype, format: WeightFormat) -> Result<Trans
     let c = &config;
     let loader = Loader { file, dtype, format };
     let (d, ff, hd) = (c.d_model, c.d_ff, c.head_dim);
-    let embedding = loader.dense("token_embd.weight", &[c.vocab_size, d])?;
+    // The table stays in its quantized form when rows can be gathered from
+    // it (the tied head then reads the same arrays).
+    let embed_t = tensor(file, "token_embd.weight")?;
+    let embed_q = loader.quantized(embed_t, c.vocab_size, d)?.filter(Embedding::can_gather);
+    let embedding = match &embed_q {
+        Some(q) => Embedding::Quantized(q.clone()),
+        None => Embedding::Dense(loader.dense("token_embd.weight", &[c.vocab_size, d])?),
+    };
     // Attention scales scores by 1/sqrt(head_dim). Gemma 3 27B (62 layers)
     // was trained with 1/sqrt(d_model / heads) instead (llama.cpp tells it
     // by its layer count too); RoPE is linear, so folding the ratio into the
@@ -170,13 +178,16 @@ pub fn load(file: &GgufFile, dtype: Dtype, format: WeightFormat) -> Result<Trans
     }
     let final_norm = loader.dense("output_norm.weight", &[d])?;
     let lm_head = if c.tied_embeddings {
-        // The gather needs the dense table; the head may still read the
-        // (smaller) quantized form of the same tensor when it is exact.
-        let t = tensor(file, "token_embd.weight")?;
-        match loader.quantized(t, c.vocab_size, d)? {
-            Some(q) => Linear { weight: Weight::Quantized(q), bias: None },
-            None => Linear { weight: Weight::Dense(embedding.clone()), bias: None },
-        }
+        // The head reads the (smaller) quantized form of the table when it
+        // is exact, even where the gathers need the dense one.
+        let weight = match &embedding {
+            Embedding::Quantized(q) => Weight::Quantized(q.clone()),
+            Embedding::Dense(table) => match loader.quantized(embed_t, c.vocab_size, d)? {
+                Some(q) => Weight::Quantized(q),
+                None => Weight::Dense(table.clone()),
+            },
+        };
+        Linear { weight, bias: None }
     } else {
         loader.linear("output", c.vocab_size, d)?
     };
@@ -192,7 +203,7 @@ pub fn load(file: &GgufFile, dtype: Dtype, format: WeightFormat) -> Result<Trans
         None => None,
     };
     let t = Transformer { config, dtype, embedding, layers, final_norm, lm_head, rope_periods };
-    mlx::eval(&[&t.embedding, &t.final_norm])?;
+    mlx::eval(&t.embedding.arrays().into_iter().chain([&t.final_norm]).collect::<Vec<_>>())?;
     Ok(t)
 }
 

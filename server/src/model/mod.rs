@@ -4,6 +4,7 @@
 //! both load into the same [`Transformer`].
 mod batch_step;
 mod config;
+mod embedding;
 mod gguf_loader;
 mod kv_batch;
 mod kv_cache;
@@ -16,6 +17,7 @@ use std::path::Path;
 
 pub use batch_step::{queries_per_slot, BatchedRows, GATHERED_ROWS_MULTIPLE, SHARED_ATTENTION_SCORES, SMALL_QUERIES};
 pub use config::{Activation, Architecture, ModelConfig, SlidingWindow};
+pub use embedding::Embedding;
 pub use kv_batch::{capacity_class, capacity_classes, KvBatch};
 pub use kv_cache::{KvCache, CAPACITY_STEP as KV_CAPACITY_STEP};
 pub use linear::{Linear, Weight};

@@ -9,6 +9,7 @@ use mlx::{Array, Dtype, QuantizedWeights};
 use serde_json::Value;
 
 use super::config::{Activation, Architecture, Llama3RopeScaling, ModelConfig};
+use super::embedding::Embedding;
 use super::linear::{Linear, Weight};
 use super::transformer::{Layer, QkNorm, Transformer};
 use super::LoadError;
@@ -137,8 +138,9 @@ pub fn load(dir: &Path, dtype: Dtype) -> Result<Transformer, LoadError> {
     let mut t = Tensors { map, dtype, quant };
     let embed_q = t.quantized("model.embed_tokens")?;
     let embedding = match &embed_q {
-        Some(q) => mlx::dequantize(q, dtype)?,
-        None => t.float("model.embed_tokens.weight")?,
+        Some(q) if Embedding::can_gather(q) => Embedding::Quantized(q.clone()),
+        Some(q) => Embedding::Dense(mlx::dequantize(q, dtype)?),
+        None => Embedding::Dense(t.float("model.embed_tokens.weight")?),
     };
     let mut layers = Vec::with_capacity(config.n_layers);
     for i in 0..config.n_layers {
@@ -163,16 +165,18 @@ pub fn load(dir: &Path, dtype: Dtype) -> Result<Transformer, LoadError> {
     }
     let final_norm = t.float("model.norm.weight")?;
     let lm_head = if config.tied_embeddings {
-        match embed_q {
-            // Keep the quantized table for the head: same bytes per token as the checkpoint.
-            Some(q) => Linear { weight: Weight::Quantized(q), bias: None },
-            None => Linear { weight: Weight::Dense(embedding.clone()), bias: None },
-        }
+        // Keep the quantized table for the head: same bytes per token as the checkpoint.
+        let weight = match (&embedding, embed_q) {
+            (Embedding::Quantized(q), _) => Weight::Quantized(q.clone()),
+            (Embedding::Dense(_), Some(q)) => Weight::Quantized(q),
+            (Embedding::Dense(table), None) => Weight::Dense(table.clone()),
+        };
+        Linear { weight, bias: None }
     } else {
         t.linear("lm_head")?
     };
-    if embedding.dim(0) != config.vocab_size {
-        return Err(LoadError::Invalid(format!("embedding has {} rows, config says vocab {}", embedding.dim(0), config.vocab_size)));
+    if embedding.vocab() != config.vocab_size {
+        return Err(LoadError::Invalid(format!("embedding has {} rows, config says vocab {}", embedding.vocab(), config.vocab_size)));
     }
     let rope_periods = match config.rope_scaling {
         Some(s) => Some(Array::from_f32(&s.periods(config.rope_theta as f64, config.head_dim), &[config.head_dim / 2])?),

@@ -11,6 +11,7 @@ use mlx::{Array, Dtype};
 
 use super::batch_step::{BatchStep, BatchedRows};
 use super::config::{Activation, ModelConfig};
+use super::embedding::Embedding;
 use super::kv_batch::KvBatch;
 use super::kv_cache::KvCache;
 use super::linear::{Linear, Weight};
@@ -51,8 +52,8 @@ pub struct Transformer {
     pub config: ModelConfig,
     /// Activations and KV cache dtype (float32 on CPU, bfloat16 on GPU).
     pub dtype: Dtype,
-    /// `[vocab, d_model]`, dense for row gathers.
-    pub embedding: Array,
+    /// The token embedding table (see [`Embedding`]).
+    pub embedding: Embedding,
     pub layers: Vec<Layer>,
     pub final_norm: Array,
     /// The LM head; for tied embeddings it shares the embedding's buffer.
@@ -81,9 +82,10 @@ impl Transformer {
     /// Bytes held by the weights.
     pub fn nbytes(&self) -> usize {
         let layers: usize = self.layers.iter().map(Layer::nbytes).sum();
-        // A tied head held dense is the embedding's own buffer; in any other
-        // form (quantized, panels) it is a copy of its own.
-        let head_is_embedding = self.config.tied_embeddings && matches!(self.lm_head.weight, Weight::Dense(_));
+        // A tied head held dense or quantized like the table is the
+        // embedding's own arrays; laid out in panels it is a copy of its own.
+        let head_is_embedding = self.config.tied_embeddings
+            && matches!((&self.lm_head.weight, &self.embedding), (Weight::Dense(_), Embedding::Dense(_)) | (Weight::Quantized(_), Embedding::Quantized(_)));
         let head = if head_is_embedding { 0 } else { self.lm_head.nbytes() };
         self.embedding.nbytes() + layers + self.final_norm.nbytes() + head
     }
@@ -182,7 +184,7 @@ impl Transformer {
         }
         all_ids.extend(rows.iter().map(|r| r.ids.clone()));
         let ids = if all_ids.len() == 1 { all_ids.pop().expect("one") } else { mlx::concatenate(&all_ids.iter().collect::<Vec<_>>(), 1)? };
-        let mut h = self.embedding.take(&ids, 0)?; // [1, T, d]
+        let mut h = self.embedding.rows(&ids, self.dtype)?; // [1, T, d]
         if c.embedding_scale != 1.0 {
             h = h.multiply(&Array::scalar(c.embedding_scale, self.dtype)?)?;
         }
