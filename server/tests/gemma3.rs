@@ -40,12 +40,13 @@ fn request(case: &Case, draft: &Option<DraftKind>) -> SubmitRequest {
 }
 
 /// Every case alone, then all at once, each compared with the reference.
-async fn cases_match_reference(kv_layout: KvLayout, draft: Option<DraftKind>) {
+async fn cases_match_reference(config: EngineConfig, draft: Option<DraftKind>) {
+    let kv_layout = config.kv_layout;
     let cases = cases();
     let window = 512;
     assert!(cases.iter().any(|c| c.prompt.len() > window + 100), "a prompt past the window");
     // Small chunks: the long prompt crosses the window in several steps.
-    let engine = start_engine(MODEL, EngineConfig { kv_layout, prefill_chunk: 128, ..Default::default() });
+    let engine = start_engine(MODEL, EngineConfig { prefill_chunk: 128, ..config });
     let mut failures = Vec::new();
     for case in &cases {
         let (got, _) = run_request(&engine, request(case, &draft)).await;
@@ -79,23 +80,26 @@ async fn collect_tokens(mut events: tokio::sync::mpsc::Receiver<tether::engine::
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn row_caches_match_reference() {
-    cases_match_reference(KvLayout::Rows, None).await;
+    cases_match_reference(EngineConfig { kv_layout: KvLayout::Rows, ..Default::default() }, None).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn row_caches_with_echo_drafts_match_reference() {
-    cases_match_reference(KvLayout::Rows, Some(DraftKind::Echo)).await;
+    cases_match_reference(EngineConfig { kv_layout: KvLayout::Rows, ..Default::default() }, Some(DraftKind::Echo)).await;
 }
 
 /// The GPU's layout, run on the CPU: window layers in slots of their own size.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batched_slots_match_reference() {
-    cases_match_reference(KvLayout::Batched, None).await;
+    cases_match_reference(EngineConfig { kv_layout: KvLayout::Batched, ..Default::default() }, None).await;
 }
 
+/// With no room for shared scores, every slot bringing more than one
+/// token (a prompt chunk, a verification) attends alone over its own slot
+/// (`KvBatch::write_slot`, MLX's attention with a window mask).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn batched_slots_with_echo_drafts_match_reference() {
-    cases_match_reference(KvLayout::Batched, Some(DraftKind::Echo)).await;
+async fn batched_slots_with_echo_drafts_attending_alone_match_reference() {
+    cases_match_reference(EngineConfig { kv_layout: KvLayout::Batched, shared_attention_scores: 1, ..Default::default() }, Some(DraftKind::Echo)).await;
 }
 
 /// A history of four windows and more, built turn by turn (a 100-token

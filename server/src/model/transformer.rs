@@ -188,7 +188,11 @@ impl Transformer {
         if c.embedding_scale != 1.0 {
             h = h.multiply(&Array::scalar(c.embedding_scale, self.dtype)?)?;
         }
-        let windows = c.layer_windows();
+        // A row's window layers all attend over the same positions: on MLX's
+        // attention path its window mask is built once per step (per row
+        // attending on its own, batched slots alone included).
+        let mut alone_masks: Vec<Option<Array>> = vec![None; batch_step.as_ref().map_or(0, |s| s.alone.len())];
+        let mut row_masks: Vec<Option<Array>> = vec![None; rows.len()];
 
         let (hq, hkv, hd) = (c.n_heads as i32, c.n_kv_heads as i32, c.head_dim as i32);
         // The fused CPU path ropes every token of the step at once, each at its own position.
@@ -213,25 +217,25 @@ impl Transformer {
                 if step.shared {
                     outputs.push(self.attention_batched(li, &step.to_shared(&mine)?, b.kv, step)?);
                 }
-                for alone in &step.alone {
+                for (alone, mask) in step.alone.iter().zip(&mut alone_masks) {
                     let (at, n) = (alone.start as i32, alone.tokens as i32);
                     let rows = mine.slice(&[0, at, 0], &[1, at + n, (hq + 2 * hkv) * hd])?;
                     let first = b.kv.first(li, alone.slot);
-                    outputs.push(self.attention_own(li, &rows, alone.offset, first, |k, v| b.kv.write_slot(li, alone.slot, alone.offset, k, v))?);
+                    outputs.push(self.attention_own(li, &rows, (alone.offset, first), mask, |k, v| b.kv.write_slot(li, alone.slot, alone.offset, k, v))?);
                 }
                 parts.push(step.to_flat(&outputs)?);
             }
             match &positions {
                 Some(positions) => {
                     let mine = qkv.slice(&[0, batch_tokens, 0], &[1, total, (hq + 2 * hkv) * hd])?;
-                    parts.push(self.attention_fused_cpu(li, windows[li], &mine, rows, &lens, positions)?);
+                    parts.push(self.attention_fused_cpu(li, c.layer_window(li), &mine, rows, &lens, positions)?);
                 }
                 None => {
-                    for (r, row) in rows.iter_mut().enumerate() {
+                    for (r, (row, mask)) in rows.iter_mut().zip(&mut row_masks).enumerate() {
                         let (s, n) = (starts[r], lens[r] as i32);
                         let mine = qkv.slice(&[0, s, 0], &[1, s + n, (hq + 2 * hkv) * hd])?;
                         let first = row.cache.first(li);
-                        parts.push(self.attention_own(li, &mine, offsets[r] as usize, first, |k, v| row.cache.append(li, k, v))?);
+                        parts.push(self.attention_own(li, &mine, (offsets[r] as usize, first), mask, |k, v| row.cache.append(li, k, v))?);
                     }
                 }
             }
@@ -288,8 +292,10 @@ impl Transformer {
     /// Attention of one layer for one sequence over its own keys: `qkv` is
     /// its `[1, n, ..]` rows at positions `offset ..`; `write` stores the new
     /// keys and values and returns all those held, positions `first ..`
-    /// (`first` > 0 only on a sliding-window layer). Returns `[1, n, n_heads * head_dim]`.
-    fn attention_own<W>(&self, layer: usize, qkv: &Array, offset: usize, first: usize, write: W) -> mlx::Result<Array>
+    /// (`first` > 0 only on a sliding-window layer). `window_mask` keeps the
+    /// row's window mask for its other window layers this step. Returns
+    /// `[1, n, n_heads * head_dim]`.
+    fn attention_own<W>(&self, layer: usize, qkv: &Array, (offset, first): (usize, usize), window_mask: &mut Option<Array>, write: W) -> mlx::Result<Array>
     where
         W: FnOnce(&Array, &Array) -> mlx::Result<(Array, Array)>,
     {
@@ -308,7 +314,12 @@ impl Transformer {
         let out = match c.layer_window(layer) {
             // Causal: query i sits at offset + i and sees keys up to there.
             None => fast::sdpa(&q, &keys, &values, scale, if n > 1 { Mask::Causal } else { Mask::None })?,
-            Some(window) => fast::sdpa(&q, &keys, &values, scale, Mask::Array(&self.window_mask(offset, n as usize, first, window)?))?,
+            Some(window) => {
+                if window_mask.is_none() {
+                    *window_mask = Some(self.window_mask(offset, n as usize, first, window)?);
+                }
+                fast::sdpa(&q, &keys, &values, scale, Mask::Array(window_mask.as_ref().expect("built above")))?
+            }
         };
         out.transpose(&[0, 2, 1, 3])?.reshape(&[1, n, hq * hd])
     }
