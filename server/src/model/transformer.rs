@@ -384,33 +384,33 @@ impl Transformer {
         Array::from_f32(&mask, &[1, 1, n, keys])?.astype(self.dtype)
     }
 
-    /// The RoPE base of layer `layer`: a sliding-window layer's own, when
-    /// the model gives its local layers one (Gemma 3).
-    fn local_rope_theta(&self, layer: usize) -> Option<f32> {
-        self.config.sliding_window.filter(|w| w.is_local(layer)).map(|w| w.local_rope_theta)
+    /// How layer `layer` turns its heads: a sliding-window layer at its own
+    /// base when the model gives its local layers one (Gemma 3), else by
+    /// per-pair periods when the model scales its RoPE (Llama 3.x), else at
+    /// the model's base.
+    fn layer_rope(&self, layer: usize) -> Rope<'_> {
+        match (self.config.sliding_window.filter(|w| w.is_local(layer)), &self.rope_periods) {
+            (Some(window), _) => Rope::Base(window.local_rope_theta),
+            (None, Some(periods)) => Rope::Periods(periods),
+            (None, None) => Rope::Base(self.config.rope_theta),
+        }
     }
 
     /// RoPE over whole heads from position `offset` on, as layer `layer` turns it.
     fn rope(&self, layer: usize, a: &Array, offset: i32) -> mlx::Result<Array> {
-        let c = &self.config;
-        if let Some(theta) = self.local_rope_theta(layer) {
-            return fast::rope(a, c.head_dim as i32, c.rope_traditional, theta, 1.0, offset);
-        }
-        match &self.rope_periods {
-            Some(periods) => fast::rope_freqs(a, c.head_dim as i32, c.rope_traditional, 1.0, offset, periods),
-            None => fast::rope(a, c.head_dim as i32, c.rope_traditional, c.rope_theta, 1.0, offset),
+        let (dims, traditional) = (self.config.head_dim as i32, self.config.rope_traditional);
+        match self.layer_rope(layer) {
+            Rope::Base(theta) => fast::rope(a, dims, traditional, theta, 1.0, offset),
+            Rope::Periods(periods) => fast::rope_freqs(a, dims, traditional, 1.0, offset, periods),
         }
     }
 
     /// RoPE with one starting position per row of `a` (`offsets`: int32).
     fn rope_at(&self, layer: usize, a: &Array, offsets: &Array) -> mlx::Result<Array> {
-        let c = &self.config;
-        if let Some(theta) = self.local_rope_theta(layer) {
-            return fast::rope_offsets(a, c.head_dim as i32, c.rope_traditional, theta, 1.0, offsets);
-        }
-        match &self.rope_periods {
-            Some(periods) => fast::rope_offsets_freqs(a, c.head_dim as i32, c.rope_traditional, 1.0, offsets, periods),
-            None => fast::rope_offsets(a, c.head_dim as i32, c.rope_traditional, c.rope_theta, 1.0, offsets),
+        let (dims, traditional) = (self.config.head_dim as i32, self.config.rope_traditional);
+        match self.layer_rope(layer) {
+            Rope::Base(theta) => fast::rope_offsets(a, dims, traditional, theta, 1.0, offsets),
+            Rope::Periods(periods) => fast::rope_offsets_freqs(a, dims, traditional, 1.0, offsets, periods),
         }
     }
 
@@ -510,6 +510,13 @@ impl Transformer {
         }
         fast::cpu_attention(&q, &attention_rows, keys, window)
     }
+}
+
+/// How a layer's RoPE turns: at a base (`base^(2i / head_dim)` periods) or
+/// by given per-pair periods.
+enum Rope<'a> {
+    Base(f32),
+    Periods(&'a Array),
 }
 
 /// A step's float32 logits (lazy): per batched slot (`None` where it wanted
