@@ -4,12 +4,9 @@
 //! cases include a prompt past its local layers' 512-token window).
 mod common;
 
-use std::ops::ControlFlow;
-
 use common::*;
-use tether::generate::{generate, greedy_tokens, prefill, GenerateOptions};
+use tether::generate::{greedy_tokens, prefill};
 use tether::model::{load_transformer, LoadOptions, Transformer, Weight, WeightFormat};
-use tether::sample::SamplingParams;
 
 const MAX_RELATIVE_ERROR: f64 = 1e-3;
 
@@ -56,13 +53,7 @@ fn check_model(name: &str, fixture: &str, weights: WeightFormat) {
         }
 
         // The pipelined decode loop must produce exactly the same tokens.
-        let opts = GenerateOptions { max_tokens: want.len(), sampling: SamplingParams::default(), stop_ids: vec![], prefill_chunk: 7 };
-        let mut streamed = Vec::new();
-        generate(&model, &prompt, &opts, |id| {
-            streamed.push(id);
-            ControlFlow::Continue(())
-        })
-        .unwrap();
+        let streamed = pipelined_greedy(&model, &prompt, want.len(), 7);
         if streamed != want {
             failures.push(format!("{case_name}: pipelined generate with 7-token prefill chunks differs: {streamed:?}"));
         }

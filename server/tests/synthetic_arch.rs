@@ -8,14 +8,12 @@
 //! loads it as a user's model would be loaded, and compares.
 mod common;
 
-use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
 use common::*;
 use serde_json::{json, Value};
-use tether::generate::{generate, greedy_tokens, prefill, GenerateOptions};
+use tether::generate::{greedy_tokens, prefill};
 use tether::model::{load_transformer, LoadOptions, WeightFormat};
-use tether::sample::SamplingParams;
 
 const MAX_RELATIVE_ERROR: f64 = 1e-3;
 
@@ -284,14 +282,7 @@ fn check(fixture: &str, format: Format) {
     assert!(err < MAX_RELATIVE_ERROR, "{fixture}: logits relative error {err:.2e}");
     assert_eq!(greedy_tokens(&model, &prompt, want.len()).unwrap(), want, "{fixture}: greedy tokens");
     // The pipelined decode loop, reading the prompt in chunks of 5.
-    let opts = GenerateOptions { max_tokens: want.len(), sampling: SamplingParams::default(), stop_ids: vec![], prefill_chunk: 5 };
-    let mut streamed = Vec::new();
-    generate(&model, &prompt, &opts, |id| {
-        streamed.push(id);
-        ControlFlow::Continue(())
-    })
-    .unwrap();
-    assert_eq!(streamed, want, "{fixture}: pipelined generate");
+    assert_eq!(pipelined_greedy(&model, &prompt, want.len(), 5), want, "{fixture}: pipelined generate");
 }
 
 #[test]

@@ -32,6 +32,19 @@ pub fn ids(v: &serde_json::Value) -> Vec<u32> {
 }
 
 /// ||a - b|| / ||b||
+/// `n` greedy tokens of `prompt` from the pipelined decode loop
+/// (`tether::generate::generate`), reading the prompt in chunks of `chunk`.
+pub fn pipelined_greedy(model: &tether::model::Transformer, prompt: &[u32], n: usize, chunk: usize) -> Vec<u32> {
+    let opts = tether::generate::GenerateOptions { max_tokens: n, sampling: tether::sample::SamplingParams::default(), stop_ids: vec![], prefill_chunk: chunk };
+    let mut streamed = Vec::new();
+    tether::generate::generate(model, prompt, &opts, |id| {
+        streamed.push(id);
+        std::ops::ControlFlow::Continue(())
+    })
+    .unwrap();
+    streamed
+}
+
 pub fn relative_error(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len());
     let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
