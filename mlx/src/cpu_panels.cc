@@ -1,7 +1,8 @@
 // Panel GEMM for dense float32 weights; see cpu_panels.h for why.
 //
-// Invariants: x is made row-contiguous and panels are checked to be
-// [P, K, kPanelWidth] float32 before the primitive is built; the output
+// Invariants: x is read through row_major_f32; panels are checked to be
+// [P, K, kPanelWidth] float32 (and made row-contiguous) before the primitive
+// is built; the output
 // buffer is allocated in eval_cpu and filled by the dispatched task, which
 // holds copies of the input arrays so their buffers outlive it.
 #include "tether-mlx/src/cpu_panels.h"
@@ -95,7 +96,8 @@ class CpuPanelMatmul : public mx::UnaryPrimitive {
     const int P = in[1].shape(0);
     float* out_ptr = out.data<float>();
     enc.dispatch([x = in[0], panels = in[1], out_ptr, M, N, K, P]() {
-      const float* xp = x.data<float>();
+      thread_local std::vector<float> x_copy;
+      const float* xp = row_major_f32(x, x_copy);
       const float* pp = panels.data<float>();
       // One panel per hand-off: a few dozen panels even for small products,
       // so both cores get an even share.
@@ -145,7 +147,7 @@ mx::array panel_matmul(const mx::array& x, const mx::array& panels, int out_feat
   auto cpu = mx::default_stream(mx::Device::cpu);
   auto out_shape = x.shape();
   out_shape.back() = out_features;
-  std::vector<mx::array> inputs = {mx::contiguous(x, false, cpu), panels};
+  std::vector<mx::array> inputs = {x, contiguous_unless_ready(panels, cpu)};
   return mx::array(out_shape, mx::float32, std::make_shared<CpuPanelMatmul>(cpu, out_features), std::move(inputs));
 }
 

@@ -13,11 +13,14 @@
 // with j over group g. The scale is folded into the codes before the FMA, and
 // the bias term uses per-group sums of x computed once per call.
 //
-// Invariants: inputs are made row-contiguous before the primitive is built;
-// the output buffer is allocated in eval_cpu and filled by the dispatched task,
+// Invariants: weights, scales and biases are row-contiguous (made so before
+// the primitive is built); x is read through row_major_f32; the output buffer is allocated in eval_cpu and filled by the dispatched task,
 // which holds copies of the input arrays so their buffers outlive it.
 #include "tether-mlx/src/cpu_qmm.h"
 
+#include <cmath>
+#include <cstdlib>
+#include <optional>
 #include <stdexcept>
 #include <vector>
 
@@ -294,6 +297,221 @@ void rows_avx512_tiled(const Problem& p, const float* xp, int n0, int n1) {
   }
 }
 
+// ---------------------------------------------------------------------------
+// Integer-dot path (AVX-512 VNNI). x is quantized once per call, per weight
+// group, into two 16-bit words per element: x = scale * (high + low / 128)
+// with |high| <= 8191 and |low| <= 64, so it keeps ~21 bits of each group's
+// range (error <= max|x| * 5e-7 per element). Each step multiplies a weight
+// row's codes against both words with VPDPWSSD (32 int16 products summed
+// into int32 lanes per instruction), as 128 * code * high + code * low in
+// one int32 sum (the codes shifted left by 7 for the high words), which is
+// converted and scaled to float once per two groups.
+//
+// Why two words: one int16 word (and llama.cpp's int8 activations, coarser
+// still) rounds every element of a group to max|x| / 32767; the groups that
+// hold an outlier activation then lose the rest of their precision, and the
+// reference tests' logits moved by up to 1e-3 (SmolLM2, Gemma 3; a greedy
+// token flipped). Two words keep them within ~2e-6 of the float kernel.
+// Overflow: per lane and step at most 4 products of |code << 7| <= 32640
+// and |high| <= 8191, plus 4 of |code| <= 255 and |low| <= 64: < 1.1e9.
+//
+// Layout of one "step" of a weight row (two groups; lanes 0-7 of every int32
+// accumulator belong to the first group, lanes 8-15 to the second):
+//   4-bit, groups of 32: 32 code bytes; words a = even elements of both
+//     groups (low nibbles), b = odd elements (high nibbles).
+//   8-bit, groups of 32: 64 code bytes; a = elements 0-15 of both, b = 16-31.
+//   8-bit, groups of 16: 32 code bytes; a = all 16 elements of both.
+// x's words are stored in the same order (int_step_element), so every
+// format runs the same multiply-accumulate.
+//
+// Every output is computed the same way whatever the number of rows in the
+// call or where the row sits in it (the same per-step operations in the same
+// order), so a row's result is bit-identical alone or batched.
+
+enum class Format { kQ4G32, kQ8G32, kQ8G16 };
+
+constexpr int step_words(Format f) { return f == Format::kQ8G16 ? 32 : 64; }
+constexpr int step_groups = 2;
+constexpr float kHighMax = 8191.f;
+constexpr float kLowScale = 128.f;  // = 1 << kCodeShift
+constexpr int kCodeShift = 7;
+
+// Element (within the row) of word w of step s.
+int int_step_element(Format f, int s, int w) {
+  switch (f) {
+    case Format::kQ4G32: {
+      const int odd = w >= 32, half = (w % 32) / 16, j = w % 16;
+      return (2 * s + half) * 32 + 2 * j + odd;
+    }
+    case Format::kQ8G32: {
+      const int upper = w >= 32, half = (w % 32) / 16, j = w % 16;
+      return (2 * s + half) * 32 + 16 * upper + j;
+    }
+    default:
+      return (2 * s + w / 16) * 16 + w % 16;
+  }
+}
+
+// x quantized for the integer path: per row and step, the high words then
+// the low words in step order, and the step's lane scales (group g's scale
+// in its 8 lanes). The bias term uses the float sums of x (Problem::xsum).
+struct IntActivations {
+  std::vector<int16_t> words;  // [M, steps, 2, step_words]
+  std::vector<float> lane_scales;  // [M, steps, 16]
+  int steps = 0;
+};
+
+void quantize_activations(const Problem& p, Format f, IntActivations& a) {
+  const int gs = p.K / p.G;
+  const int W = step_words(f);
+  a.steps = p.G / step_groups;
+  a.words.resize(static_cast<size_t>(p.M) * 2 * p.K);
+  a.lane_scales.resize(static_cast<size_t>(p.M) * a.steps * 16);
+  std::vector<float> scale(p.G), inv(p.G);
+  for (int m = 0; m < p.M; ++m) {
+    const float* xr = p.x + static_cast<size_t>(m) * p.K;
+    for (int g = 0; g < p.G; ++g) {
+      float amax = 0.f;
+      for (int j = 0; j < gs; ++j) amax = std::max(amax, std::fabs(xr[g * gs + j]));
+      scale[g] = amax / kHighMax;
+      inv[g] = amax > 0.f ? kHighMax / amax : 0.f;
+    }
+    int16_t* wr = a.words.data() + static_cast<size_t>(m) * 2 * p.K;
+    for (int s = 0; s < a.steps; ++s)
+      for (int w = 0; w < W; ++w) {
+        const int e = int_step_element(f, s, w);
+        const float t = xr[e] * inv[e / gs];
+        const float high = std::nearbyint(t);
+        wr[s * 2 * W + w] = static_cast<int16_t>(high);
+        wr[s * 2 * W + W + w] = static_cast<int16_t>(std::nearbyint((t - high) * kLowScale));
+      }
+    float* lr = a.lane_scales.data() + (static_cast<size_t>(m) * a.steps) * 16;
+    for (int s = 0; s < a.steps; ++s)
+      for (int l = 0; l < 16; ++l) lr[s * 16 + l] = scale[2 * s + l / 8] / kLowScale;
+  }
+}
+
+// The int16 code words of step s of a weight row (b unused for kQ8G16).
+template <Format F>
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+inline void load_step_codes(const uint8_t* wr, int s, __m512i& a, __m512i& b) {
+  if constexpr (F == Format::kQ4G32) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + s * 32));
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    a = _mm512_cvtepu8_epi16(_mm256_and_si256(v, nib));
+    b = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), nib));
+  } else if constexpr (F == Format::kQ8G32) {
+    const __m256i g0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + s * 64));
+    const __m256i g1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + s * 64 + 32));
+    a = _mm512_cvtepu8_epi16(_mm256_permute2x128_si256(g0, g1, 0x20));
+    b = _mm512_cvtepu8_epi16(_mm256_permute2x128_si256(g0, g1, 0x31));
+  } else {
+    a = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + s * 32)));
+    b = _mm512_setzero_si512();
+  }
+}
+
+// Weight scales of step s's two groups, each in its 8 lanes.
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+inline __m512 step_weight_scales(const float* sr, int s) {
+  const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m128 two = _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sr + 2 * s)));
+  return _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(two));
+}
+
+// NR weight rows from n against MR activation rows from m0.
+template <Format F, int NR, int MR>
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+void int_block(const Problem& p, const IntActivations& xa, int n, int m0) {
+  constexpr int W = step_words(F);
+  constexpr bool kTwoVectors = F != Format::kQ8G16;
+  const int row_bytes = p.K * (F == Format::kQ4G32 ? 4 : 8) / 8;
+  __m512 acc[NR][MR];
+#pragma GCC unroll 4
+  for (int i = 0; i < NR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int16_t* xw = xa.words.data() + static_cast<size_t>(m0) * 2 * p.K;
+  const float* xl = xa.lane_scales.data() + static_cast<size_t>(m0) * xa.steps * 16;
+  for (int s = 0; s < xa.steps; ++s) {
+    __m512i ca[NR], cb[NR], ha[NR], hb[NR];  // codes, and codes << kCodeShift for the high words
+    __m512 ws[NR];
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; ++i) {
+      load_step_codes<F>(p.w + static_cast<size_t>(n + i) * row_bytes, s, ca[i], cb[i]);
+      ha[i] = _mm512_slli_epi16(ca[i], kCodeShift);
+      if constexpr (kTwoVectors) hb[i] = _mm512_slli_epi16(cb[i], kCodeShift);
+      ws[i] = step_weight_scales(p.scales + static_cast<size_t>(n + i) * p.G, s);
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < MR; ++j) {
+      const int16_t* xr = xw + static_cast<size_t>(j) * 2 * p.K + s * 2 * W;
+      const __m512i xha = _mm512_loadu_si512(xr), xla = _mm512_loadu_si512(xr + W);
+      __m512i xhb = _mm512_setzero_si512(), xlb = _mm512_setzero_si512();
+      if constexpr (kTwoVectors) {
+        xhb = _mm512_loadu_si512(xr + 32);
+        xlb = _mm512_loadu_si512(xr + W + 32);
+      }
+      const __m512 xs = _mm512_loadu_ps(xl + (static_cast<size_t>(j) * xa.steps + s) * 16);
+#pragma GCC unroll 4
+      for (int i = 0; i < NR; ++i) {
+        __m512i d = _mm512_dpwssd_epi32(_mm512_setzero_si512(), ha[i], xha);
+        d = _mm512_dpwssd_epi32(d, ca[i], xla);
+        if constexpr (kTwoVectors) {
+          d = _mm512_dpwssd_epi32(d, hb[i], xhb);
+          d = _mm512_dpwssd_epi32(d, cb[i], xlb);
+        }
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws[i], xs), acc[i][j]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < NR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < MR; ++j) {
+      const float* br = p.biases + static_cast<size_t>(n + i) * p.G;
+      const float* xs = p.xsum + static_cast<size_t>(m0 + j) * p.G;
+      p.out[static_cast<size_t>(m0 + j) * p.N + n + i] = _mm512_reduce_add_ps(add_bias_term(acc[i][j], br, xs, p.G));
+    }
+}
+
+constexpr int kIntRowsN = 2;  // weight rows per block
+constexpr int kIntRowsM = 4;  // activation rows per block: 8 accumulators
+
+template <Format F, int NR>
+void int_block_rows(const Problem& p, const IntActivations& xa, int n) {
+  int m0 = 0;
+  for (; m0 + kIntRowsM <= p.M; m0 += kIntRowsM) int_block<F, NR, kIntRowsM>(p, xa, n, m0);
+  switch (p.M - m0) {
+    case 3: int_block<F, NR, 3>(p, xa, n, m0); break;
+    case 2: int_block<F, NR, 2>(p, xa, n, m0); break;
+    case 1: int_block<F, NR, 1>(p, xa, n, m0); break;
+    default: break;
+  }
+}
+
+template <Format F>
+void rows_int(const Problem& p, const IntActivations& xa, int n0, int n1) {
+  int n = n0;
+  for (; n + kIntRowsN <= n1; n += kIntRowsN) int_block_rows<F, kIntRowsN>(p, xa, n);
+  for (; n < n1; ++n) int_block_rows<F, 1>(p, xa, n);
+}
+
+bool has_vnni() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+  return yes;
+}
+
+// The integer path's format for this problem, if it has one.
+std::optional<Format> int_format(const Problem& p) {
+  const int gs = p.K / p.G;
+  if (!has_vnni() || p.G % step_groups != 0) return std::nullopt;
+  if (p.bits == 4 && gs == 32) return Format::kQ4G32;
+  if (p.bits == 8 && gs == 32) return Format::kQ8G32;
+  if (p.bits == 8 && gs == 16) return Format::kQ8G16;
+  return std::nullopt;
+}
+
 bool has_avx512() {
   static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
   return yes;
@@ -309,6 +527,24 @@ void run_problem(Problem p) {
       xsum[m * p.G + g] = s;
     }
   p.xsum = xsum.data();
+  static const bool float_only = std::getenv("TETHER_QMM_FLOAT") != nullptr;  // for comparisons
+  if (!float_only && p.M < kTiledMinRows) {
+  if (auto f = int_format(p)) {
+    // A reference the workers capture: a thread_local named inside the
+    // lambda would be each worker's own (empty) instance.
+    thread_local IntActivations calling_thread_acts;
+    IntActivations& xa = calling_thread_acts;
+    quantize_activations(p, *f, xa);
+    RowPool::get().run(p.N, 64, [&](int a, int b) {
+      switch (*f) {
+        case Format::kQ4G32: rows_int<Format::kQ4G32>(p, xa, a, b); break;
+        case Format::kQ8G32: rows_int<Format::kQ8G32>(p, xa, a, b); break;
+        case Format::kQ8G16: rows_int<Format::kQ8G16>(p, xa, a, b); break;
+      }
+    });
+    return;
+  }
+  }
   enum { kScalar, kG32, kG16, kTiled } path = kScalar;
   if (has_avx512() && gs == 32) path = kG32;
   if (has_avx512() && gs == 16 && p.bits == 8) path = kG16;
@@ -366,7 +602,8 @@ class CpuAffineMatmul : public mx::UnaryPrimitive {
     p.bits = bits_;
     float* out_ptr = out.data<float>();
     enc.dispatch([x = in[0], w = in[1], s = in[2], b = in[3], out_ptr, p]() mutable {
-      p.x = x.data<float>();
+      thread_local std::vector<float> x_copy;
+      p.x = row_major_f32(x, x_copy);
       p.w = reinterpret_cast<const uint8_t*>(w.data<uint32_t>());
       p.scales = s.data<float>();
       p.biases = b.data<float>();
@@ -407,8 +644,7 @@ mx::array cpu_affine_matmul(const mx::array& x, const mx::array& w, const mx::ar
   auto cpu = mx::default_stream(mx::Device::cpu);
   auto out_shape = x.shape();
   out_shape.back() = N;
-  std::vector<mx::array> inputs = {mx::contiguous(x, false, cpu), mx::contiguous(w, false, cpu), mx::contiguous(scales, false, cpu),
-                                   mx::contiguous(biases, false, cpu)};
+  std::vector<mx::array> inputs = {x, contiguous_unless_ready(w, cpu), contiguous_unless_ready(scales, cpu), contiguous_unless_ready(biases, cpu)};
   return mx::array(out_shape, mx::float32, std::make_shared<CpuAffineMatmul>(cpu, group_size, bits), std::move(inputs));
 }
 

@@ -41,10 +41,12 @@ class CpuSwiglu : public mx::UnaryPrimitive {
  public:
   explicit CpuSwiglu(mx::Stream s) : mx::UnaryPrimitive(s) {}
 
-  // in: gate_up, row-contiguous.
+  // in: gate_up (read through row_major_f32).
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     auto& enc = start_cpu_eval(stream(), in, out);
-    enc.dispatch([in, src = in[0].data<float>(), dst = out.data<float>(), ff = out.shape(-1), rows = static_cast<int>(out.size() / out.shape(-1))]() {
+    enc.dispatch([in, dst = out.data<float>(), ff = out.shape(-1), rows = static_cast<int>(out.size() / out.shape(-1))]() {
+      thread_local std::vector<float> copy;
+      const float* src = row_major_f32(in[0], copy);
       static const bool avx512 = __builtin_cpu_supports("avx512f");
       auto row = avx512 && ff % 16 == 0 ? swiglu_row_avx512 : swiglu_row_scalar;
       RowPool::get().run(rows, kRowsPerTask, [&](int b, int e) {
@@ -73,8 +75,7 @@ mx::array swiglu_activation(const mx::array& gate_up) {
   auto cpu = mx::default_stream(mx::Device::cpu);
   auto shape = gate_up.shape();
   shape.back() /= 2;
-  // The kernel walks rows of 2 * ff contiguous floats.
-  return mx::array(std::move(shape), mx::float32, std::make_shared<CpuSwiglu>(cpu), {mx::contiguous(gate_up, false, cpu)});
+  return mx::array(std::move(shape), mx::float32, std::make_shared<CpuSwiglu>(cpu), {gate_up});
 }
 
 }  // namespace tether_mlx

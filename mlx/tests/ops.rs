@@ -128,6 +128,26 @@ fn memory_stats_track_live_arrays() {
     assert!(mlx::memory::active() < before + 4 * 1024 * 1024);
 }
 
+/// sqrt(sum (a - b)^2 / sum b^2): the error measure of the reference tests.
+fn relative_error(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (num / den).sqrt()
+}
+
+/// Where the CPU has AVX-512 VNNI the kernel multiplies x quantized to 16
+/// bits per weight group. With activation_rows' outliers (100x, the group
+/// holding one loses precision) it measured 0.7-1.6e-4 (the float kernel:
+/// 4e-7); without them ~1e-5.
+const QMM_MAX_RELATIVE_ERROR: f64 = 3e-4;
+
+/// Activation rows with one outlier per row (100x the rest), as real
+/// activations have: per-group scales keep the other groups precise.
+fn activation_rows(m: usize, k: usize) -> Vec<f32> {
+    (0..m * k).map(|i| if i % k == 37 { 50.0 } else { ((i * 7919) % 313) as f32 / 313.0 - 0.5 }).collect()
+}
+
 #[test]
 fn cpu_quantized_matmul_matches_dequantized_product() {
     let _serial = serial();
@@ -138,11 +158,11 @@ fn cpu_quantized_matmul_matches_dequantized_product() {
         let q = mlx::quantize(&w, 32, bits).unwrap();
         let dense = mlx::dequantize(&q, Dtype::F32).unwrap();
         for m in [1usize, 3, 4, 5, 7, 16, 64] {
-            let xs: Vec<f32> = (0..m * k).map(|i| ((i * 7919) % 313) as f32 / 313.0 - 0.5).collect();
-            let x = Array::from_f32(&xs, &[m, k]).unwrap();
+            let x = Array::from_f32(&activation_rows(m, k), &[m, k]).unwrap();
             let got = mlx::cpu_quantized_matmul(&x, &q).unwrap().to_vec_f32().unwrap();
             let want = x.matmul(&dense.transpose(&[1, 0]).unwrap()).unwrap().to_vec_f32().unwrap();
-            assert!(close(&got, &want, 1e-4), "bits {bits}, rows {m}");
+            let err = relative_error(&got, &want);
+            assert!(err < QMM_MAX_RELATIVE_ERROR, "bits {bits}, rows {m}: relative error {err:.2e}");
         }
     }
     let too_many = Array::zeros(&[mlx::cpu_quantized_matmul_max_rows() + 1, k], Dtype::F32).unwrap();
@@ -150,34 +170,23 @@ fn cpu_quantized_matmul_matches_dequantized_product() {
     assert!(mlx::cpu_quantized_matmul(&too_many, &q).is_err());
 }
 
-/// Groups of 16 (GGUF Q6_K's exact form) are not an MLX quantize() option,
-/// so this builds the packed form by hand and checks against plain math.
+/// A row's output does not depend on the other rows of the call: decode
+/// alone, batched with other streams or verifying drafts gives the same bits.
 #[test]
-fn cpu_quantized_matmul_handles_8bit_groups_of_16() {
+fn cpu_quantized_matmul_rows_are_bit_identical_alone_or_batched() {
     let _serial = serial();
-    let (n, k, g) = (70usize, 64usize, 16usize);
-    let codes: Vec<u8> = (0..n * k).map(|i| (i * 37 % 64) as u8).collect();
-    let scales: Vec<f32> = (0..n * k / g).map(|i| 0.01 * (1 + i % 7) as f32).collect();
-    let biases: Vec<f32> = scales.iter().map(|s| -32.0 * s).collect();
-    let packed: Vec<u32> = codes.chunks(4).map(|c| c.iter().enumerate().fold(0u32, |w, (j, &b)| w | (b as u32) << (8 * j))).collect();
-    let q = mlx::QuantizedWeights {
-        packed: Array::from_u32(&packed, &[n, k / 4]).unwrap(),
-        scales: Array::from_f32(&scales, &[n, k / g]).unwrap(),
-        biases: Array::from_f32(&biases, &[n, k / g]).unwrap(),
-        group_size: g as i32,
-        bits: 8,
-    };
-    for m in [1usize, 5, 9] {
-        let xs: Vec<f32> = (0..m * k).map(|i| ((i * 13) % 29) as f32 / 29.0 - 0.4).collect();
-        let x = Array::from_f32(&xs, &[m, k]).unwrap();
-        let got = mlx::cpu_quantized_matmul(&x, &q).unwrap().to_vec_f32().unwrap();
-        let want: Vec<f32> = (0..m)
-            .flat_map(|r| {
-                let (codes, scales, biases, xs) = (&codes, &scales, &biases, &xs);
-                (0..n).map(move |o| (0..k).map(|j| xs[r * k + j] * (scales[(o * k + j) / g] * codes[o * k + j] as f32 + biases[(o * k + j) / g])).sum::<f32>())
-            })
-            .collect();
-        assert!(close(&got, &want, 1e-4), "rows {m}");
+    let (n, k) = (133, 640);
+    let data: Vec<f32> = (0..n * k).map(|i| ((i * 2654435761usize) % 997) as f32 / 500.0 - 1.0).collect();
+    let w = Array::from_f32(&data, &[n, k]).unwrap();
+    for bits in [4, 8] {
+        let q = mlx::quantize(&w, 32, bits).unwrap();
+        let q = mlx::QuantizedWeights { scales: q.scales.astype(Dtype::F32).unwrap(), biases: q.biases.astype(Dtype::F32).unwrap(), ..q };
+        let xs = activation_rows(37, k);
+        let batched = mlx::cpu_quantized_matmul(&Array::from_f32(&xs, &[37, k]).unwrap(), &q).unwrap().to_vec_f32().unwrap();
+        for m in [1usize, 2, 3, 4, 5, 9, 37] {
+            let part = mlx::cpu_quantized_matmul(&Array::from_f32(&xs[..m * k], &[m, k]).unwrap(), &q).unwrap().to_vec_f32().unwrap();
+            assert_eq!(part, batched[..m * n], "bits {bits}: the first {m} rows alone differ from the same rows in a batch of 37");
+        }
     }
 }
 
