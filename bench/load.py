@@ -20,6 +20,8 @@ Client backends behind one interface (`Client.open()` / `stream()` / `close()`):
   tether-llamacpp  Tether's llama.cpp-compatible POST /completion, streamed
            (`data: {...}` lines; tokens from the final `timings.predicted_n`),
            the editor edge, measured the same way.
+  llama.cpp  llama.cpp's own server (bench/peer/llamacpp.sh) on the same GGUF,
+           through the same /completion client.
 Tether has no logit_bias, so every prompt is a counting prompt ("1050,1051,
 1052,...") that greedy decoding continues to max_tokens; the tokens that really
 came are recorded. Every request gets a different prompt (the numbers start at a
@@ -499,7 +501,7 @@ class Bench:
             return TetherClient(self.http, self.a.url)
         if self.a.engine == "tether-openai":
             return OpenAIClient(self.http, self.a.url, [], bias_eos=False, model=self.a.served_model)
-        if self.a.engine == "tether-llamacpp":
+        if self.a.engine in ("tether-llamacpp", "llama.cpp"):
             return LlamaCppClient(self.http, self.a.url)
         return OpenAIClient(self.http, self.a.url, self.eos, bias_eos)
 
@@ -757,6 +759,10 @@ async def run(args):
             if is_ws(args.engine):
                 settings = [("chunked", None, "server default"), ("unchunked", 4096, "chunk_size=4096 requested")]
                 settings = [s for s in settings if s[0] in args.tether_settings.split(",")]
+            elif args.engine == "llama.cpp":
+                # Its server takes a prompt in batches of -b tokens (2048 by
+                # default, bench/load.sh's flags) between other slots' tokens.
+                settings = [("unchunked", None, "llama.cpp -b 2048")]
             else:
                 step = args.mlx_prefill_step
                 name = "unchunked" if step >= args.long_prompt_tokens else "chunked"
@@ -933,23 +939,34 @@ def report(path):
         runs = f"median of {reps} runs each, " if reps > 1 else ""
         print(f"\n{m}: tether vs mlx-lm, same script; {runs}ratio = tether / mlx-lm")
         has_prev = any(r["engine"] == "tether-prev" for r in rs)
+        has_llama = any(r["engine"] == "llama.cpp" for r in rs)
         prev_head = f" {'prev':>9} {'new/prev':>8}" if has_prev else ""
+        llama_head = f" {'llama.cpp':>9} {'t/llama':>7}" if has_llama else ""
         if has_prev:
             print("prev: the previous build of Tether, same script and flags")
-        print(f"{'metric':<52} {'tether':>9}{prev_head} {'mlx-lm':>9} {'ratio':>7}  better")
+        if has_llama:
+            print("llama.cpp: its server on the same GGUF (t/llama = tether / llama.cpp)")
+        print(f"{'metric':<52} {'tether':>9}{prev_head} {'mlx-lm':>9} {'ratio':>7}{llama_head}  better")
 
         def line(name, unit, better, t, p):
             tv = t.get(unit[0]) if t else None
             pv = p.get(unit[0]) if p else None
             ratio = f"{tv / pv:.2f}x" if tv is not None and pv else "-"
-            prev_cols = ""
+            kind = {k: (t or p or {}).get(k) for k in ("workload", "streams", "setting")}
+            prev_cols = llama_cols = ""
             if has_prev:
                 # The previous build's run of the same kind as `t`.
-                q = t and last("tether-prev", **{k: t.get(k) for k in ("workload", "streams", "setting")})
+                q = t and last("tether-prev", **kind)
                 qv = q.get(unit[0]) if q else None
                 vs_prev = f"{tv / qv:.2f}x" if tv is not None and qv else "-"
                 prev_cols = f" {fmt(qv, unit[1]):>9} {vs_prev:>8}"
-            print(f"{name:<52} {fmt(tv, unit[1]):>9}{prev_cols} {fmt(pv, unit[1]):>9} {ratio:>7}  {better}")
+            if has_llama:
+                # llama.cpp's run of the same kind (its one admission setting for either of Tether's).
+                lr = last("llama.cpp", **kind) or (kind["workload"] == "admit" and last("llama.cpp", workload="admit")) or None
+                lv = lr.get(unit[0]) if lr else None
+                vs_llama = f"{tv / lv:.2f}x" if tv is not None and lv else "-"
+                llama_cols = f" {fmt(lv, unit[1]):>9} {vs_llama:>7}"
+            print(f"{name:<52} {fmt(tv, unit[1]):>9}{prev_cols} {fmt(pv, unit[1]):>9} {ratio:>7}{llama_cols}  {better}")
 
         def last(engine, **kw):
             """The matching runs merged: the median of each number over the runs
@@ -1014,7 +1031,7 @@ def main():
     # tether-prev: a previous build of Tether, measured beside the current one.
     # tether-openai: this build of Tether over its OpenAI HTTP edge.
     # tether-llamacpp: this build over its llama.cpp-compatible /completion.
-    ap.add_argument("--engine", choices=["tether", "tether-prev", "tether-openai", "tether-llamacpp", "mlx-lm"])
+    ap.add_argument("--engine", choices=["tether", "tether-prev", "tether-openai", "tether-llamacpp", "mlx-lm", "llama.cpp"])
     ap.add_argument("--url", help="server base URL, http://127.0.0.1:PORT")
     ap.add_argument("--model-dir", help="HF model folder: tokenizer.json (prompt sizing), EOS ids")
     ap.add_argument("--label", help="model name in the results (default: the folder's name)")

@@ -2,8 +2,11 @@
 # Load benchmark: the real `tether serve` over WebSockets beside mlx-lm's server
 # (mlx_lm.server, same MLX version, same weights in the same precision: Tether
 # with --weights dense = float32 on CPU, mlx-lm on the float32 HF conversion of
-# the same GGUF made by bench/peer/setup.sh), driven by bench/load.py, in one run,
-# then a side-by-side table with ratios tether / mlx-lm.
+# the same GGUF made by bench/peer/setup.sh) and llama.cpp's server on the GGUF
+# itself (bench/peer/llamacpp.sh; its /completion, 32 slots), driven by
+# bench/load.py, in one run, then a side-by-side table with ratios tether /
+# mlx-lm and tether / llama.cpp. Compare Tether's quantized path
+# (TETHER_WEIGHTS=quantized) with llama.cpp: both then read the same file.
 #
 #   decode   aggregate decode tok/s and TTFT at 1, 8 and 32 concurrent streams
 #            (prompt ~32 tokens, 64 tokens each, every stream runs to max_tokens)
@@ -41,6 +44,8 @@
 #        OUT=DIR                    where results.jsonl and the server logs go (default: a temp dir)
 #        RESULTS=FILE               append the JSON lines here instead of $OUT/results.jsonl
 #        WITH_MLX_LM=0              skip mlx-lm (e.g. a rerun of this build beside PREV_BIN)
+#        WITH_LLAMACPP=0            skip llama.cpp's server (serving workload only; its
+#                                   first build takes ~7 minutes, then it is cached)
 #        PREV_BIN=PATH              a previous build's `tether` binary, run right after
 #                                   this build with the same flags and script; the tables
 #                                   get "prev" and "new/prev" columns. One way to build it:
@@ -105,6 +110,22 @@ for m in $MODELS; do
       "${common[@]}" || log "$engine run failed (rc $?)"
     stop_server
   done
+
+  # llama.cpp's server on the GGUF Tether serves: decode + admission.
+  if [ "${WITH_LLAMACPP:-1}" != 0 ] && [ "$WORKLOAD" = serving ]; then
+    llama_server=$(bench/peer/llamacpp.sh)
+    gguf=$("$TETHER_BIN" fetch-model "$m" 2>/dev/null | tail -1)
+    llog="$OUT/llamacpp-$m.log"
+    port=$(free_port)
+    # 32 slots of 4,608 tokens: the 32-stream decode and the 2,000-token admission fit.
+    "$llama_server" -m "$gguf" --host 127.0.0.1 --port "$port" -t "$(nproc)" -tb "$(nproc)" -np 32 -c 147456 --no-webui >"$llog" 2>&1 &
+    SERVER_PID=$!
+    wait_http "http://127.0.0.1:$port/health" "$llog" 180
+    log "llama.cpp ($m, $(basename "$gguf")) on :$port"
+    timeout "$RUN_LIMIT" "$PY" bench/load.py --engine llama.cpp --url "http://127.0.0.1:$port" --workloads decode,admit \
+      "${common[@]}" || log "llama.cpp run failed (rc $?)"
+    stop_server
+  fi
 
   # mlx-lm, default prefill step (2048): decode + unchunked admission (or the agent)
   steps=(2048)

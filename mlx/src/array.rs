@@ -310,6 +310,30 @@ pub fn cpu_quantized_matmul(x: &Array, q: &QuantizedWeights) -> Result<Array> {
     wrap("cpu_quantized_matmul", bridge::cpu_quantized_matmul(x.raw(), q.packed.raw(), q.scales.raw(), q.biases.raw(), q.group_size, q.bits))
 }
 
+/// What [`cpu_quantized_matmul_fused`] folds around the product.
+#[derive(Clone, Copy, Default)]
+pub struct QmmFusion<'a> {
+    /// RMS-normalise `x` first (weight `[K]`, eps), as
+    /// [`fast::rms_norm`](crate::fast::rms_norm) would.
+    pub norm: Option<(&'a Array, f32)>,
+    /// Add the projection's bias (`[N]`) to the product,
+    pub bias: Option<&'a Array>,
+    /// then this residual (the output's shape).
+    pub residual: Option<&'a Array>,
+}
+
+/// [`cpu_quantized_matmul`] with what surrounds it in a decoder layer folded
+/// into the same graph node (see [`QmmFusion`]): the same values as the
+/// separate ops, one node instead of up to four.
+pub fn cpu_quantized_matmul_fused(x: &Array, q: &QuantizedWeights, fusion: QmmFusion<'_>) -> Result<Array> {
+    let op = "cpu_quantized_matmul_fused";
+    let norm = make_list(op, &fusion.norm.iter().map(|(w, _)| *w).collect::<Vec<_>>())?;
+    let bias = make_list(op, &fusion.bias.into_iter().collect::<Vec<_>>())?;
+    let residual = make_list(op, &fusion.residual.into_iter().collect::<Vec<_>>())?;
+    let eps = fusion.norm.map_or(0.0, |(_, e)| e);
+    wrap(op, bridge::cpu_quantized_matmul_fused(x.raw(), q.packed.raw(), q.scales.raw(), q.biases.raw(), q.group_size, q.bits, &norm, eps, &bias, &residual))
+}
+
 /// Rows of activations [`cpu_quantized_matmul`] accepts in one call.
 pub fn cpu_quantized_matmul_max_rows() -> usize {
     bridge::cpu_quantized_matmul_max_rows() as usize

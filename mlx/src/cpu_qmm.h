@@ -3,6 +3,8 @@
 // decode and draft verification (1 to kCpuQmmMaxRows rows).
 #pragma once
 
+#include <optional>
+
 #include "mlx/mlx.h"
 
 namespace tether_mlx {
@@ -12,13 +14,20 @@ namespace tether_mlx {
 constexpr int kCpuQmmMaxRows = 128;
 
 // x: [..., K] float32; w: [N, K * bits / 32] uint32; scales, biases: [N, K / group]
-// float32. Returns [..., N] float32, evaluated on the CPU stream.
+// float32. Returns [..., N] float32, evaluated on the CPU stream. With
+// `norm_weight` ([K]) x is first RMS-normed (eps) as fast::rms_norm would;
+// `bias` ([N]) and then `residual` ([..., N]) are added to the product: one
+// graph node for what would be up to four.
 mlx::core::array cpu_affine_matmul(
     const mlx::core::array& x,
     const mlx::core::array& w,
     const mlx::core::array& scales,
     const mlx::core::array& biases,
     int group_size,
-    int bits);
+    int bits,
+    const std::optional<mlx::core::array>& norm_weight = std::nullopt,
+    float eps = 0.f,
+    const std::optional<mlx::core::array>& bias = std::nullopt,
+    const std::optional<mlx::core::array>& residual = std::nullopt);
 
 }  // namespace tether_mlx

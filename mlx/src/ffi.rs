@@ -3,6 +3,9 @@
 //! `cxx::Exception`: nothing unwinds across the FFI boundary. This module is
 //! private; `Array` and the functions in `ops` are the safe surface.
 
+// The bridge mirrors the C++ signatures (the fused quantized product takes
+// its weights, their form and what it folds in: ten arguments).
+#[allow(clippy::too_many_arguments)]
 #[cxx::bridge(namespace = "tether_mlx")]
 pub(crate) mod bridge {
     unsafe extern "C++" {
@@ -72,6 +75,18 @@ pub(crate) mod bridge {
         fn quantized_matmul(x: &Array, w: &Array, scales: &Array, biases: &Array, transpose: bool, group_size: i32, bits: i32) -> Result<UniquePtr<Array>>;
 
         fn cpu_quantized_matmul(x: &Array, w: &Array, scales: &Array, biases: &Array, group_size: i32, bits: i32) -> Result<UniquePtr<Array>>;
+        fn cpu_quantized_matmul_fused(
+            x: &Array,
+            w: &Array,
+            scales: &Array,
+            biases: &Array,
+            group_size: i32,
+            bits: i32,
+            norm: &ArrayList,
+            eps: f32,
+            bias: &ArrayList,
+            residual: &ArrayList,
+        ) -> Result<UniquePtr<Array>>;
         fn cpu_quantized_matmul_max_rows() -> i32;
         fn cpu_pack_panels(w: &Array) -> Result<UniquePtr<Array>>;
         fn cpu_panel_matmul(x: &Array, panels: &Array, out_features: i32) -> Result<UniquePtr<Array>>;

@@ -209,6 +209,11 @@ std::unique_ptr<Array> quantized_matmul(const Array& x, const Array& w, const Ar
 std::unique_ptr<Array> cpu_quantized_matmul(const Array& x, const Array& w, const Array& scales, const Array& biases, int32_t group_size, int32_t bits) {
   return boxed(cpu_affine_matmul(x, w, scales, biases, group_size, bits));
 }
+std::unique_ptr<Array> cpu_quantized_matmul_fused(const Array& x, const Array& w, const Array& scales, const Array& biases, int32_t group_size, int32_t bits,
+                                                  const ArrayList& norm, float eps, const ArrayList& bias, const ArrayList& residual) {
+  auto first = [](const ArrayList& l) { return l.items.empty() ? std::nullopt : std::optional<mx::array>(l.items[0]); };
+  return boxed(cpu_affine_matmul(x, w, scales, biases, group_size, bits, first(norm), eps, first(bias), first(residual)));
+}
 int32_t cpu_quantized_matmul_max_rows() { return kCpuQmmMaxRows; }
 std::unique_ptr<Array> cpu_pack_panels(const Array& w) { return boxed(pack_panels(w)); }
 std::unique_ptr<Array> cpu_panel_matmul(const Array& x, const Array& panels, int32_t out_features) { return boxed(panel_matmul(x, panels, out_features)); }

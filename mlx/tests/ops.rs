@@ -170,6 +170,40 @@ fn cpu_quantized_matmul_matches_dequantized_product() {
     assert!(mlx::cpu_quantized_matmul(&too_many, &q).is_err());
 }
 
+/// The norm in front, the bias and the residual after, folded into the
+/// product's node, give what the separate ops give.
+#[test]
+fn cpu_quantized_matmul_fused_equals_norm_product_add() {
+    let _serial = serial();
+    let (n, k, m) = (96, 576, 3);
+    let data: Vec<f32> = (0..n * k).map(|i| ((i * 2654435761usize) % 1000) as f32 / 500.0 - 1.0).collect();
+    let q = mlx::quantize(&Array::from_f32(&data, &[n, k]).unwrap(), 32, 4).unwrap();
+    let q = mlx::QuantizedWeights { scales: q.scales.astype(Dtype::F32).unwrap(), biases: q.biases.astype(Dtype::F32).unwrap(), ..q };
+    let x = Array::from_f32(&activation_rows(m, k), &[1, m, k]).unwrap();
+    let norm: Vec<f32> = (0..k).map(|i| 0.5 + (i % 7) as f32 / 7.0).collect();
+    let norm = Array::from_f32(&norm, &[k]).unwrap();
+    let residual: Vec<f32> = (0..m * n).map(|i| (i % 11) as f32 - 5.0).collect();
+    let residual = Array::from_f32(&residual, &[1, m, n]).unwrap();
+    let bias: Vec<f32> = (0..n).map(|i| (i % 5) as f32 * 0.25).collect();
+    let bias = Array::from_f32(&bias, &[n]).unwrap();
+    let all = mlx::QmmFusion { norm: Some((&norm, 1e-5)), bias: Some(&bias), residual: Some(&residual) };
+    let got = mlx::cpu_quantized_matmul_fused(&x, &q, all).unwrap().to_vec_f32().unwrap();
+    let normed = fast::rms_norm(&x, &norm, 1e-5).unwrap();
+    let want = residual.add(&mlx::cpu_quantized_matmul(&normed, &q).unwrap().add(&bias).unwrap()).unwrap().to_vec_f32().unwrap();
+    let err = relative_error(&got, &want);
+    assert!(err < 1e-6, "fused vs four ops: relative error {err:.2e}");
+    // The adds alone are exact.
+    let product = mlx::cpu_quantized_matmul(&x, &q).unwrap();
+    let adds = mlx::QmmFusion { bias: Some(&bias), residual: Some(&residual), ..Default::default() };
+    let with_adds = mlx::cpu_quantized_matmul_fused(&x, &q, adds).unwrap().to_vec_f32().unwrap();
+    assert_eq!(with_adds, residual.add(&product.add(&bias).unwrap()).unwrap().to_vec_f32().unwrap());
+    let bad = Array::from_f32(&[0.0; 4], &[4]).unwrap();
+    let refused = |f: mlx::QmmFusion<'_>| mlx::cpu_quantized_matmul_fused(&x, &q, f).is_err();
+    assert!(refused(mlx::QmmFusion { norm: Some((&bad, 1e-5)), ..Default::default() }), "a norm weight of the wrong size is refused");
+    assert!(refused(mlx::QmmFusion { bias: Some(&bad), ..Default::default() }), "a bias of the wrong size is refused");
+    assert!(refused(mlx::QmmFusion { residual: Some(&bad), ..Default::default() }), "a residual of the wrong shape is refused");
+}
+
 /// A row's output does not depend on the other rows of the call within each
 /// of the kernel's two regimes: 1-3 rows (decode and short drafts; the
 /// integer path on a CPU with VNNI) and 4 or more (batched decode,

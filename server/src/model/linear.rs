@@ -6,6 +6,15 @@ use mlx::{Array, QuantizedWeights};
 /// of streaming them through the decode kernel in chunks.
 const CPU_KERNEL_MAX_ROWS: usize = 128;
 
+/// Whether `x @ W^T` goes through the CPU's decode kernel in one call.
+fn on_cpu_kernel(x: &Array, q: &QuantizedWeights) -> bool {
+    let rows = x.size() / x.dim(-1).max(1);
+    mlx::default_device() == mlx::Device::Cpu
+        && q.scales.dtype() == mlx::Dtype::F32
+        && x.dtype() == mlx::Dtype::F32
+        && rows <= mlx::cpu_quantized_matmul_max_rows().min(CPU_KERNEL_MAX_ROWS)
+}
+
 /// `x @ W^T` for quantized `W`, by the fastest route for the device and
 /// the number of activation rows.
 fn quantized_product(x: &Array, q: &QuantizedWeights) -> mlx::Result<Array> {
@@ -70,6 +79,29 @@ impl Linear {
         };
         match &self.bias {
             Some(b) => y.add(b),
+            None => Ok(y),
+        }
+    }
+
+    /// `residual + self(rms_norm(x))`, each part only where given (`norm`:
+    /// the norm's weight and eps). On the CPU's quantized decode kernel the
+    /// norm, the bias and the add ride in the product's own graph node (a
+    /// decode step builds a few hundred nodes, each costing host time);
+    /// elsewhere they are MLX's ops. The values are the same either way.
+    pub fn forward_fused(&self, x: &Array, norm: Option<(&Array, f32)>, residual: Option<&Array>) -> mlx::Result<Array> {
+        if let Weight::Quantized(q) = &self.weight {
+            let f32_or_none = |a: Option<&Array>| a.is_none_or(|a| a.dtype() == mlx::Dtype::F32);
+            if on_cpu_kernel(x, q) && f32_or_none(norm.map(|(w, _)| w)) && f32_or_none(self.bias.as_ref()) && f32_or_none(residual) {
+                return mlx::cpu_quantized_matmul_fused(x, q, mlx::QmmFusion { norm, bias: self.bias.as_ref(), residual });
+            }
+        }
+        let normed = match norm {
+            Some((w, eps)) => Some(mlx::fast::rms_norm(x, w, eps)?),
+            None => None,
+        };
+        let y = self.forward(normed.as_ref().unwrap_or(x))?;
+        match residual {
+            Some(r) => r.add(&y),
             None => Ok(y),
         }
     }

@@ -204,8 +204,7 @@ impl Transformer {
         };
 
         for (li, layer) in self.layers.iter().enumerate() {
-            let x = fast::rms_norm(&h, &layer.attn_norm, c.rms_eps)?;
-            let qkv = layer.qkv.forward(&x)?; // [1, T, (hq + 2 hkv) hd]
+            let qkv = layer.qkv.forward_fused(&h, Some((&layer.attn_norm, c.rms_eps)), None)?; // [1, T, (hq + 2 hkv) hd]
             let qkv = match &layer.qk_norm {
                 Some(norm) => self.norm_queries_and_keys(&qkv, norm, total)?,
                 None => qkv,
@@ -227,7 +226,7 @@ impl Transformer {
             }
             match &positions {
                 Some(positions) => {
-                    let mine = qkv.slice(&[0, batch_tokens, 0], &[1, total, (hq + 2 * hkv) * hd])?;
+                    let mine = if batch_tokens == 0 { qkv.clone() } else { qkv.slice(&[0, batch_tokens, 0], &[1, total, (hq + 2 * hkv) * hd])? };
                     parts.push(self.attention_fused_cpu(li, c.layer_window(li), &mine, rows, &lens, positions)?);
                 }
                 None => {
@@ -240,11 +239,9 @@ impl Transformer {
                 }
             }
             let attn = if parts.len() == 1 { parts.pop().expect("one part") } else { mlx::concatenate(&parts.iter().collect::<Vec<_>>(), 1)? };
-            h = h.add(&self.post_norm(layer.attn_out.forward(&attn)?, &layer.post_attn_norm)?)?;
-
-            let x = fast::rms_norm(&h, &layer.ffn_norm, c.rms_eps)?;
-            let gu = layer.gate_up.forward(&x)?;
-            h = h.add(&self.post_norm(layer.down.forward(&self.gated(&gu, total)?)?, &layer.post_ffn_norm)?)?;
+            h = self.residual(&h, &layer.attn_out, &attn, &layer.post_attn_norm)?;
+            let gu = layer.gate_up.forward_fused(&h, Some((&layer.ffn_norm, c.rms_eps)), None)?;
+            h = self.residual(&h, &layer.down, &self.gated(&gu, total)?, &layer.post_ffn_norm)?;
         }
         for (r, row) in rows.iter_mut().enumerate() {
             row.cache.advance(lens[r]);
@@ -267,8 +264,7 @@ impl Transformer {
             return Ok(StepLogits { batched: spans.iter().map(|_| None).collect(), rows: Vec::new() });
         }
         let last = if picks.len() == 1 { picks[0].clone() } else { mlx::concatenate(&picks.iter().collect::<Vec<_>>(), 1)? };
-        let last = fast::rms_norm(&last, &self.final_norm, c.rms_eps)?;
-        let logits = self.lm_head.forward(&last)?.astype(Dtype::F32)?; // [1, sum of wanted, vocab]
+        let logits = self.lm_head.forward_fused(&last, Some((&self.final_norm, c.rms_eps)), None)?.astype(Dtype::F32)?; // [1, sum of wanted, vocab]
         let vocab = logits.dim(-1) as i32;
         let mut at = 0i32;
         let mut split = spans.iter().map(|&(_, k)| {
@@ -452,6 +448,15 @@ impl Transformer {
         let cubic = x.multiply(&x.square()?)?.multiply(&k(0.044715)?)?;
         let inner = x.add(&cubic)?.multiply(&k((2.0 / std::f64::consts::PI).sqrt())?)?;
         x.multiply(&k(0.5)?)?.multiply(&inner.tanh()?.add(&k(1.0)?)?)
+    }
+
+    /// `h + post_norm(proj(x))`: the residual add rides in the projection's
+    /// node where no norm comes between (see [`Linear::forward_fused`]).
+    fn residual(&self, h: &Array, proj: &Linear, x: &Array, post_norm: &Option<Array>) -> mlx::Result<Array> {
+        match post_norm {
+            None => proj.forward_fused(x, None, Some(h)),
+            Some(_) => h.add(&self.post_norm(proj.forward(x)?, post_norm)?),
+        }
     }
 
     /// `x` RMS-normed by `norm` when the layer has that norm, else `x`.
