@@ -25,6 +25,17 @@ install_openblas() {
   fi
 }
 
+# jemalloc (the server's allocator, tikv-jemalloc-sys) is built from source
+# with make; Debian's Rust images have gcc but not always make.
+install_build_tools() {
+  command -v make >/dev/null && return 0
+  [ "$(uname -s)" = Linux ] || return 0
+  log "installing make (Debian package make)"
+  local sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq make >/dev/null
+}
+
 install_mlx() {
   if [ -f "$MLX_HOME/mlx/include/mlx/mlx.h" ] && [ -f "$MLX_HOME/.version-$WHEEL_PKG-$MLX_VERSION" ]; then
     return 0
@@ -53,6 +64,7 @@ swap_blas() {
   for f in "$libs"/liblapack-*.so.*; do ln -sf "$ob/liblapack.so.3" "$f"; done
 }
 
+install_build_tools
 install_openblas
 install_mlx
 swap_blas
