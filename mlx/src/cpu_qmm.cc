@@ -476,17 +476,15 @@ void int_block(const Problem& p, const IntActivations& xa, int n, int m0) {
 }
 
 constexpr int kIntRowsN = 2;  // weight rows per block
-constexpr int kIntRowsM = 4;  // activation rows per block: 8 accumulators
 
+// All of the call's activation rows (1 to kTiledMinRows - 1) in one block.
 template <Format F, int NR>
 void int_block_rows(const Problem& p, const IntActivations& xa, int n) {
-  int m0 = 0;
-  for (; m0 + kIntRowsM <= p.M; m0 += kIntRowsM) int_block<F, NR, kIntRowsM>(p, xa, n, m0);
-  switch (p.M - m0) {
-    case 3: int_block<F, NR, 3>(p, xa, n, m0); break;
-    case 2: int_block<F, NR, 2>(p, xa, n, m0); break;
-    case 1: int_block<F, NR, 1>(p, xa, n, m0); break;
-    default: break;
+  static_assert(kTiledMinRows - 1 == 3, "int_block_rows spells out 1 to 3 rows");
+  switch (p.M) {
+    case 3: int_block<F, NR, 3>(p, xa, n, 0); break;
+    case 2: int_block<F, NR, 2>(p, xa, n, 0); break;
+    default: int_block<F, NR, 1>(p, xa, n, 0); break;
   }
 }
 
@@ -528,8 +526,7 @@ void run_problem(Problem p) {
     }
   p.xsum = xsum.data();
   static const bool float_only = std::getenv("TETHER_QMM_FLOAT") != nullptr;  // for comparisons
-  if (!float_only && p.M < kTiledMinRows) {
-  if (auto f = int_format(p)) {
+  if (auto f = int_format(p); f && !float_only && p.M < kTiledMinRows) {
     // A reference the workers capture: a thread_local named inside the
     // lambda would be each worker's own (empty) instance.
     thread_local IntActivations calling_thread_acts;
@@ -543,7 +540,6 @@ void run_problem(Problem p) {
       }
     });
     return;
-  }
   }
   enum { kScalar, kG32, kG16, kTiled } path = kScalar;
   if (has_avx512() && gs == 32) path = kG32;
