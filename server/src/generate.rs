@@ -70,10 +70,10 @@ pub fn prefill(model: &Transformer, cache: &mut KvCache, prompt: &[u32], chunk: 
 /// End-of-generation tokens are not passed to `on_token`.
 pub fn generate(model: &Transformer, prompt: &[u32], opts: &GenerateOptions, mut on_token: impl FnMut(u32) -> ControlFlow<()>) -> mlx::Result<GenerateStats> {
     let mut cache = model.new_cache();
-    let mut sampler = Sampler::new(opts.sampling.clone())?;
+    let sampler = Sampler::new(opts.sampling.clone());
     let start = Instant::now();
     let logits = prefill(model, &mut cache, prompt, opts.prefill_chunk)?;
-    let mut token = sampler.sample(&logits)?;
+    let mut token = sampler.draw(&logits, 0)?;
     mlx::async_eval(&[&token])?;
 
     let mut stats =
@@ -83,7 +83,7 @@ pub fn generate(model: &Transformer, prompt: &[u32], opts: &GenerateOptions, mut
         // Queue the next step before waiting on this one.
         let next = if i + 1 < opts.max_tokens {
             let logits = model.forward_ids(&token.reshape(&[1, 1])?, &mut cache, 1)?;
-            let next = sampler.sample(&logits)?;
+            let next = sampler.draw(&logits, i + 1)?;
             mlx::async_eval(&[&next])?;
             Some(next)
         } else {

@@ -42,66 +42,48 @@ impl SamplingParams {
     }
 }
 
-/// Draws tokens for one sequence.
+/// Draws the tokens of one sequence.
+///
+/// The draw at generated position `p` uses its own PRNG key, derived from the
+/// request's seed and `p` alone, and is the Gumbel-max choice
+/// `argmax(filtered logits + Gumbel noise of key p)`. So a position's token
+/// depends only on its logits and the seed, never on how the steps grouped
+/// positions: speculative verification draws every verified position at once
+/// and accepts drafts while they equal the draws (as greedy verification
+/// does with the argmax), which emits exactly the tokens plain sampling
+/// would, whatever the draft source, draft depth or batch. It is also
+/// speculative sampling's distribution: a draft `d` is kept with
+/// probability `p(d)`, and a rejected position emits a draw from `p` that
+/// is not `d`.
 pub struct Sampler {
     params: SamplingParams,
-    key: Option<Array>,
+    /// `None` for greedy samplers.
+    seed: Option<u64>,
 }
 
 impl Sampler {
-    pub fn new(params: SamplingParams) -> mlx::Result<Sampler> {
-        let key = if params.is_greedy() { None } else { Some(random::key(params.seed.unwrap_or_else(entropy_seed))?) };
-        Ok(Sampler { params, key })
+    pub fn new(params: SamplingParams) -> Sampler {
+        let seed = if params.is_greedy() { None } else { Some(params.seed.unwrap_or_else(entropy_seed)) };
+        Sampler { params, seed }
     }
 
-    /// Samples one token id per row of float32 `logits` `[rows, vocab]`;
-    /// returns a lazy int32 array `[rows]`.
-    pub fn sample(&mut self, logits: &Array) -> mlx::Result<Array> {
-        let Some(draw_key) = self.next_key()? else {
+    /// The tokens at generated positions `first`, `first + 1`, ... from the
+    /// rows of float32 `logits` `[rows, vocab]` (row `i` holds the logits for
+    /// position `first + i`); a lazy int32 array `[rows]`.
+    pub fn draw(&self, logits: &Array, first: usize) -> mlx::Result<Array> {
+        let Some(seed) = self.seed else {
             return logits.argmax(-1, false)?.astype(Dtype::I32);
         };
-        random::categorical(&self.filtered(logits)?, -1, &draw_key)?.astype(Dtype::I32)
-    }
-
-    /// Verifies deterministic draft tokens by speculative sampling.
-    /// `logits` `[k + 1, vocab]` are the target's after the pending token and
-    /// each of the `k` drafts. Draft `i` is accepted with probability
-    /// `p_i(d_i)` (the proposal is a point mass, so min(1, p/q) = p); a
-    /// rejected draft is replaced by a draw from `p_i` without `d_i` (the
-    /// normalised residual max(p - q, 0)). Returns a lazy int32 array
-    /// `[2k + 1]`: k accept flags, k residual draws, one draw after the last
-    /// draft (the bonus token when all are accepted); see
-    /// [`crate::engine::speculate::accept_sampled`]. Greedy samplers must use
-    /// [`sample`](Self::sample) and compare with argmax instead.
-    pub fn verify(&mut self, logits: &Array, drafts: &[u32]) -> mlx::Result<Array> {
-        let key = self.next_key()?.ok_or_else(|| mlx::Error { op: "verify", message: "greedy rows verify by argmax".into() })?;
-        let k = drafts.len() as i32;
         let x = self.filtered(logits)?;
-        let vocab = x.dim(-1) as i32;
-        let bonus_key = random::split(&key, 3)?;
-        let (u_key, resid_key, last_key) = (&bonus_key[0], &bonus_key[1], &bonus_key[2]);
-        let last = x.slice(&[k, 0], &[k + 1, vocab])?;
-        let bonus = random::categorical(&last, -1, last_key)?.astype(Dtype::I32)?;
-        if k == 0 {
-            return Ok(bonus);
-        }
-        let head = x.slice(&[0, 0], &[k, vocab])?;
-        let ids: Vec<i32> = drafts.iter().map(|&d| d as i32).collect();
-        let ids = Array::from_i32(&ids, &[drafts.len(), 1])?;
-        let p_draft = head.softmax(-1, true)?.take_along_axis(&ids, -1)?.reshape(&[k])?;
-        let accept = random::uniform(&[k], u_key)?.less(&p_draft)?.astype(Dtype::I32)?;
-        let neg_inf = Array::full(&[drafts.len(), 1], f32::NEG_INFINITY, Dtype::F32)?;
-        let residual = random::categorical(&head.put_along_axis(&ids, &neg_inf, -1)?, -1, resid_key)?.astype(Dtype::I32)?;
-        mlx::concatenate(&[&accept, &residual, &bonus], 0)
-    }
-
-    /// A fresh PRNG key for this draw (`None` for greedy samplers).
-    fn next_key(&mut self) -> mlx::Result<Option<Array>> {
-        let Some(key) = self.key.take() else { return Ok(None) };
-        let mut keys = random::split(&key, 2)?;
-        let draw_key = keys.pop().expect("split gives two keys");
-        self.key = keys.pop();
-        Ok(Some(draw_key))
+        let (rows, vocab) = (x.dim(0) as i32, x.dim(-1) as i32);
+        let draws = (0..rows)
+            .map(|r| {
+                let key = random::key(position_seed(seed, first + r as usize))?;
+                random::categorical(&x.slice(&[r, 0], &[r + 1, vocab])?, -1, &key)
+            })
+            .collect::<mlx::Result<Vec<Array>>>()?;
+        let draws = if draws.len() == 1 { draws.into_iter().next().expect("one row") } else { mlx::concatenate(&draws.iter().collect::<Vec<_>>(), 0)? };
+        draws.astype(Dtype::I32)
     }
 
     /// Logits with temperature applied and the tokens that top-k, top-p and
@@ -134,6 +116,16 @@ impl Sampler {
     }
 }
 
+/// The PRNG seed of generated position `position`: SplitMix64's finaliser
+/// over the request's seed and the position, so neighbouring positions and
+/// seeds get unrelated keys.
+fn position_seed(seed: u64, position: usize) -> u64 {
+    let mut z = seed ^ (position as u64).wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
 fn entropy_seed() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
@@ -150,8 +142,8 @@ mod tests {
     }
 
     fn draws(params: SamplingParams, n: usize) -> Vec<i32> {
-        let mut s = Sampler::new(params).unwrap();
-        (0..n).map(|_| s.sample(&logits()).unwrap().to_vec_i32().unwrap()[0]).collect()
+        let s = Sampler::new(params);
+        (0..n).map(|p| s.draw(&logits(), p).unwrap().to_vec_i32().unwrap()[0]).collect()
     }
 
     #[test]
@@ -191,23 +183,40 @@ mod tests {
     }
 
     #[test]
-    fn speculative_verification_keeps_the_target_distribution() {
+    fn a_position_draws_the_same_token_alone_or_among_others() {
+        // Four positions' logits; drawing them in one call (a verification
+        // step) or one by one (plain decoding) gives the same tokens.
+        let rows: Vec<f32> = (0..4 * 6).map(|i| ((i * 7 % 11) as f32) * 0.3).collect();
+        let all = Array::from_f32(&rows, &[4, 6]).unwrap();
+        let s = Sampler::new(SamplingParams { temperature: 1.0, seed: Some(5), ..Default::default() });
+        for first in [0, 9] {
+            let together = s.draw(&all, first).unwrap().to_vec_i32().unwrap();
+            let alone: Vec<i32> = (0..4)
+                .map(|r| {
+                    let row = Array::from_f32(&rows[r * 6..(r + 1) * 6], &[1, 6]).unwrap();
+                    s.draw(&row, first + r).unwrap().to_vec_i32().unwrap()[0]
+                })
+                .collect();
+            assert_eq!(together, alone);
+        }
+    }
+
+    #[test]
+    fn verification_by_matching_draws_keeps_the_target_distribution() {
         // Position 0's distribution over 4 tokens; the draft proposes token 1.
+        // Over many seeds, the emitted token (the draw, whether or not it
+        // equals the draft) follows p and the draft is kept with p(1).
         let rows = [0.5f32, 1.5, 0.0, 1.0, /* position 1 */ 0.0, 0.0, 3.0, 0.0];
         let logits = Array::from_f32(&rows, &[2, 4]).unwrap();
-        let p = SamplingParams { temperature: 1.0, seed: Some(7), ..Default::default() };
-        let mut s = Sampler::new(p).unwrap();
         let trials = 4000;
         let mut counts = [0usize; 4];
         let mut accepted = 0;
-        for _ in 0..trials {
-            let out = s.verify(&logits, &[1]).unwrap().to_vec_i32().unwrap();
-            let (emitted, a) = crate::engine::speculate::accept_sampled(&[1], &out);
-            counts[emitted[0] as usize] += 1;
+        for seed in 0..trials {
+            let s = Sampler::new(SamplingParams { temperature: 1.0, seed: Some(seed), ..Default::default() });
+            let targets: Vec<u32> = s.draw(&logits, 0).unwrap().to_vec_i32().unwrap().iter().map(|&t| t as u32).collect();
+            let a = crate::engine::speculate::accept_matching(&[1], &targets);
+            counts[targets[0] as usize] += 1;
             accepted += a;
-            if a == 0 {
-                assert_ne!(emitted[0], 1, "a rejected draft is never re-emitted");
-            }
         }
         let z: f32 = rows[..4].iter().map(|l| l.exp()).sum();
         for (t, &c) in counts.iter().enumerate() {

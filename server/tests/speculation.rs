@@ -161,17 +161,31 @@ async fn a_wrong_draft_rolls_back_exactly_with(kv_layout: KvLayout) {
     assert_eq!(again, plain);
 }
 
+/// A seed fixes a sampled request's tokens whatever drafts it verifies:
+/// each position draws with its own key, so the request with echo drafts,
+/// with shallower drafts, without drafts, alone or beside others, emits the
+/// same tokens (the draft depth follows measured step times, so it differs
+/// from run to run).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sampled_rows_speculate_reproducibly() {
     let prompt = prompts().remove(1);
     let engine = start_smollm2_engine(EngineConfig::default());
     let sampling = SamplingParams { temperature: 0.7, seed: Some(11), ..Default::default() };
-    let req = SubmitRequest { sampling, ..speculating(prompt, GEN, DraftKind::Echo, 8) };
-    let (a, fa) = run(&engine, req.clone()).await;
-    let (b, _) = run(&engine, req).await;
-    assert_eq!(a.len(), GEN);
-    assert_eq!(a, b, "a seed reproduces a speculating request run alone");
-    assert!(spec(&fa).drafted > 0);
+    let with = |kind: DraftKind, depth: usize| SubmitRequest { sampling: sampling.clone(), ..speculating(prompt.clone(), GEN, kind, depth) };
+    let (want, f) = run(&engine, with(DraftKind::Off, 0)).await;
+    assert_eq!(want.len(), GEN);
+    assert!(f.speculative.is_none_or(|s| s.drafted == 0));
+    let (alone, f) = run(&engine, with(DraftKind::Echo, 8)).await;
+    assert_eq!(alone, want, "echo drafts changed a seeded sample");
+    assert!(spec(&f).drafted > 0);
+    let mut tasks = Vec::new();
+    for (kind, depth) in [(DraftKind::Echo, 8), (DraftKind::Echo, 2), (DraftKind::Off, 0)] {
+        let (engine, req) = (engine.clone(), with(kind, depth));
+        tasks.push(tokio::spawn(async move { run(&engine, req).await }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap().0, want, "a seeded sample changed beside other rows");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -50,7 +50,7 @@ pub(super) enum Work {
 impl Row {
     pub fn new(admitted: Admitted, cache: KvCache, draft_model: Option<&Transformer>) -> mlx::Result<Row> {
         let Admitted { id, request, events, stop, kv_bytes } = admitted;
-        let sampler = Sampler::new(request.sampling.clone())?;
+        let sampler = Sampler::new(request.sampling.clone());
         let tokens = request.prompt.clone();
         let draft = DraftState::new(&request.speculation, draft_model);
         Ok(Row {

@@ -119,8 +119,9 @@ impl Engine {
             })
             .collect();
 
-        // Each sampling row's draws, lazily: greedy rows take the argmax at
-        // every position; sampled rows with drafts run speculative sampling.
+        // Each sampling row's draws, lazily: one per position it verifies
+        // (the pending token's successor, then one after each draft), each
+        // the argmax or the position-keyed sample (see Sampler::draw).
         // (index into `scheduled`, draws, logits kept for logprobs)
         let mut draws: Vec<(usize, mlx::Array, Option<mlx::Array>)> = Vec::new();
         for (k, (s, logits)) in scheduled.iter().zip(logits).enumerate() {
@@ -129,8 +130,7 @@ impl Engine {
             }
             let logits = logits.ok_or_else(|| mlx::Error { op: "engine", message: "a sampling row got no logits".into() })?;
             let row = &mut self.running[s.row];
-            let draw =
-                if s.drafts.is_empty() || row.request.sampling.is_greedy() { row.sampler.sample(&logits)? } else { row.sampler.verify(&logits, &s.drafts)? };
+            let draw = row.sampler.draw(&logits, row.generated)?;
             let keep = row.request.logprobs.is_some().then_some(logits);
             draws.push((k, draw, keep));
         }
@@ -247,13 +247,9 @@ impl Engine {
     /// or `max_tokens`. Returns why the row finished, if it did.
     fn publish(&mut self, i: usize, decode: bool, drafts: &[u32], readback: &[i32], logits: Option<&mlx::Array>) -> mlx::Result<Option<Finish>> {
         let row = &mut self.running[i];
-        let (emitted, accepted): (Vec<u32>, usize) = if drafts.is_empty() || row.request.sampling.is_greedy() {
-            let targets: Vec<u32> = readback.iter().map(|&t| t as u32).collect();
-            let accepted = speculate::accept_greedy(drafts, &targets);
-            (targets[..=accepted].to_vec(), accepted)
-        } else {
-            speculate::accept_sampled(drafts, readback)
-        };
+        let targets: Vec<u32> = readback.iter().map(|&t| t as u32).collect();
+        let accepted = speculate::accept_matching(drafts, &targets);
+        let emitted = &targets[..=accepted];
         // The forward appended the pending token and every draft; keep the
         // accepted ones only.
         let rejected = drafts.len() - accepted;

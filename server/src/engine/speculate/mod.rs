@@ -10,10 +10,13 @@
 //! its length back: a zero-draft step has nothing to roll back).
 //!
 //! All draft sources here are deterministic (a point-mass proposal), which
-//! makes the acceptance rule simple and exact: greedy rows accept a draft
-//! when it equals the argmax; sampled rows accept it with probability p(d)
-//! and otherwise draw from p with d removed (standard speculative sampling
-//! with q = δ_d), so the output distribution is the target's.
+//! makes the acceptance rule simple and exact: a draft is accepted when it
+//! equals the target's own token at its position, the argmax for greedy rows
+//! and, for sampled rows, the Gumbel-max draw with that position's key
+//! (`crate::sample::Sampler::draw`). A draft is then kept with probability
+//! p(d) and a rejected position emits a draw from p other than d (standard
+//! speculative sampling with q = δ_d), and the tokens are exactly those of
+//! the same seed without drafts.
 mod draft_model;
 mod forced;
 mod lookup;
@@ -248,27 +251,14 @@ impl DraftState {
     }
 }
 
-/// Greedy verification: how many leading drafts equal the target's own
-/// choices. `targets[i]` is the argmax after the row's input position `i`
-/// (the pending token, then each draft), so draft `i` is judged by
-/// `targets[i]`; the tokens to emit are `targets[..=accepted]`.
-pub fn accept_greedy(drafts: &[u32], targets: &[u32]) -> usize {
+/// Verification: how many leading drafts equal the target's own draws.
+/// `targets[i]` is the target's token after the row's input position `i`
+/// (the pending token, then each draft): the argmax for greedy rows, the
+/// position-keyed draw for sampled ones ([`crate::sample::Sampler::draw`]).
+/// Draft `i` is judged by `targets[i]`; the tokens to emit are
+/// `targets[..=accepted]`.
+pub fn accept_matching(drafts: &[u32], targets: &[u32]) -> usize {
     drafts.iter().zip(targets).take_while(|(d, t)| d == t).count()
-}
-
-/// Sampled verification, from the device's readback laid out as
-/// `[accept flag per draft, residual sample per draft, bonus sample]` (see
-/// [`crate::sample::Sampler::verify`]): the tokens to emit and how many
-/// drafts were accepted.
-pub fn accept_sampled(drafts: &[u32], readback: &[i32]) -> (Vec<u32>, usize) {
-    let k = drafts.len();
-    debug_assert_eq!(readback.len(), 2 * k + 1);
-    let (flags, rest) = readback.split_at(k);
-    let (residual, bonus) = rest.split_at(k);
-    let accepted = flags.iter().take_while(|&&f| f != 0).count();
-    let mut emitted: Vec<u32> = drafts[..accepted].to_vec();
-    emitted.push(if accepted < k { residual[accepted] as u32 } else { bonus[0] as u32 });
-    (emitted, accepted)
 }
 
 #[cfg(test)]
@@ -276,21 +266,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn greedy_acceptance_stops_at_first_mismatch() {
-        assert_eq!(accept_greedy(&[5, 6, 7], &[5, 6, 9, 1]), 2);
-        assert_eq!(accept_greedy(&[5, 6, 7], &[5, 6, 7, 1]), 3);
-        assert_eq!(accept_greedy(&[5], &[4, 1]), 0);
-        assert_eq!(accept_greedy(&[], &[4]), 0);
-    }
-
-    #[test]
-    fn sampled_acceptance_takes_residual_or_bonus() {
-        // Two drafts, the second rejected: emit the first, then the residual draw.
-        assert_eq!(accept_sampled(&[5, 6], &[1, 0, 11, 12, 13]), (vec![5, 12], 1));
-        // All accepted: the bonus token follows.
-        assert_eq!(accept_sampled(&[5, 6], &[1, 1, 11, 12, 13]), (vec![5, 6, 13], 2));
-        // No drafts: just the bonus.
-        assert_eq!(accept_sampled(&[], &[9]), (vec![9], 0));
+    fn acceptance_stops_at_first_mismatch() {
+        assert_eq!(accept_matching(&[5, 6, 7], &[5, 6, 9, 1]), 2);
+        assert_eq!(accept_matching(&[5, 6, 7], &[5, 6, 7, 1]), 3);
+        assert_eq!(accept_matching(&[5], &[4, 1]), 0);
+        assert_eq!(accept_matching(&[], &[4]), 0);
     }
 
     #[test]
