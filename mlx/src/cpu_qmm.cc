@@ -7,7 +7,9 @@
 // them against the activation rows, split over all cores. With a few rows it
 // streams codes straight into FMAs; with more (batched decode, draft
 // verification) it expands a tile of weight rows once and runs a
-// register-blocked micro-kernel over all rows (rows_avx512_tiled).
+// register-blocked micro-kernel over all rows (rows_avx512_tiled). CPUs
+// with AVX2 but not AVX-512 run one kernel for any number of rows
+// (rows_avx2); others the portable rows_scalar.
 //
 // Math per output (m, n): sum_g [ s_ng * sum_j q_nj x_mj + b_ng * sum_j x_mj ]
 // with j over group g. The scale is folded into the codes before the FMA, and
@@ -515,6 +517,115 @@ bool has_avx512() {
   return yes;
 }
 
+// ---------------------------------------------------------------------------
+// AVX2 + FMA path, for CPUs without AVX-512 (AMD Zen 2 and 3, older Intel).
+// One kernel for any number of activation rows, with each output computed
+// by the same operations in the same order whatever the rows around it, so
+// a row's result is bit-identical alone or batched: per group, the dot
+// product of the unscaled codes with x (one FMA chain over the group's
+// 8-wide chunks), then acc += dot * scale; at the end the 8 lanes are summed
+// in a fixed order and the bias term sum_g b_g * xsum_g added. Rows go in
+// blocks of up to kAvx2Rows that share each group's code expansion; 4-bit x
+// is read in the [even | odd] order of each group (permute_x_for_4bit), the
+// order the nibbles unpack in.
+
+constexpr int kAvx2Rows = 4;
+
+bool has_avx2_fma() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+
+// Group sizes the AVX2 kernel takes: 4-bit groups unpack 16 bytes (32
+// codes) at a time, 8-bit ones 8 codes.
+bool avx2_supports(const Problem& p) {
+  const int gs = p.K / p.G;
+  return has_avx2_fma() && (p.bits == 4 ? gs % 32 == 0 : gs % 8 == 0);
+}
+
+__attribute__((target("avx2,fma")))
+inline float sum_lanes(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Weight row n against activation rows [m0, m0 + MB).
+template <int BITS, int MB>
+__attribute__((target("avx2,fma")))
+void avx2_block(const Problem& p, const float* xp, int n, int m0) {
+  const int gs = p.K / p.G;
+  const uint8_t* wr = p.w + static_cast<size_t>(n) * p.K * BITS / 8;
+  const float* sr = p.scales + static_cast<size_t>(n) * p.G;
+  const float* x0 = xp + static_cast<size_t>(m0) * p.K;
+  __m256 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  for (int g = 0; g < p.G; ++g) {
+    __m256 dot[MB];
+    for (int m = 0; m < MB; ++m) dot[m] = _mm256_setzero_ps();
+    const size_t xg = static_cast<size_t>(g) * gs;
+    if constexpr (BITS == 4) {
+      // 16 bytes: elements 2i in the low nibbles, 2i + 1 in the high ones;
+      // x holds the group's even elements, then its odd ones.
+      for (int b = 0; b < gs / 2; b += 16) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + xg / 2 + b));
+        const __m128i nib = _mm_set1_epi8(0x0F);
+        const __m128i lo = _mm_and_si128(v, nib), hi = _mm_and_si128(_mm_srli_epi16(v, 4), nib);
+        const __m256 w[4] = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))),
+                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)))};
+        const size_t at[4] = {xg + b, xg + b + 8, xg + gs / 2 + b, xg + gs / 2 + b + 8};
+        for (int c = 0; c < 4; ++c)
+          for (int m = 0; m < MB; ++m) dot[m] = _mm256_fmadd_ps(w[c], _mm256_loadu_ps(x0 + static_cast<size_t>(m) * p.K + at[c]), dot[m]);
+      }
+    } else {
+      for (int e = 0; e < gs; e += 8) {
+        const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + xg + e));
+        const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+        for (int m = 0; m < MB; ++m) dot[m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x0 + static_cast<size_t>(m) * p.K + xg + e), dot[m]);
+      }
+    }
+    const __m256 s = _mm256_set1_ps(sr[g]);
+    for (int m = 0; m < MB; ++m) acc[m] = _mm256_fmadd_ps(dot[m], s, acc[m]);
+  }
+  const float* br = p.biases + static_cast<size_t>(n) * p.G;
+  for (int m = 0; m < MB; ++m) {
+    const float* xs = p.xsum + static_cast<size_t>(m0 + m) * p.G;
+    float bias = 0.f;
+    for (int g = 0; g < p.G; ++g) bias += br[g] * xs[g];
+    p.out[static_cast<size_t>(m0 + m) * p.N + n] = sum_lanes(acc[m]) + bias;
+  }
+}
+
+template <int BITS>
+void rows_avx2(const Problem& p, const float* xp, int n0, int n1) {
+  for (int n = n0; n < n1; ++n) {
+    int m0 = 0;
+    for (; m0 + kAvx2Rows <= p.M; m0 += kAvx2Rows) avx2_block<BITS, kAvx2Rows>(p, xp, n, m0);
+    switch (p.M - m0) {
+      case 3: avx2_block<BITS, 3>(p, xp, n, m0); break;
+      case 2: avx2_block<BITS, 2>(p, xp, n, m0); break;
+      case 1: avx2_block<BITS, 1>(p, xp, n, m0); break;
+      default: break;
+    }
+  }
+}
+
+// x with each group as [its even elements | its odd elements]: the order
+// 4-bit codes unpack in (low nibbles, then high ones).
+const float* permute_x_for_4bit(const Problem& p, std::vector<float>& xperm) {
+  const int gs = p.K / p.G;
+  xperm.resize(static_cast<size_t>(p.M) * p.K);
+  for (int m = 0; m < p.M; ++m)
+    for (int g = 0; g < p.G; ++g)
+      for (int j = 0; j < gs / 2; ++j) {
+        const size_t src = static_cast<size_t>(m) * p.K + static_cast<size_t>(g) * gs;
+        xperm[src + j] = p.x[src + 2 * j];
+        xperm[src + gs / 2 + j] = p.x[src + 2 * j + 1];
+      }
+  return xperm.data();
+}
+
 void run_problem(Problem p) {
   const int gs = p.K / p.G;
   std::vector<float> xsum(static_cast<size_t>(p.M) * p.G), xeven, xodd, xperm;
@@ -525,6 +636,12 @@ void run_problem(Problem p) {
       xsum[m * p.G + g] = s;
     }
   p.xsum = xsum.data();
+  // The portable kernel on any CPU, to measure the vector paths against it.
+  static const bool portable_only = std::getenv("TETHER_QMM_PORTABLE") != nullptr;
+  if (portable_only) {
+    RowPool::get().run(p.N, 64, [&](int a, int b) { rows_scalar(p, a, b); });
+    return;
+  }
   static const bool float_only = std::getenv("TETHER_QMM_FLOAT") != nullptr;  // for comparisons
   if (auto f = int_format(p); f && !float_only && p.M < kTiledMinRows) {
     // A reference the workers capture: a thread_local named inside the
@@ -541,23 +658,20 @@ void run_problem(Problem p) {
     });
     return;
   }
+  if (!has_avx512() && avx2_supports(p)) {
+    const float* xp = p.bits == 4 ? permute_x_for_4bit(p, xperm) : p.x;
+    RowPool::get().run(p.N, 64, [&](int a, int b) {
+      if (p.bits == 4) rows_avx2<4>(p, xp, a, b);
+      else rows_avx2<8>(p, xp, a, b);
+    });
+    return;
+  }
   enum { kScalar, kG32, kG16, kTiled } path = kScalar;
   if (has_avx512() && gs == 32) path = kG32;
   if (has_avx512() && gs == 16 && p.bits == 8) path = kG16;
   if (path != kScalar && p.M >= kTiledMinRows && (p.bits == 8 || gs == 32)) path = kTiled;
   const float* xp = p.x;
-  if (path == kTiled && p.bits == 4) {
-    // Each group of 32 as [its 16 even elements | its 16 odd elements].
-    xperm.resize(static_cast<size_t>(p.M) * p.K);
-    for (int m = 0; m < p.M; ++m)
-      for (int g = 0; g < p.G; ++g)
-        for (int j = 0; j < 16; ++j) {
-          const size_t src = static_cast<size_t>(m) * p.K + g * 32;
-          xperm[src + j] = p.x[src + 2 * j];
-          xperm[src + 16 + j] = p.x[src + 2 * j + 1];
-        }
-    xp = xperm.data();
-  }
+  if (path == kTiled && p.bits == 4) xp = permute_x_for_4bit(p, xperm);
   if (path == kG32 && p.bits == 4) {
     xeven.resize(static_cast<size_t>(p.M) * p.K / 2);
     xodd.resize(xeven.size());
