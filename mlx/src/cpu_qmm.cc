@@ -536,11 +536,11 @@ bool has_avx2_fma() {
   return yes;
 }
 
-// Group sizes the AVX2 kernel takes: 4-bit groups unpack 16 bytes (32
-// codes) at a time, 8-bit ones 8 codes.
+// Group sizes the AVX2 kernel takes: it unpacks 8 bytes (16 4-bit codes,
+// 8 8-bit codes) at a time.
 bool avx2_supports(const Problem& p) {
   const int gs = p.K / p.G;
-  return has_avx2_fma() && (p.bits == 4 ? gs % 32 == 0 : gs % 8 == 0);
+  return has_avx2_fma() && gs % (p.bits == 4 ? 16 : 8) == 0;
 }
 
 __attribute__((target("avx2,fma")))
@@ -560,35 +560,40 @@ void avx2_block(const Problem& p, const float* xp, int n, int m0) {
   const float* sr = p.scales + static_cast<size_t>(n) * p.G;
   const float* x0 = xp + static_cast<size_t>(m0) * p.K;
   __m256 acc[MB];
+  #pragma GCC unroll 4
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   for (int g = 0; g < p.G; ++g) {
     __m256 dot[MB];
+    #pragma GCC unroll 4
     for (int m = 0; m < MB; ++m) dot[m] = _mm256_setzero_ps();
     const size_t xg = static_cast<size_t>(g) * gs;
     if constexpr (BITS == 4) {
-      // 16 bytes: elements 2i in the low nibbles, 2i + 1 in the high ones;
-      // x holds the group's even elements, then its odd ones.
-      for (int b = 0; b < gs / 2; b += 16) {
-        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + xg / 2 + b));
-        const __m128i nib = _mm_set1_epi8(0x0F);
-        const __m128i lo = _mm_and_si128(v, nib), hi = _mm_and_si128(_mm_srli_epi16(v, 4), nib);
-        const __m256 w[4] = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))),
-                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)))};
-        const size_t at[4] = {xg + b, xg + b + 8, xg + gs / 2 + b, xg + gs / 2 + b + 8};
-        for (int c = 0; c < 4; ++c)
-          for (int m = 0; m < MB; ++m) dot[m] = _mm256_fmadd_ps(w[c], _mm256_loadu_ps(x0 + static_cast<size_t>(m) * p.K + at[c]), dot[m]);
+      // Byte i holds element 2i (low nibble) and 2i + 1 (high); x holds the
+      // group's even elements, then its odd ones. 8 bytes at a time.
+      const __m256i nib = _mm256_set1_epi32(0x0F);
+      for (int b = 0; b < gs / 2; b += 8) {
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + xg / 2 + b)));
+        const __m256 even = _mm256_cvtepi32_ps(_mm256_and_si256(v, nib)), odd = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+        #pragma GCC unroll 4
+        for (int m = 0; m < MB; ++m) {
+          const float* xm = x0 + static_cast<size_t>(m) * p.K + xg + b;
+          dot[m] = _mm256_fmadd_ps(even, _mm256_loadu_ps(xm), dot[m]);
+          dot[m] = _mm256_fmadd_ps(odd, _mm256_loadu_ps(xm + gs / 2), dot[m]);
+        }
       }
     } else {
       for (int e = 0; e < gs; e += 8) {
-        const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + xg + e));
-        const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+        const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + xg + e))));
+        #pragma GCC unroll 4
         for (int m = 0; m < MB; ++m) dot[m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x0 + static_cast<size_t>(m) * p.K + xg + e), dot[m]);
       }
     }
     const __m256 s = _mm256_set1_ps(sr[g]);
+    #pragma GCC unroll 4
     for (int m = 0; m < MB; ++m) acc[m] = _mm256_fmadd_ps(dot[m], s, acc[m]);
   }
   const float* br = p.biases + static_cast<size_t>(n) * p.G;
+  #pragma GCC unroll 4
   for (int m = 0; m < MB; ++m) {
     const float* xs = p.xsum + static_cast<size_t>(m0 + m) * p.G;
     float bias = 0.f;
