@@ -159,6 +159,28 @@ export interface GenerateRequest {
    * Prefix-cache scope this request's state is stored in: `session` (default) or `shared`.
    */
   cache?: 'session' | 'shared';
+  /**
+   * Constrain the output: `{type: "json_schema", schema}`, `{type: "json_object"}`, `{type: "regex", pattern}`, `{type: "grammar", lark}` or `{type: "text"}`.
+   */
+  response_format?:
+    | {
+        type: 'text';
+      }
+    | {
+        type: 'json_object';
+      }
+    | {
+        type: 'json_schema';
+        schema: unknown;
+      }
+    | {
+        type: 'regex';
+        pattern: string;
+      }
+    | {
+        type: 'grammar';
+        lark: string;
+      };
 }
 /**
  * One chat message; the server renders `messages` with the model's chat template.

@@ -2,6 +2,7 @@
 pub mod bench;
 pub mod engine;
 pub mod generate;
+pub mod grammar;
 pub mod loaded;
 pub mod model;
 pub mod registry;

@@ -395,7 +395,7 @@ fn speculation_arg(source: &str, max_draft: usize, has_draft_model: bool, device
         other => anyhow::bail!("--speculation must be `auto`, `echo`, `draft_model` or `off`, got {other:?}"),
     };
     anyhow::ensure!((1..=protocol::MAX_DRAFT_TOKENS as usize).contains(&max_draft), "--max-draft must be in [1, {}]", protocol::MAX_DRAFT_TOKENS);
-    Ok(Speculation { kind, max_draft })
+    Ok(Speculation { kind, max_draft, ..Default::default() })
 }
 
 fn secs(name: &str, v: f64) -> anyhow::Result<Duration> {

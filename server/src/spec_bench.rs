@@ -184,10 +184,10 @@ pub fn run_all(
     for &workload in workloads {
         for &n in streams {
             let prompts = prompts(tok, fim, workload, n)?;
-            let off = run(engine, tok, workload, &prompts, Speculation { kind: DraftKind::Off, max_draft })?;
+            let off = run(engine, tok, workload, &prompts, Speculation { kind: DraftKind::Off, max_draft, ..Default::default() })?;
             println!("{}", serde_json::to_string(&off)?);
             for kind in sources {
-                let on = run(engine, tok, workload, &prompts, Speculation { kind: kind.clone(), max_draft })?;
+                let on = run(engine, tok, workload, &prompts, Speculation { kind: kind.clone(), max_draft, ..Default::default() })?;
                 println!("{}", serde_json::to_string(&on)?);
                 let cmp = SpecComparison {
                     workload,

@@ -33,8 +33,8 @@ fn cases() -> Vec<Case> {
 
 fn request(case: &Case, draft: &Option<DraftKind>) -> SubmitRequest {
     let speculation = match draft {
-        Some(kind) => Speculation { kind: kind.clone(), max_draft: 6 },
-        None => Speculation { kind: DraftKind::Off, max_draft: 0 },
+        Some(kind) => Speculation { kind: kind.clone(), max_draft: 6, ..Default::default() },
+        None => Speculation { kind: DraftKind::Off, max_draft: 0, ..Default::default() },
     };
     SubmitRequest { speculation, ..SubmitRequest::new(case.prompt.clone(), case.greedy.len()) }
 }

@@ -13,7 +13,7 @@ use tether::sample::SamplingParams;
 const GEN: usize = 24;
 
 fn speculating(prompt: Vec<u32>, max_tokens: usize, kind: DraftKind, max_draft: usize) -> SubmitRequest {
-    SubmitRequest { speculation: Speculation { kind, max_draft }, ..SubmitRequest::new(prompt, max_tokens) }
+    SubmitRequest { speculation: Speculation { kind, max_draft, ..Default::default() }, ..SubmitRequest::new(prompt, max_tokens) }
 }
 
 async fn run(engine: &EngineHandle, req: SubmitRequest) -> (Vec<u32>, FinishInfo) {

@@ -137,11 +137,25 @@ BAD = [
     ("/infill", {**INFILL, "n_cmpl": 0}, 400, "invalid_request_error"),
     ("/infill", {**INFILL, "input_prefix": "word " * 40000}, 400, "exceed_context_size_error"),
     ("/completion", {"prompt": ""}, 400, "invalid_request_error"),
+    ("/completion", {"prompt": "hi", "json_schema": {"type": "nonsense"}}, 400, "invalid_request_error"),
+    ("/completion", {"prompt": "hi", "json_schema": 3}, 400, "invalid_request_error"),
+    ("/completion", {"prompt": "hi", "grammar": "root ::= \"a\""}, 400, "invalid_request_error"),
     ("/completion", {"prompt": "hi", "input_suffix": "x"}, 400, "invalid_request_error"),
     ("/tokenize", {"text": "hi"}, 400, "invalid_request_error"),
     ("/detokenize", {"tokens": [10**9]}, 400, "invalid_request_error"),
     ("/detokenize", {"tokens": "abc"}, 400, "invalid_request_error"),
 ]
+
+
+def test_json_schema_constrains_a_completion(coder):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "args": {"type": "array", "items": {"type": "integer"}, "maxItems": 3}},
+              "required": ["name", "args"], "additionalProperties": False}
+    body = {"prompt": "# a function call as JSON\n", "n_predict": 64, "temperature": 0, "json_schema": schema}
+    status, raw = post_raw(coder, "/completion", body)
+    got = json.loads(raw)
+    out = json.loads(got["content"])
+    assert status == 200 and set(out) == {"name", "args"} and isinstance(out["name"], str), got
+    assert got["stop_type"] == "eos", got
 
 
 @pytest.mark.parametrize("path,body,status,kind", BAD)

@@ -204,6 +204,30 @@ pub struct GenerateRequest {
     pub speculation: Option<SpeculationOptions>,
     /// Where this request's finished state is cached; `None` = the session.
     pub cache: Option<CacheScopeName>,
+    /// What the output must look like; `None` = any text.
+    pub response_format: Option<ResponseFormat>,
+}
+
+/// `generate.response_format`: the output is constrained, token by token,
+/// to a JSON Schema, a regular expression or a grammar. The request ends
+/// (`finish_reason: "stop"`) when the output is complete, or with `length`
+/// when `max_tokens` comes first. Bad schemas, patterns and grammars are
+/// `invalid_parameter` errors that quote the parser's message.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum ResponseFormat {
+    /// Any text (the same as omitting `response_format`).
+    Text,
+    /// One JSON object, of any shape.
+    JsonObject,
+    /// JSON valid against `schema` (JSON Schema: objects, arrays, enums,
+    /// `required`, string patterns and formats, `$ref`/`$defs`, ...).
+    JsonSchema { schema: serde_json::Value },
+    /// Text matching `pattern` in full (Rust `regex` syntax, no look-around).
+    Regex { pattern: String },
+    /// Text in the language of a Lark grammar (llguidance's Lark dialect;
+    /// the start rule is `start`).
+    Grammar { lark: String },
 }
 
 /// `generate.cache`: which prefix-cache scope a request's prompt and output
@@ -266,6 +290,7 @@ impl GenerateRequest {
             chunk_size: None,
             speculation: None,
             cache: None,
+            response_format: None,
         }
     }
 

@@ -4,7 +4,7 @@
 use crate::error::{ErrorCode, ProtocolError};
 use crate::limits::Limits;
 
-use super::messages::{Cancel, ClientMessage, GenerateInput, GenerateRequest, SessionOpen};
+use super::messages::{Cancel, ClientMessage, GenerateInput, GenerateRequest, ResponseFormat, SessionOpen};
 
 /// Longest allowed `request_id`, in characters.
 pub const MAX_REQUEST_ID_LEN: usize = 64;
@@ -22,6 +22,8 @@ pub const MAX_TOP_LOGPROBS: u8 = 20;
 pub const MAX_TEMPERATURE: f32 = 2.0;
 /// Largest `speculation.max_draft`.
 pub const MAX_DRAFT_TOKENS: u8 = 32;
+/// Longest `response_format` regular expression or grammar, in bytes.
+pub const MAX_GRAMMAR_BYTES: usize = 64 * 1024;
 
 impl ClientMessage {
     /// Semantic validation (value ranges and formats) of a well-typed message.
@@ -172,6 +174,15 @@ impl GenerateRequest {
             if n == 0 || n > MAX_DRAFT_TOKENS {
                 return Err(bad(format!("speculation.max_draft must be in [1, {MAX_DRAFT_TOKENS}], got {n}")));
             }
+        }
+        match &self.response_format {
+            Some(ResponseFormat::JsonSchema { schema }) if !schema.is_object() && !schema.is_boolean() => {
+                return Err(bad("response_format.schema must be a JSON Schema: an object or a boolean"));
+            }
+            Some(ResponseFormat::Regex { pattern: text } | ResponseFormat::Grammar { lark: text }) if text.is_empty() || text.len() > MAX_GRAMMAR_BYTES => {
+                return Err(bad(format!("response_format's pattern or grammar must be 1 to {MAX_GRAMMAR_BYTES} bytes long, got {}", text.len())));
+            }
+            _ => {}
         }
         Ok(())
     }

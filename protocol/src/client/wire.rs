@@ -9,7 +9,7 @@ use schemars::JsonSchema;
 use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::messages::{CacheScopeName, ChatMessage, FimInput, GenerateInput, GenerateRequest, SpeculationOptions, DEFAULT_MAX_TOKENS};
+use super::messages::{CacheScopeName, ChatMessage, FimInput, GenerateInput, GenerateRequest, ResponseFormat, SpeculationOptions, DEFAULT_MAX_TOKENS};
 
 /// The flat wire form of `generate` (what the JSON looks like).
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
@@ -85,6 +85,9 @@ struct GenerateWire {
     /// Prefix-cache scope this request's state is stored in: `session` (default) or `shared`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     cache: Option<CacheScopeName>,
+    /// Constrain the output: `{type: "json_schema", schema}`, `{type: "json_object"}`, `{type: "regex", pattern}`, `{type: "grammar", lark}` or `{type: "text"}`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    response_format: Option<ResponseFormat>,
 }
 
 fn default_max_tokens() -> u32 {
@@ -138,6 +141,7 @@ impl TryFrom<GenerateWire> for GenerateRequest {
             chunk_size: w.chunk_size,
             speculation: w.speculation,
             cache: w.cache,
+            response_format: w.response_format,
         })
     }
 }
@@ -167,6 +171,7 @@ impl From<GenerateRequest> for GenerateWire {
             chunk_size: r.chunk_size,
             speculation: r.speculation,
             cache: r.cache,
+            response_format: r.response_format,
         }
     }
 }

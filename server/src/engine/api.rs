@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::constraint::Constraint;
 use super::prefix::{PrefixStats, Scope};
 use super::speculate;
 use crate::sample::SamplingParams;
@@ -57,6 +58,8 @@ pub struct SubmitRequest {
     pub session: Option<String>,
     /// Draft tokens verified alongside this request's decode steps.
     pub speculation: speculate::Speculation,
+    /// Which tokens it may generate (a grammar); `None`: any.
+    pub constraint: Option<Constraint>,
 }
 
 impl SubmitRequest {
@@ -73,6 +76,7 @@ impl SubmitRequest {
             cache_scope: None,
             session: None,
             speculation: speculate::Speculation::default(),
+            constraint: None,
         }
     }
 }
@@ -226,6 +230,10 @@ pub enum EngineError {
     /// The request alone needs more KV cache than all rows may reserve.
     #[error("the request needs {needed} bytes of KV cache, more than the engine's budget of {budget} bytes")]
     OverKvBudget { needed: usize, budget: usize },
+    /// The request's constraint failed while it generated (its matcher
+    /// reported an error, or allowed no token at all).
+    #[error("the request's output constraint failed: {0}")]
+    Constraint(String),
     /// A forward pass or a request's setup failed inside the engine
     /// (a bug or the device: not the request's fault).
     #[error("{0}")]

@@ -9,6 +9,7 @@
 //! edge, so this thread does nothing but numerics and scheduling.
 mod api;
 mod config;
+pub mod constraint;
 mod draft_cost;
 mod handle;
 mod pool;

@@ -1,5 +1,6 @@
 //! One request inside the engine: its KV cache, sampler and progress.
 use super::api::{EngineEvent, Finish, FinishInfo, RequestId, StopHandle, StopReason, SubmitRequest, TokenLogprob};
+use super::constraint::TokenConstraint;
 use super::scheduler::{DraftView, RowView};
 use super::speculate::{DraftState, Proposal};
 use crate::model::{KvCache, Transformer};
@@ -29,8 +30,11 @@ pub(super) struct Row {
     pub tokens: Vec<u32>,
     /// Prompt tokens that came from the prefix cache.
     pub cached_tokens: usize,
-    /// Draft source and counters of a speculating row.
+    /// Draft source and counters of a speculating row (every constrained
+    /// row speculates: the grammar's forced tokens are its drafts).
     pub draft: Option<DraftState>,
+    /// The matcher of a constrained request, advanced by emitted tokens.
+    pub constraint: Option<Box<dyn TokenConstraint>>,
 }
 
 /// What a row does in one step (the scheduler's [`RowWork`], with the
@@ -52,7 +56,11 @@ impl Row {
         let Admitted { id, request, events, stop, kv_bytes } = admitted;
         let sampler = Sampler::new(request.sampling.clone());
         let tokens = request.prompt.clone();
-        let draft = DraftState::new(&request.speculation, draft_model);
+        let constraint = match &request.constraint {
+            Some(spec) => Some(spec.start().map_err(|message| mlx::Error { op: "constraint", message })?),
+            None => None,
+        };
+        let draft = DraftState::new(&request.speculation, draft_model, constraint.is_some());
         Ok(Row {
             id,
             request,
@@ -68,6 +76,7 @@ impl Row {
             tokens,
             cached_tokens: 0,
             draft,
+            constraint,
         })
     }
 
@@ -141,10 +150,20 @@ impl Row {
 
     /// This decode step's drafts: as many as the source offers within the
     /// row's adaptive depth and its `max_tokens` room (a verification emits
-    /// up to drafts + 1 tokens). The scheduler then caps them.
+    /// up to drafts + 1 tokens). The scheduler then caps them. A constrained
+    /// row's drafts are its grammar's forced tokens when there are any (its
+    /// matcher has consumed the pending token already: see the step's publish).
     pub fn drafts(&mut self) -> Proposal {
         let (history, generated) = (&self.tokens, self.generated);
         let room = self.request.max_tokens.saturating_sub(generated + 1);
+        let grammar_drafts = self.request.speculation.grammar_drafts;
+        if let Some(c) = self.constraint.as_mut().filter(|_| grammar_drafts) {
+            let forced = c.forced();
+            if !forced.is_empty() {
+                let max = self.draft.as_ref().map_or(0, DraftState::max_draft).min(room);
+                return Proposal::Ready(forced.into_iter().take(max).collect());
+            }
+        }
         match &mut self.draft {
             Some(d) => d.propose(history, generated, room),
             None => Proposal::Ready(Vec::new()),

@@ -4,8 +4,9 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use super::api::{EngineEvent, Finish};
-use super::row::{logprobs_of, Work};
+use super::api::{EngineError, EngineEvent, Finish};
+use super::constraint::TokenMask;
+use super::row::{logprobs_of, Row, Work};
 use super::scheduler::{RowWork, StepTiming};
 use super::speculate::{self, DraftRow, Proposal};
 use super::worker::Engine;
@@ -22,6 +23,14 @@ struct Scheduled {
     drafts: Vec<u32>,
     /// Where its logits come back.
     logits_at: LogitsAt,
+    /// A constrained row's allowed tokens, one mask per sampled position.
+    masks: Option<Vec<TokenMask>>,
+}
+
+/// How a row's part in a step ended it.
+enum End {
+    Finished(Finish),
+    Failed(EngineError),
 }
 
 enum LogitsAt {
@@ -60,6 +69,18 @@ impl Engine {
             return Ok(());
         }
         let mut work = self.fill_drafts(&plan.work, &mut proposals)?;
+        let mut ended: Vec<(usize, End)> = Vec::new();
+        let mut masks: Vec<Option<Vec<TokenMask>>> = (0..self.running.len()).map(|_| None).collect();
+        for (i, row) in self.running.iter_mut().enumerate() {
+            let Some(w) = &mut work[i] else { continue };
+            match constrain(row, w) {
+                Ok(m) => masks[i] = m,
+                Err(e) => {
+                    work[i] = None;
+                    ended.push((i, End::Failed(EngineError::Constraint(e))));
+                }
+            }
+        }
         let (mut decode_rows, mut draft_tokens, mut prefill_tokens) = (0, 0, 0);
         for w in work.iter().flatten() {
             match w {
@@ -97,7 +118,7 @@ impl Engine {
                     LogitsAt::Row(inputs.len() - 1)
                 }
             };
-            scheduled.push(Scheduled { row: i, samples, decode, drafts, logits_at });
+            scheduled.push(Scheduled { row: i, samples, decode, drafts, logits_at, masks: masks[i].take() });
         }
         let batched = match &mut self.batch {
             Some(kv) if slot_tokens.iter().any(|t| !t.is_empty()) => {
@@ -130,7 +151,11 @@ impl Engine {
             }
             let logits = logits.ok_or_else(|| mlx::Error { op: "engine", message: "a sampling row got no logits".into() })?;
             let row = &mut self.running[s.row];
-            let draw = row.sampler.draw(&logits, row.generated)?;
+            let masked = match &s.masks {
+                Some(m) => &logits.add(&mask_bias(m, logits.dim(-1))?)?,
+                None => &logits,
+            };
+            let draw = row.sampler.draw(masked, row.generated)?;
             let keep = row.request.logprobs.is_some().then_some(logits);
             draws.push((k, draw, keep));
         }
@@ -155,31 +180,33 @@ impl Engine {
             _ => mlx::concatenate(&draws.iter().map(|(_, d, _)| d).collect::<Vec<_>>(), 0)?.to_vec_i32()?,
         };
         let evaluated = Instant::now();
-        let mut finished: Vec<(usize, Finish)> = Vec::new();
         let mut at = 0;
         for ((k, _, logits), len) in draws.into_iter().zip(lens) {
             let readback = &flat[at..at + len];
             at += len;
             let s = &scheduled[k];
-            if let Some(reason) = self.publish(s.row, s.decode, &s.drafts, readback, logits.as_ref())? {
-                finished.push((s.row, reason));
+            if let Some(end) = self.publish(s.row, s.decode, &s.drafts, readback, logits.as_ref())? {
+                ended.push((s.row, end));
             }
         }
         let now = Instant::now();
         for (i, row) in self.running.iter().enumerate() {
-            if finished.iter().any(|(j, _)| *j == i) {
+            if ended.iter().any(|(j, _)| *j == i) {
                 continue;
             }
             if row.is_prewarm() && row.prompt_remaining() == 0 {
-                finished.push((i, Finish::Length));
+                ended.push((i, End::Finished(Finish::Length)));
             } else if row.request.deadline.is_some_and(|d| now >= d) {
                 // Deadlines also end rows still reading a long prompt.
-                finished.push((i, Finish::TimeLimit));
+                ended.push((i, End::Finished(Finish::TimeLimit)));
             }
         }
-        finished.sort_by_key(|&(i, _)| std::cmp::Reverse(i));
-        for (i, reason) in finished {
-            self.finish(i, reason);
+        ended.sort_by_key(|&(i, _)| std::cmp::Reverse(i));
+        for (i, end) in ended {
+            match end {
+                End::Finished(reason) => self.finish(i, reason),
+                End::Failed(error) => self.fail(i, error),
+            }
         }
         let seconds = started.elapsed().as_secs_f64();
         self.scheduler.record(StepTiming { decode_rows, draft_tokens, prefill_tokens, widened: plan.widened, seconds });
@@ -244,8 +271,9 @@ impl Engine {
 
     /// Turns row `i`'s draws into published tokens: accepts drafts, rolls
     /// the KV cache back past rejected ones, emits tokens up to a stop token
-    /// or `max_tokens`. Returns why the row finished, if it did.
-    fn publish(&mut self, i: usize, decode: bool, drafts: &[u32], readback: &[i32], logits: Option<&mlx::Array>) -> mlx::Result<Option<Finish>> {
+    /// or `max_tokens` or the end of its grammar, and advances its matcher
+    /// by them. Returns how the row ended, if it did.
+    fn publish(&mut self, i: usize, decode: bool, drafts: &[u32], readback: &[i32], logits: Option<&mlx::Array>) -> mlx::Result<Option<End>> {
         let row = &mut self.running[i];
         let targets: Vec<u32> = readback.iter().map(|&t| t as u32).collect();
         let accepted = speculate::accept_matching(drafts, &targets);
@@ -280,9 +308,19 @@ impl Engine {
                 let vocab = host.len() / (drafts.len() + 1);
                 logprobs.push(logprobs_of(&host[pos * vocab..(pos + 1) * vocab], id, n as usize));
             }
+            if let Some(c) = &mut row.constraint {
+                if let Err(e) = c.consume(&[id]) {
+                    return Ok(Some(End::Failed(EngineError::Constraint(e))));
+                }
+            }
             ids.push(id);
             row.generated += 1;
             row.tokens.push(id);
+            if row.constraint.as_ref().is_some_and(|c| c.is_finished()) {
+                // The grammar allows nothing more: the answer is complete.
+                finish = Some(Finish::Stop);
+                break;
+            }
             if row.generated >= row.request.max_tokens {
                 finish = Some(Finish::Length);
                 break;
@@ -292,10 +330,49 @@ impl Engine {
         if let Some(&last) = ids.last() {
             // can_publish() held when the row was scheduled, so this fits.
             if row.events.try_send(EngineEvent::Tokens { ids, logprobs }).is_err() {
-                return Ok(Some(Finish::Cancelled));
+                return Ok(Some(End::Finished(Finish::Cancelled)));
             }
             row.pending_token = Some(last);
         }
-        Ok(finish)
+        Ok(finish.map(End::Finished))
     }
+}
+
+/// A constrained row's masks for this step's work, one per position it
+/// samples: its next token, then one after each draft. Drafts are walked
+/// through the matcher to make their masks and cut at the first one the
+/// grammar forbids (it could never be accepted); the matcher is rolled back
+/// after, so it holds emitted tokens only. `None` for unconstrained rows and
+/// prompt chunks that sample nothing.
+fn constrain(row: &mut Row, work: &mut Work) -> Result<Option<Vec<TokenMask>>, String> {
+    // (Before the row takes its input: a prompt chunk samples when it reads the rest.)
+    let samples = match work {
+        Work::Decode { .. } => true,
+        Work::Prefill { tokens } => *tokens == row.prompt_remaining() && !row.is_prewarm(),
+    };
+    let Some(c) = row.constraint.as_mut().filter(|_| samples) else { return Ok(None) };
+    let mut masks = vec![c.allowed()?];
+    if let Work::Decode { drafts } = work {
+        let mut walked = 0;
+        while walked < drafts.len() && masks[walked].allows(drafts[walked]) && !c.is_finished() {
+            c.consume(&drafts[walked..walked + 1])?;
+            walked += 1;
+            masks.push(c.allowed()?);
+        }
+        drafts.truncate(walked);
+        c.rollback(walked)?;
+    }
+    if masks.iter().any(TokenMask::is_empty) {
+        return Err("the grammar allows no token here".into());
+    }
+    Ok(Some(masks))
+}
+
+/// The additive bias `[positions, vocab]` of a row's masks.
+fn mask_bias(masks: &[TokenMask], vocab: usize) -> mlx::Result<mlx::Array> {
+    let mut bias = Vec::with_capacity(masks.len() * vocab);
+    for m in masks {
+        m.write_bias(vocab, &mut bias);
+    }
+    mlx::Array::from_f32(&bias, &[masks.len(), vocab])
 }

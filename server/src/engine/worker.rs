@@ -349,6 +349,15 @@ impl Engine {
         self.deliver_final(events, event);
     }
 
+    /// Ends running row `i` with `error`: its state is freed, as for a
+    /// cancelled turn, and its consumer hears why.
+    pub(super) fn fail(&mut self, i: usize, error: EngineError) {
+        let row = self.take_row(i, false);
+        let events = row.events.clone();
+        drop(row);
+        self.deliver_final(events, EngineEvent::Failed(error));
+    }
+
     fn deliver_final(&mut self, events: tokio::sync::mpsc::Sender<EngineEvent>, event: EngineEvent) {
         if let Err(tokio::sync::mpsc::error::TrySendError::Full(event)) = events.try_send(event) {
             self.undelivered.push((events, event));

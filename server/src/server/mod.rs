@@ -59,6 +59,8 @@ pub struct ServerState {
     /// The engine workers; each session is pinned to one.
     pub engines: EnginePool,
     pub tokenizer: Arc<TextTokenizer>,
+    /// Compiles requests' `response_format`s for this model.
+    pub grammars: crate::grammar::Grammars,
     pub fim: Option<FimTokens>,
     pub model: ModelInfo,
     pub limits: Limits,
@@ -168,6 +170,7 @@ pub async fn serve(config: ServerConfig, engines: impl Into<EnginePool>, tokeniz
         responses: openai::ResponseStore::new(config.session_ttl),
         http_buckets: rate::TenantBuckets::new(config.rate_limit_per_sec, config.rate_limit_burst),
         config,
+        grammars: crate::grammar::Grammars::new(tokenizer.clone(), info.vocab_size),
         engines,
         tokenizer,
         fim,

@@ -99,7 +99,7 @@ pub fn engine_error(e: &EngineError) -> (ErrorCode, String) {
         EngineError::Overloaded { .. } => ErrorCode::Overloaded,
         EngineError::ShuttingDown => ErrorCode::ShuttingDown,
         EngineError::ContextOverflow { .. } | EngineError::OverKvBudget { .. } => ErrorCode::ContextOverflow,
-        EngineError::Internal(_) => ErrorCode::Internal,
+        EngineError::Internal(_) | EngineError::Constraint(_) => ErrorCode::Internal,
     };
     let message = match code {
         ErrorCode::Overloaded => format!("{e}; retry later"),

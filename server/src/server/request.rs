@@ -13,6 +13,7 @@ use protocol::{
 use super::relay::{engine_error, Ending, Piece, Relay, Writer};
 use super::session::{Frame, Registration, Session};
 use super::ServerState;
+use crate::engine::constraint::Constraint;
 use crate::engine::speculate::{DraftKind, Speculation};
 use crate::engine::{EngineHandle, Scope, SubmitRequest, Submitted};
 use crate::sample::SamplingParams;
@@ -130,7 +131,15 @@ pub fn fim_unsupported() -> ProtocolError {
 /// entries: its next turn resumes from this one's KV state, and no other
 /// owner ever sees it (unless the request asked for `cache: "shared"`, which
 /// stores it for every owner). Owners also take turns for free rows.
-pub fn submit_request(state: &ServerState, owner: &str, req: &GenerateRequest, prompt: Vec<u32>, received: Instant) -> SubmitRequest {
+/// `constraint` is the request's compiled `response_format`, if it has one.
+pub fn submit_request(
+    state: &ServerState,
+    owner: &str,
+    req: &GenerateRequest,
+    prompt: Vec<u32>,
+    constraint: Option<Constraint>,
+    received: Instant,
+) -> SubmitRequest {
     SubmitRequest {
         prompt,
         max_tokens: req.max_tokens as usize,
@@ -151,7 +160,15 @@ pub fn submit_request(state: &ServerState, owner: &str, req: &GenerateRequest, p
         session: Some(owner.to_string()),
         deadline: req.max_time_ms.map(|ms| received + Duration::from_millis(ms as u64)),
         speculation: speculation_for(&state.config.speculation, req.speculation),
+        constraint,
     }
+}
+
+/// The compiled `response_format` of `req`; a schema, pattern or grammar
+/// llguidance rejects is the client's `invalid_parameter`, in its words.
+fn compile_response_format(state: &ServerState, req: &GenerateRequest) -> Result<Option<Constraint>, ProtocolError> {
+    let Some(format) = &req.response_format else { return Ok(None) };
+    state.grammars.compile(format).map_err(|e| ProtocolError::invalid_parameter(format!("response_format: {e}")).with_request_id(req.request_id.clone()))
 }
 
 /// A request's speculation: its own choices over the server's defaults.
@@ -163,7 +180,9 @@ fn speculation_for(default: &Speculation, asked: Option<SpeculationOptions>) -> 
         Some(DraftSourceName::Echo) => DraftKind::Echo,
         Some(DraftSourceName::DraftModel) => DraftKind::Model,
     };
-    Speculation { kind, max_draft: asked.max_draft.map_or(default.max_draft, usize::from) }
+    // Grammar-forced drafts are certain, so only an explicit "off" stops them.
+    let grammar_drafts = asked.source != Some(DraftSourceName::Off);
+    Speculation { kind, max_draft: asked.max_draft.map_or(default.max_draft, usize::from), grammar_drafts }
 }
 
 /// A draft-model request on a server without one is refused up front.
@@ -216,7 +235,8 @@ pub async fn prepare(
             tokenize(&state.tokenizer, state.fim.as_ref(), &req.input, earlier.as_deref()).map_err(|e| e.with_request_id(req.request_id.clone()))?;
         let tokenizing = started.elapsed();
         req.check_prompt_tokens(prompt.len(), &state.limits)?;
-        Ok(Prepared { submit: submit_request(&state, &owner, &req, prompt, received), encoding, tokenizing })
+        let constraint = compile_response_format(&state, &req)?;
+        Ok(Prepared { submit: submit_request(&state, &owner, &req, prompt, constraint, received), encoding, tokenizing })
     })
     .await
     .unwrap_or_else(|e| Err(ProtocolError::new(ErrorCode::Internal, format!("tokenizer task failed: {e}")).with_request_id(rid)))

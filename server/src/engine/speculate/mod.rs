@@ -61,11 +61,15 @@ pub struct Speculation {
     pub kind: DraftKind,
     /// Most draft tokens per verification.
     pub max_draft: usize,
+    /// Whether a constrained request verifies its grammar's forced tokens
+    /// as drafts (whatever `kind` says); off only when the request asked
+    /// for no speculation at all.
+    pub grammar_drafts: bool,
 }
 
 impl Default for Speculation {
     fn default() -> Self {
-        Speculation { kind: DraftKind::Off, max_draft: DEFAULT_MAX_DRAFT }
+        Speculation { kind: DraftKind::Off, max_draft: DEFAULT_MAX_DRAFT, grammar_drafts: true }
     }
 }
 
@@ -77,6 +81,15 @@ pub trait DraftSource: Send {
     /// Up to `max` tokens after `history` (prompt, generated tokens and the
     /// pending token, in order); `generated` of them are model output.
     fn propose(&mut self, history: &[u32], generated: usize, max: usize) -> Vec<u32>;
+}
+
+/// The draft source of a row whose only drafts are its grammar's.
+struct NoGuesses;
+
+impl DraftSource for NoGuesses {
+    fn propose(&mut self, _history: &[u32], _generated: usize, _max: usize) -> Vec<u32> {
+        Vec::new()
+    }
 }
 
 /// Where one row's drafts come from.
@@ -169,15 +182,23 @@ const START_DEPTH: usize = 4;
 
 impl DraftState {
     /// `None` when the request does not speculate (or asks for a draft
-    /// model the engine does not have).
-    pub fn new(spec: &Speculation, draft_model: Option<&Transformer>) -> Option<DraftState> {
+    /// model the engine does not have) and is not `constrained`: a
+    /// constrained row always has a state, for its grammar's forced tokens
+    /// (see `Row::drafts`), with no guesses of its own when speculation is off.
+    pub fn new(spec: &Speculation, draft_model: Option<&Transformer>, constrained: bool) -> Option<DraftState> {
+        let constrained = constrained && spec.grammar_drafts;
         let max_draft = spec.max_draft.max(1);
         // Guesses start shallow and earn depth; forced tokens are certain.
         let (source, depth) = match &spec.kind {
+            DraftKind::Off if constrained => (Source::Host(Box::new(NoGuesses)), 0),
             DraftKind::Off => return None,
             DraftKind::Echo => (Source::Host(Box::new(PromptLookup::default())), START_DEPTH.min(max_draft)),
             DraftKind::Forced(tokens) => (Source::Host(Box::new(ForcedDrafts::new(tokens.clone()))), max_draft),
-            DraftKind::Model => (Source::Model(draft_model?.new_cache()), START_DEPTH.min(max_draft)),
+            DraftKind::Model => match draft_model {
+                Some(model) => (Source::Model(model.new_cache()), START_DEPTH.min(max_draft)),
+                None if constrained => (Source::Host(Box::new(NoGuesses)), 0),
+                None => return None,
+            },
         };
         Some(DraftState { source, max_draft, depth, recent_acceptance: None, stats: SpecStats::default() })
     }
@@ -185,6 +206,11 @@ impl DraftState {
     /// Drafts it would verify now (its adaptive depth).
     pub fn depth(&self) -> usize {
         self.depth
+    }
+
+    /// The most drafts one verification may carry.
+    pub fn max_draft(&self) -> usize {
+        self.max_draft
     }
 
     /// Share of its drafted tokens accepted, decayed; `None` before it drafted.
@@ -275,7 +301,7 @@ mod tests {
 
     #[test]
     fn depth_adapts() {
-        let mut s = DraftState::new(&Speculation { kind: DraftKind::Echo, max_draft: 8 }, None).unwrap();
+        let mut s = DraftState::new(&Speculation { kind: DraftKind::Echo, max_draft: 8, ..Default::default() }, None, false).unwrap();
         assert_eq!(s.depth, 4);
         s.record(4, 4, 5);
         assert_eq!(s.depth, 6);
@@ -296,7 +322,7 @@ mod tests {
     #[test]
     fn drafts_pay_while_accepted_more_often_than_the_bar() {
         let pays = |s: &DraftState, bar| crate::engine::scheduler::DraftView { ready: s.depth(), recent_acceptance: s.recent_acceptance() }.pays(bar);
-        let mut s = DraftState::new(&Speculation { kind: DraftKind::Echo, max_draft: 8 }, None).unwrap();
+        let mut s = DraftState::new(&Speculation { kind: DraftKind::Echo, max_draft: 8, ..Default::default() }, None, false).unwrap();
         assert!(pays(&s, Some(0.9)), "a row that has not drafted yet may");
         s.record(4, 1, 2); // a quarter accepted
         assert!(pays(&s, Some(0.1)) && !pays(&s, Some(0.5)) && pays(&s, None));

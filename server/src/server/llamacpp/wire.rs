@@ -8,7 +8,7 @@
 //! and ignored, each for a reason given at [`IGNORED`].
 use std::time::Duration;
 
-use protocol::{FimExtra, FimInput, GenerateInput, GenerateRequest};
+use protocol::{FimExtra, FimInput, GenerateInput, GenerateRequest, ResponseFormat};
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
@@ -39,6 +39,7 @@ const FIELDS: &[&str] = &[
     "n_probs",
     "lora",
     "id_slot",
+    "json_schema",
 ];
 /// Accepted and ignored:
 /// * `cache_prompt`: the prefix cache is always on, and reusing cached KV
@@ -108,6 +109,10 @@ pub struct Body {
     pub n_probs: Option<u32>,
     pub lora: Option<Vec<Value>>,
     pub id_slot: Option<i64>,
+    /// Constrain the output to JSON valid against this schema (llama.cpp
+    /// turns it into a GBNF grammar; here it is protocol v1's
+    /// `response_format`). llama.cpp's `grammar` (GBNF) is not supported.
+    pub json_schema: Option<Value>,
 }
 
 /// How many tokens to generate.
@@ -231,6 +236,11 @@ impl Body {
         if let Predict::Tokens(n) = predict {
             req.max_tokens = n;
         }
+        req.response_format = match self.json_schema {
+            None => None,
+            Some(schema @ (Value::Object(_) | Value::Bool(_))) => Some(ResponseFormat::JsonSchema { schema }),
+            Some(_) => return invalid("json_schema must be a JSON Schema object"),
+        };
         let options = Options {
             predict,
             stream: self.stream,

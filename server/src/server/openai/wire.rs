@@ -2,7 +2,7 @@
 //! parsed strictly (an unknown field is an error, as OpenAI's own API
 //! answers) and turned into the protocol's [`GenerateRequest`], so every
 //! edge shares one validation and one request path.
-use protocol::{ChatMessage, FimInput, GenerateInput, GenerateRequest, Role};
+use protocol::{ChatMessage, FimInput, GenerateInput, GenerateRequest, ResponseFormat, Role};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -138,7 +138,7 @@ pub struct ChatRequest {
     #[serde(default)]
     pub logprobs: bool,
     pub top_logprobs: Option<u8>,
-    /// Only `"text"` is supported.
+    /// `text`, `json_object` or `json_schema` (see [`response_format`]).
     pub response_format: Option<Value>,
     /// Tools are not supported yet: an empty list or `"none"` only.
     pub tools: Option<Vec<Value>>,
@@ -187,6 +187,56 @@ pub struct ParamError {
 
 pub fn bad(param: &'static str, message: impl Into<String>) -> ParamError {
     ParamError { param, message: message.into() }
+}
+
+/// Where a format's schema sits: Chat Completions nests it as
+/// `{type: "json_schema", json_schema: {name, schema, strict}}`, the
+/// Responses API's `text.format` flattens it to `{type: "json_schema",
+/// name, schema, strict}`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum FormatShape {
+    Chat,
+    Responses,
+}
+
+/// OpenAI's structured-output `format` as protocol v1's `response_format`.
+/// Every schema is enforced whether or not `strict` is set: constrained
+/// decoding costs the same either way, and an answer that does not parse
+/// helps nobody. `name` and `description` are accepted and unused.
+pub fn response_format(format: &Value, param: &'static str, shape: FormatShape) -> Result<ResponseFormat, ParamError> {
+    let obj = format.as_object().ok_or_else(|| bad(param, "must be an object with a `type`"))?;
+    let kind = obj.get("type").and_then(Value::as_str).ok_or_else(|| bad(param, "`type` is required: text, json_object or json_schema"))?;
+    let allowed: &[&str] = match (kind, shape) {
+        ("text" | "json_object", _) => &["type"],
+        ("json_schema", FormatShape::Chat) => &["type", "json_schema"],
+        ("json_schema", FormatShape::Responses) => &["type", "name", "schema", "strict", "description"],
+        (other, _) => return Err(bad(param, format!("unknown type {other:?}: expected text, json_object or json_schema"))),
+    };
+    if let Some(k) = obj.keys().find(|k| !allowed.contains(&k.as_str())) {
+        return Err(bad(param, format!("unknown field {k:?} for type {kind:?}")));
+    }
+    let spec = match (kind, shape) {
+        ("text", _) => return Ok(ResponseFormat::Text),
+        ("json_object", _) => return Ok(ResponseFormat::JsonObject),
+        (_, FormatShape::Chat) => {
+            obj.get("json_schema").and_then(Value::as_object).ok_or_else(|| bad(param, "json_schema: an object with `name` and `schema` is required"))?
+        }
+        (_, FormatShape::Responses) => obj,
+    };
+    // (The Responses shape's `type` sits beside the schema's fields.)
+    let known = |k: &str| ["name", "schema", "strict", "description"].contains(&k) || (shape == FormatShape::Responses && k == "type");
+    if let Some(k) = spec.keys().find(|k| !known(k)) {
+        return Err(bad(param, format!("unknown json_schema field {k:?}")));
+    }
+    if !spec.get("name").is_some_and(Value::is_string) {
+        return Err(bad(param, "json_schema.name (a string) is required"));
+    }
+    match spec.get("schema") {
+        Some(schema @ (Value::Object(_) | Value::Bool(_))) => Ok(ResponseFormat::JsonSchema { schema: schema.clone() }),
+        // OpenAI's own default when `schema` is left out: any JSON object.
+        None => Ok(ResponseFormat::JsonObject),
+        Some(_) => Err(bad(param, "json_schema.schema must be a JSON Schema object")),
+    }
 }
 
 impl Sampling {
@@ -272,11 +322,7 @@ impl ChatRequest {
         if self.tool_choice.as_ref().is_some_and(|c| c != "none") {
             return Err(bad("tool_choice", "tool_choice must be \"none\": tools are not supported yet"));
         }
-        if let Some(f) = &self.response_format {
-            if f.get("type").and_then(Value::as_str) != Some("text") {
-                return Err(bad("response_format", "only response_format {\"type\": \"text\"} is supported"));
-            }
-        }
+        let format = self.response_format.as_ref().map(|f| response_format(f, "response_format", FormatShape::Chat)).transpose()?;
         if self.top_logprobs.is_some() && !self.logprobs {
             return Err(bad("top_logprobs", "top_logprobs requires logprobs: true"));
         }
@@ -303,6 +349,7 @@ impl ChatRequest {
             })
             .collect::<Result<Vec<_>, ParamError>>()?;
         let mut req = GenerateRequest::new(request_id, GenerateInput::Messages(messages));
+        req.response_format = format;
         let logprobs = self.logprobs.then(|| self.top_logprobs.unwrap_or(0));
         let options = self.sampling.apply(&mut req, logprobs)?;
         Ok((self.model, req, options))

@@ -118,7 +118,7 @@ impl ResponseWriter {
             "prompt_cache_key": c.prompt_cache_key,
             "store": c.store,
             "temperature": c.temperature,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": c.text_format},
             "tool_choice": "none",
             "tools": [],
             "top_p": c.top_p.unwrap_or(1.0),

@@ -97,6 +97,7 @@ async fn start(
     let mut generate = GenerateRequest::new(id.clone(), GenerateInput::Messages(messages));
     generate.temperature = create.temperature;
     generate.top_p = create.top_p;
+    generate.response_format = create.response_format.clone();
     let length = match (create.generate, create.max_output_tokens) {
         (false, _) => Length::WarmOnly,
         (true, Some(n)) => {

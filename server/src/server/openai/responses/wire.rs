@@ -3,11 +3,11 @@
 //! `stream_id` on the socket), parsed strictly: an unknown field, or a
 //! feature this server does not have (tools, images, reasoning), is an
 //! error naming the parameter rather than something silently ignored.
-use protocol::{ChatMessage, Role};
+use protocol::{ChatMessage, ResponseFormat, Role};
 use serde::Deserialize;
-use serde_json::{Map, Value};
+use serde_json::{json, Map, Value};
 
-use super::super::wire::{bad, ParamError};
+use super::super::wire::{bad, response_format as response_format_of, FormatShape, ParamError};
 
 /// Fields both `POST /v1/responses` and `response.create` take.
 const SHARED_FIELDS: &[&str] = &[
@@ -119,6 +119,10 @@ pub struct Create {
     pub stream_id: Option<String>,
     pub prompt_cache_key: Option<String>,
     pub metadata: Value,
+    /// `text.format` as protocol v1 enforces it (`None`: plain text).
+    pub response_format: Option<ResponseFormat>,
+    /// `text.format` as the client sent it, echoed in the response object.
+    pub text_format: Value,
 }
 
 fn role(name: &str, i: usize) -> Result<Role, ParamError> {
@@ -193,11 +197,16 @@ impl CreateBody {
         if self.truncation.as_deref().is_some_and(|t| t != "disabled") {
             return Err(bad("truncation", "only truncation \"disabled\" is supported: an input over the context is an error"));
         }
+        let mut text_format = json!({"type": "text"});
+        let mut response_format = None;
         if let Some(text) = &self.text {
-            let format = text.get("format").and_then(|f| f.get("type")).and_then(Value::as_str);
-            let keys_ok = text.as_object().is_some_and(|o| o.keys().all(|k| k == "format" || k == "verbosity"));
-            if !keys_ok || format.is_some_and(|f| f != "text") {
-                return Err(bad("text", "only text {\"format\": {\"type\": \"text\"}} is supported"));
+            let obj = text.as_object().ok_or_else(|| bad("text", "text must be an object: {format, verbosity}"))?;
+            if let Some(k) = obj.keys().find(|k| *k != "format" && *k != "verbosity") {
+                return Err(bad("text", format!("unknown field {k:?} (expected format or verbosity)")));
+            }
+            if let Some(f) = obj.get("format") {
+                response_format = Some(response_format_of(f, "text.format", FormatShape::Responses)?);
+                text_format = f.clone();
             }
         }
         if self.background == Some(true) {
@@ -268,6 +277,8 @@ impl CreateBody {
             stream_id: self.stream_id,
             prompt_cache_key: self.prompt_cache_key,
             metadata,
+            response_format,
+            text_format,
         })
     }
 }

@@ -1,0 +1,136 @@
+//! Structured outputs: a request's `response_format` (a JSON Schema, a
+//! regular expression, a Lark grammar) compiled with llguidance into the
+//! engine's [`Constraint`], a matcher over the model's token ids.
+//!
+//! llguidance (the grammar engine vLLM and SGLang also use) computes the set
+//! of tokens that keep the output inside the grammar, walking a trie of the
+//! vocabulary's bytes, in tens of microseconds a token; it also names the
+//! tokens the grammar forces, which the engine verifies as drafts.
+mod tok_env;
+
+use std::sync::{Arc, OnceLock};
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::TokEnv;
+use llguidance::{JsonCompileOptions, Matcher, ParserFactory, TokenParser};
+use protocol::ResponseFormat;
+use serde_json::{json, Value};
+
+use crate::engine::constraint::{Constraint, ConstraintSpec, TokenConstraint, TokenMask};
+use crate::tokenizer::TextTokenizer;
+pub use tok_env::VocabEnv;
+
+/// Compiles response formats for one model. The vocabulary trie and
+/// llguidance's tables are built on first use (a fraction of a second for
+/// a 150k-token vocabulary), not at startup.
+pub struct Grammars {
+    tokenizer: Arc<TextTokenizer>,
+    vocab: usize,
+    factory: OnceLock<Result<ParserFactory, String>>,
+}
+
+impl Grammars {
+    /// For a model with `vocab` logits per position.
+    pub fn new(tokenizer: Arc<TextTokenizer>, vocab: usize) -> Grammars {
+        Grammars { tokenizer, vocab, factory: OnceLock::new() }
+    }
+
+    fn factory(&self) -> Result<&ParserFactory, String> {
+        self.factory
+            .get_or_init(|| {
+                let env: TokEnv = VocabEnv::build(self.tokenizer.clone(), self.vocab)?;
+                let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
+                factory.quiet();
+                Ok(factory)
+            })
+            .as_ref()
+            .map_err(Clone::clone)
+    }
+
+    /// The constraint of `format`; `None` for plain text. The error is the
+    /// parser's own message (a bad schema, pattern or grammar), for the
+    /// client.
+    pub fn compile(&self, format: &ResponseFormat) -> Result<Option<Constraint>, String> {
+        let grammar = match format {
+            ResponseFormat::Text => return Ok(None),
+            ResponseFormat::JsonObject => TopLevelGrammar::from_json_schema(with_json_style(json!({"type": "object"}))),
+            ResponseFormat::JsonSchema { schema } => TopLevelGrammar::from_json_schema(with_json_style(schema_object(schema)?)),
+            ResponseFormat::Regex { pattern } => TopLevelGrammar::from_regex(pattern),
+            ResponseFormat::Grammar { lark } => TopLevelGrammar::from_lark(lark.clone()),
+        };
+        let parser = self.factory()?.create_parser(grammar).map_err(|e| e.to_string())?;
+        Ok(Some(Arc::new(CompiledGrammar { parser })))
+    }
+}
+
+/// A boolean schema as the object schema it stands for.
+fn schema_object(schema: &Value) -> Result<Value, String> {
+    match schema {
+        Value::Bool(true) => Ok(json!({})),
+        Value::Bool(false) => Err("the schema `false` matches nothing".into()),
+        other => Ok(other.clone()),
+    }
+}
+
+/// JSON is written the way OpenAI's structured outputs write it (`", "` and
+/// `": "` between items, no other whitespace) unless the schema says
+/// otherwise in llguidance's `x-guidance` key. Free whitespace would let a
+/// model pad its answer with newlines until `max_tokens`, and a fixed
+/// layout leaves more tokens forced, which the engine then drafts.
+fn with_json_style(mut schema: Value) -> Value {
+    if let Some(obj) = schema.as_object_mut() {
+        if !obj.contains_key("x-guidance") {
+            let style =
+                JsonCompileOptions { item_separator: ", ".into(), key_separator: ": ".into(), whitespace_flexible: false, ..JsonCompileOptions::default() };
+            style.apply_to(&mut schema);
+        }
+    }
+    schema
+}
+
+/// A grammar compiled for this model's vocabulary; each request gets its own copy.
+struct CompiledGrammar {
+    parser: TokenParser,
+}
+
+impl std::fmt::Debug for CompiledGrammar {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CompiledGrammar")
+    }
+}
+
+impl ConstraintSpec for CompiledGrammar {
+    fn start(&self) -> Result<Box<dyn TokenConstraint>, String> {
+        Ok(Box::new(GrammarMatcher(Matcher::new(Ok(self.parser.deep_clone())))))
+    }
+}
+
+/// One request's position in its grammar.
+struct GrammarMatcher(Matcher);
+
+fn message(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+impl TokenConstraint for GrammarMatcher {
+    fn allowed(&mut self) -> Result<TokenMask, String> {
+        let mask = self.0.compute_mask_or_eos().map_err(message)?;
+        Ok(TokenMask { words: mask.as_slice().to_vec() })
+    }
+
+    fn consume(&mut self, tokens: &[u32]) -> Result<(), String> {
+        self.0.consume_tokens(tokens).map_err(message)
+    }
+
+    fn rollback(&mut self, n: usize) -> Result<(), String> {
+        self.0.rollback(n).map_err(message)
+    }
+
+    fn forced(&mut self) -> Vec<u32> {
+        self.0.compute_ff_tokens()
+    }
+
+    fn is_finished(&self) -> bool {
+        self.0.is_stopped()
+    }
+}
