@@ -32,7 +32,17 @@ impl TokenMask {
     /// An additive bias over `vocab` logits: 0 where allowed, -inf elsewhere
     /// (ids past the mask, such as a model's padding rows, are never allowed).
     pub fn write_bias(&self, vocab: usize, out: &mut Vec<f32>) {
-        out.extend((0..vocab as u32).map(|t| if self.allows(t) { 0.0 } else { f32::NEG_INFINITY }));
+        let end = out.len() + vocab;
+        // Word by word: most words of a mask are all-allowed or all-forbidden.
+        for (w, &word) in self.words.iter().enumerate().take(vocab.div_ceil(32)) {
+            let n = 32.min(vocab - w * 32);
+            match word {
+                0 => out.extend(std::iter::repeat_n(f32::NEG_INFINITY, n)),
+                u32::MAX => out.extend(std::iter::repeat_n(0.0, n)),
+                _ => out.extend((0..n).map(|b| if word >> b & 1 == 1 { 0.0 } else { f32::NEG_INFINITY })),
+            }
+        }
+        out.resize(end, f32::NEG_INFINITY);
     }
 }
 
@@ -72,7 +82,17 @@ mod tests {
         let mut bias = Vec::new();
         m.write_bias(40, &mut bias);
         assert_eq!(bias.len(), 40);
-        assert_eq!(bias.iter().filter(|b| **b == 0.0).count(), 3);
+        let allowed: Vec<usize> = (0..40).filter(|&t| bias[t] == 0.0).collect();
+        assert_eq!(allowed, [0, 2, 33]);
+        // Past the mask's words, and a mask wider than the logits.
+        let mut bias = vec![1.0];
+        m.write_bias(70, &mut bias);
+        assert_eq!(bias.len(), 71);
+        assert!(bias[65..].iter().all(|b| *b == f32::NEG_INFINITY));
+        let full = TokenMask { words: vec![u32::MAX; 4] };
+        let mut bias = Vec::new();
+        full.write_bias(40, &mut bias);
+        assert_eq!(bias, vec![0.0; 40]);
         assert!(!m.is_empty() && TokenMask { words: vec![0, 0] }.is_empty());
     }
 }

@@ -184,6 +184,8 @@ pub async fn serve(config: ServerConfig, engines: impl Into<EnginePool>, tokeniz
         connections: AtomicUsize::new(0),
         next_conn: AtomicU64::new(1),
     });
+    let grammars = state.clone();
+    tokio::task::spawn_blocking(move || grammars.grammars.prepare());
     let accept = tokio::spawn(accept_loop(state.clone(), listener));
     let reaper = tokio::spawn(reaper_loop(state.clone()));
     Ok(ServerHandle { addr, state, accept, reaper })
