@@ -27,6 +27,11 @@
 # checkpoint with MLX's CUDA graphs off (the server default) and on, cut every
 # 20 operations (MLX's default), 60, 200 and 1000 (MLX_MAX_OPS_PER_BUFFER),
 # interleaved, two rounds.
+# MODE=structured: bench/structured.py (plain, JSON-Schema constrained,
+# constrained with grammar-forced drafts; 1 and 32 streams; a fresh server
+# per setting) against `tether serve` on the random Qwen2.5-0.5B-shaped bf16
+# checkpoint: what the token masks cost when a step takes milliseconds.
+# Needs aiohttp's wheels (for the machine's Python) in $KEEP/aiohttp.
 # MODE=agent: the 12-turn agent workload of bench/load.py (WORKLOAD=agent in
 # bench/load.sh) on the random Qwen2.5-1.5B-shaped bf16 checkpoint: `tether
 # serve` (session prefix cache on, and off) beside mlx_lm.server (its prompt
@@ -44,7 +49,9 @@ mkdir -p "$OUT" /opt/py /opt/models
 if [ ! -f /opt/py/mlx/lib/libmlx.so ]; then
   cat "$KEEP"/part_aa "$KEEP"/part_ab > /tmp/mlx_cuda.whl
   cp /tmp/mlx_cuda.whl /tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
-  "$PY" -m pip install -q --no-deps --target /opt/py /tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl "$KEEP"/mlx-0.32.4-*.whl "$KEEP"/mlx_lm-*.whl
+  # The Python mlx / mlx-lm wheels only for the modes with the mlx-lm peer.
+  # shellcheck disable=SC2046
+  "$PY" -m pip install -q --no-deps --target /opt/py /tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl $(ls "$KEEP"/mlx-0.32.4-*.whl "$KEEP"/mlx_lm-*.whl 2>/dev/null)
   ln -sfn "$NVIDIA" /opt/py/nvidia
 fi
 export LD_LIBRARY_PATH=/opt/py/mlx/lib PYTHONPATH=/opt/py
@@ -86,14 +93,29 @@ fi
 # The agent workload needs only the 1.5B bf16 checkpoint; the other modes all four.
 MODELS=${MODELS:-qwen2.5-0.5b qwen2.5-1.5b}
 case "${MODE:-decode}" in agent|serving|streams|graphs) MODELS=qwen2.5-1.5b ;; esac
+[ "${MODE:-decode}" = structured ] && MODELS=qwen2.5-0.5b
 LOAD_ARGS=${LOAD_ARGS:-}
 for m in $MODELS; do
   [ -f /opt/models/$m-bf16/model.safetensors ] || "$PY" "$here/make_random_model.py" /opt/models/$m-bf16 $m "$KEEP"
-  case "${MODE:-decode}" in agent|serving|graphs) continue ;; esac
+  case "${MODE:-decode}" in agent|serving|graphs|structured) continue ;; esac
   [ -f /opt/models/$m-4bit/config.json ] || "$PY" -m mlx_lm convert --hf-path /opt/models/$m-bf16 --mlx-path /opt/models/$m-4bit -q --q-bits 4 --q-group-size 64 >"$OUT/convert-$m.log" 2>&1
 done
 
 : > "$OUT/results.jsonl"
+if [ "${MODE:-decode}" = structured ]; then
+  [ -d /opt/py/aiohttp ] || "$PY" -m pip install -q --no-deps --target /opt/py "$KEEP"/aiohttp/*.whl
+  log() { echo "[structured] $*" >&2; }
+  source "$here/../lib.sh"
+  for setting in plain schema schema+ff; do
+    # --speculation off: the constrained rows' only drafts are their forced tokens (schema+ff).
+    start_tether "$TETHER_BIN" "$OUT/tether-serve-$setting.log" --model /opt/models/qwen2.5-0.5b-bf16 --device gpu --speculation off
+    "$PY" "$here/../structured.py" --engine tether --url "http://127.0.0.1:$port" --label "${LABEL:-qwen2.5-0.5b-bf16 random (gpu)}" \
+      --streams "${STREAMS:-1,32}" --settings "$setting" --out "$OUT/results.jsonl" || echo "structured $setting failed" >&2
+    stop_server
+  done
+  "$PY" "$here/../structured.py" --report "$OUT/results.jsonl"
+  exit 0
+fi
 if [ "${MODE:-decode}" = agent ] || [ "${MODE:-decode}" = serving ]; then
   # Real servers over the wire, one at a time: `tether serve` then
   # mlx_lm.server on the same checkpoint, driven by bench/load.py.

@@ -30,7 +30,7 @@ export type ServerMessage = SessionReady | Delta | Done | ErrorFrame | Pong;
 /**
  * Why a request ended.
  */
-export type FinishReason = 'stop' | 'length' | 'cancelled' | 'time_limit';
+export type FinishReason = 'stop' | 'length' | 'cancelled' | 'time_limit' | 'tool_calls';
 /**
  * Machine-readable error code of an `error` frame (serialized in snake_case).
  *
@@ -181,13 +181,56 @@ export interface GenerateRequest {
         type: 'grammar';
         lark: string;
       };
+  /**
+   * Functions the model may call (`messages` input only): `{name, description, parameters}`.
+   *
+   * @maxItems 128
+   */
+  tools?: Tool[];
+  /**
+   * `"auto"` (default), `"none"`, `"required"`, or `{"type": "function", "name"}`.
+   */
+  tool_choice?: ('none' | 'auto' | 'required') | NamedTool;
+  /**
+   * Whether one answer may hold several calls (default true).
+   */
+  parallel_tool_calls?: boolean;
 }
 /**
  * One chat message; the server renders `messages` with the model's chat template.
  */
 export interface ChatMessage {
   role: Role;
+  /**
+   * The text (`""` on an assistant message that only called tools).
+   */
   content: string;
+  /**
+   * The calls an assistant message made (as an earlier `done.tool_calls`
+   * returned them); assistant messages only.
+   */
+  tool_calls?: ToolCall[];
+  /**
+   * Which call a `tool` message answers (its `ToolCall.id`).
+   */
+  tool_call_id?: string;
+}
+/**
+ * One call the model made.
+ */
+export interface ToolCall {
+  /**
+   * Server-chosen id; a `tool` message answering this call names it in `tool_call_id`.
+   */
+  id: string;
+  /**
+   * The tool's name.
+   */
+  name: string;
+  /**
+   * The arguments, as JSON text (an object).
+   */
+  arguments: string;
 }
 /**
  * Fill-in-the-middle input.
@@ -225,6 +268,37 @@ export interface SpeculationOptions {
    * Most draft tokens per verification, 1..=32; omitted = the server's default.
    */
   max_draft?: number;
+}
+/**
+ * A function the model may call: its name, what it does, and its
+ * arguments as a JSON Schema (an object schema).
+ */
+export interface Tool {
+  /**
+   * Only `function` (the default).
+   */
+  type?: 'function';
+  /**
+   * 1..=64 characters of `[A-Za-z0-9_.-]`, unique within the request.
+   */
+  name: string;
+  description?: string;
+  /**
+   * JSON Schema of the arguments object; omitted = any object.
+   */
+  parameters?: {
+    [k: string]: unknown | undefined;
+  };
+}
+/**
+ * `{"type": "function", "name": ...}`: exactly this tool is called.
+ */
+export interface NamedTool {
+  /**
+   * The kind of a tool.
+   */
+  type?: 'function';
+  name: string;
 }
 /**
  * Cancel an in-flight request.
@@ -366,6 +440,11 @@ export interface Done {
   usage: Usage;
   timing: Timing;
   speculative?: SpeculativeStats;
+  /**
+   * The tools the model called, in order (with `finish_reason:
+   * "tool_calls"`); the text deltas carry only the rest of the answer.
+   */
+  tool_calls?: ToolCall[];
 }
 /**
  * Token counts of a finished request.
@@ -477,4 +556,5 @@ export const FINISH_REASONS: readonly FinishReason[] = [
   'length',
   'cancelled',
   'time_limit',
+  'tool_calls',
 ];

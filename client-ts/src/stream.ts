@@ -1,4 +1,4 @@
-import type { Delta, Done, FinishReason, Timing, TokenLogprob, Usage } from './protocol.gen.js';
+import type { Delta, Done, FinishReason, Timing, TokenLogprob, ToolCall, Usage } from './protocol.gen.js';
 
 /** What a finished request gives: the whole completion and the server's accounting. */
 export interface GenerationResult {
@@ -10,6 +10,8 @@ export interface GenerationResult {
   /** Per-token log-probabilities, when the request asked for `logprobs`. */
   logprobs?: TokenLogprob[];
   finishReason: FinishReason;
+  /** The tools the model called (`finishReason` is then `tool_calls`); empty otherwise. */
+  toolCalls: ToolCall[];
   usage: Usage;
   timing: Timing;
   /** The server's `done` frame as received (fields newer than this client included). */
@@ -140,6 +142,7 @@ export class GenerationStream implements AsyncIterable<Delta> {
       tokenIds: this.#tokenIds,
       ...(this.#logprobs ? { logprobs: this.#logprobs } : {}),
       finishReason: done.finish_reason,
+      toolCalls: done.tool_calls ?? [],
       usage: done.usage,
       timing: done.timing,
       done,

@@ -49,6 +49,40 @@ test('connect opens a session and reports the model and limits', () => {
   assert.ok(session.limits.max_in_flight >= 1);
 });
 
+test('a request with tools returns the calls, held to their schemas', async () => {
+  const weather = {
+    name: 'get_weather',
+    description: 'The current weather in a city',
+    parameters: { type: 'object', properties: { city: { type: 'string', maxLength: 32 } }, required: ['city'], additionalProperties: false },
+  };
+  const stream = session.generate({
+    messages: [{ role: 'user', content: 'What is the weather in Paris?' }],
+    tools: [weather],
+    tool_choice: { type: 'function', name: 'get_weather' },
+    max_tokens: 64,
+  });
+  const { deltas, result } = await drain(stream);
+  assertContiguous(deltas, result);
+  assert.equal(result.finishReason, 'tool_calls');
+  assert.equal(result.toolCalls.length, 1);
+  const [call] = result.toolCalls;
+  assert.equal(call.name, 'get_weather');
+  assert.deepEqual(Object.keys(JSON.parse(call.arguments)), ['city']);
+  // The call's result goes back in the next turn.
+  const answer = await session.generate({
+    messages: [
+      { role: 'user', content: 'What is the weather in Paris?' },
+      { role: 'assistant', content: '', tool_calls: result.toolCalls },
+      { role: 'tool', tool_call_id: call.id, content: 'Sunny, 24 C' },
+    ],
+    tools: [weather],
+    tool_choice: 'none',
+    max_tokens: 16,
+  }).result;
+  assert.deepEqual(answer.toolCalls, []);
+  assert.ok(answer.usage.cached_tokens > 0, 'the next turn continues from the cache');
+});
+
 let haiku;
 test('generate streams deltas that add up to the result', async () => {
   const stream = session.generate(HAIKU);

@@ -156,6 +156,7 @@ impl Array {
         greater => "greater", greater_equal => "greater_equal", less => "less",
         less_equal => "less_equal", equal => "equal",
         logical_and => "logical_and", logical_or => "logical_or",
+        right_shift => "right_shift", bitwise_and => "bitwise_and",
     }
     unary_ops! {
         exp => "exp", log => "log", negative => "negative", sqrt => "sqrt", rsqrt => "rsqrt",

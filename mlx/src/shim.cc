@@ -129,6 +129,8 @@ std::unique_ptr<Array> binary(const Array& a, const Array& b, rust::Str op_) {
   if (op == "equal") return boxed(mx::equal(a, b));
   if (op == "logical_and") return boxed(mx::logical_and(a, b));
   if (op == "logical_or") return boxed(mx::logical_or(a, b));
+  if (op == "right_shift") return boxed(mx::right_shift(a, b));
+  if (op == "bitwise_and") return boxed(mx::bitwise_and(a, b));
   throw std::invalid_argument("unknown binary op " + op);
 }
 

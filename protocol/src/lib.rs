@@ -17,9 +17,10 @@ mod schema;
 mod server;
 
 pub use client::{
-    is_valid_request_id, CacheScopeName, Cancel, ChatMessage, ClientMessage, DraftSourceName, FimExtra, FimInput, GenerateInput, GenerateRequest, Ping,
-    ResponseFormat, Role, SessionClose, SessionOpen, SpeculationOptions, CLIENT_MESSAGE_TYPES, DEFAULT_MAX_TOKENS, MAX_DRAFT_TOKENS, MAX_GRAMMAR_BYTES,
-    MAX_REQUEST_ID_LEN, MAX_SESSION_TOKEN_LEN, MAX_STOP_BYTES, MAX_STOP_SEQUENCES, MAX_TEMPERATURE, MAX_TOP_K, MAX_TOP_LOGPROBS,
+    is_valid_request_id, CacheScopeName, Cancel, ChatMessage, ClientMessage, DraftSourceName, FimExtra, FimInput, GenerateInput, GenerateRequest, NamedTool,
+    Ping, ResponseFormat, Role, SessionClose, SessionOpen, SpeculationOptions, Tool, ToolCall, ToolChoice, ToolChoiceMode, ToolKind, ToolMode,
+    CLIENT_MESSAGE_TYPES, DEFAULT_MAX_TOKENS, MAX_DRAFT_TOKENS, MAX_GRAMMAR_BYTES, MAX_REQUEST_ID_LEN, MAX_SESSION_TOKEN_LEN, MAX_STOP_BYTES,
+    MAX_STOP_SEQUENCES, MAX_TEMPERATURE, MAX_TOOLS, MAX_TOP_K, MAX_TOP_LOGPROBS,
 };
 pub use error::{ErrorCode, ProtocolError};
 pub use limits::Limits;

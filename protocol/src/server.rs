@@ -158,6 +158,8 @@ pub enum FinishReason {
     Cancelled,
     /// `max_time_ms` reached.
     TimeLimit,
+    /// The model called tools (`done.tool_calls`) and waits for their results.
+    ToolCalls,
 }
 
 impl FinishReason {
@@ -167,6 +169,7 @@ impl FinishReason {
             FinishReason::Length => "length",
             FinishReason::Cancelled => "cancelled",
             FinishReason::TimeLimit => "time_limit",
+            FinishReason::ToolCalls => "tool_calls",
         }
     }
 }
@@ -207,6 +210,10 @@ pub struct Done {
     /// Present when the request speculated.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub speculative: Option<SpeculativeStats>,
+    /// The tools the model called, in order (with `finish_reason:
+    /// "tool_calls"`); the text deltas carry only the rest of the answer.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<crate::ToolCall>,
 }
 
 /// How speculation went for one request.

@@ -272,7 +272,7 @@ fn messages_and_fim_inputs() {
     ]}));
     let GenerateInput::Messages(m) = &g.input else { panic!() };
     assert_eq!(m.iter().map(|m| m.role).collect::<Vec<_>>(), [Role::System, Role::User, Role::Assistant, Role::Tool]);
-    assert_eq!(m[1], ChatMessage { role: Role::User, content: "Hi".into() });
+    assert_eq!(m[1], ChatMessage::new(Role::User, "Hi"));
 
     let g = ok_gen(json!({"prompt": null, "fim": {"prefix": "fn main() {", "suffix": "}"}}));
     assert_eq!(g.input, GenerateInput::Fim(FimInput { prefix: "fn main() {".into(), suffix: "}".into(), extra: vec![] }));

@@ -5,7 +5,7 @@ use std::collections::HashSet;
 
 use protocol::{
     Delta, Done, ErrorCode, ErrorFrame, FinishReason, Limits, ModelInfo, PingId, Pong, ServerMessage, SessionReady, SpeculativeStats, Timing, TokenLogprob,
-    TopLogprob, Usage, PROTOCOL_VERSION, SERVER_MESSAGE_TYPES,
+    ToolCall, TopLogprob, Usage, PROTOCOL_VERSION, SERVER_MESSAGE_TYPES,
 };
 use serde_json::{json, Value};
 
@@ -113,6 +113,7 @@ fn done_for_each_finish_reason() {
             usage: Usage { prompt_tokens: 12, cached_tokens: 8, completion_tokens: 3 },
             timing: Timing { queue_ms: 1, ttft_ms: 35, total_ms: 80 },
             speculative: None,
+            tool_calls: Vec::new(),
         });
         assert_eq!(msg.seq(), Some(4));
         round_trip(
@@ -133,6 +134,7 @@ fn done_with_speculation_stats() {
         usage: Usage { prompt_tokens: 40, cached_tokens: 0, completion_tokens: 9 },
         timing: Timing { queue_ms: 0, ttft_ms: 20, total_ms: 50 },
         speculative: Some(SpeculativeStats { drafted: 8, accepted: 6, acceptance_by_position: vec![1.0, 0.5], tokens_per_forward: 2.25 }),
+        tool_calls: Vec::new(),
     });
     round_trip(
         msg,
@@ -140,6 +142,26 @@ fn done_with_speculation_stats() {
                "usage": {"prompt_tokens": 40, "cached_tokens": 0, "completion_tokens": 9},
                "timing": {"queue_ms": 0, "ttft_ms": 20, "total_ms": 50},
                "speculative": {"drafted": 8, "accepted": 6, "acceptance_by_position": [1.0, 0.5], "tokens_per_forward": 2.25}}),
+    );
+}
+
+#[test]
+fn done_with_tool_calls() {
+    let msg = ServerMessage::Done(Done {
+        request_id: "r1".into(),
+        seq: 1,
+        finish_reason: FinishReason::ToolCalls,
+        usage: Usage { prompt_tokens: 40, cached_tokens: 0, completion_tokens: 20 },
+        timing: Timing { queue_ms: 0, ttft_ms: 20, total_ms: 50 },
+        speculative: None,
+        tool_calls: vec![ToolCall { id: "call_1".into(), name: "get_weather".into(), arguments: "{\"city\":\"Paris\"}".into() }],
+    });
+    round_trip(
+        msg,
+        json!({"type": "done", "request_id": "r1", "seq": 1, "finish_reason": "tool_calls",
+               "usage": {"prompt_tokens": 40, "cached_tokens": 0, "completion_tokens": 20},
+               "timing": {"queue_ms": 0, "ttft_ms": 20, "total_ms": 50},
+               "tool_calls": [{"id": "call_1", "name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}]}),
     );
 }
 

@@ -11,3 +11,4 @@ pub mod server;
 pub mod spec_bench;
 pub mod stop;
 pub mod tokenizer;
+pub mod tools;

@@ -63,9 +63,15 @@ def test_an_answer_appended_as_returned_continues_the_conversation(smollm2):
     history = QUESTION + [first.choices[0].message.model_dump(exclude_none=False), {"role": "user", "content": "And Spain?"}]
     second = c.chat.completions.create(model=MODEL, messages=history, max_tokens=4, temperature=0)
     assert second.choices[0].message.content is not None
+    # An assistant turn that called a tool, and the tool's result, continue it too.
     status, got = smollm2.post("/v1/chat/completions", {"model": MODEL, "max_tokens": 2, "messages": QUESTION + [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]})
-    assert status == 400 and "tool calls" in got["error"]["message"], got
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]})
+    assert status == 200 and got["choices"][0]["finish_reason"] in ("stop", "length"), got
+    # The deprecated function_call is not taken.
+    status, got = smollm2.post("/v1/chat/completions", {"model": MODEL, "max_tokens": 2, "messages": QUESTION + [
+        {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}]})
+    assert status == 400 and "function_call" in got["error"]["message"], got
 
 
 def test_stop_strings_and_logprobs(smollm2):
@@ -171,7 +177,8 @@ BAD_CHAT = [
     ({"model": MODEL, "messages": QUESTION, "top_logprobs": 3}, 400, "invalid_request_error", None),
     ({"model": MODEL, "messages": QUESTION, "logprobs": True, "top_logprobs": 50}, 400, "invalid_request_error", "invalid_parameter"),
     ({"model": MODEL, "messages": QUESTION, "presence_penalty": 1.5}, 400, "invalid_request_error", None),
-    ({"model": MODEL, "messages": QUESTION, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "invalid_request_error", None),
+    ({"model": MODEL, "messages": QUESTION, "tools": [{"type": "web_search"}]}, 400, "invalid_request_error", None),
+    ({"model": MODEL, "messages": QUESTION, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "always"}, 400, "invalid_request_error", None),
     ({"model": MODEL, "messages": QUESTION, "stream_options": {"include_usage": True}}, 400, "invalid_request_error", None),
     ({"model": MODEL, "messages": QUESTION, "surprise": 1}, 400, "invalid_request_error", "unknown_parameter"),
     ({"model": MODEL, "messages": QUESTION, "prompt_cache_key": ""}, 400, "invalid_request_error", None),

@@ -19,6 +19,9 @@ pub const CLIENT_MESSAGE_TYPES: [&str; 5] = ["session.open", "generate", "cancel
 /// In Rust, parse untrusted text with `parse_client`, which also validates and
 /// classifies failures into error codes; the derived `Deserialize` is the plain
 /// serde view of the same format.
+// `generate` is most of the traffic and each frame is parsed once and moved
+// into its request, so it is not boxed to shrink the rarer variants.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(tag = "type")]
 pub enum ClientMessage {
@@ -130,7 +133,89 @@ impl Role {
 #[serde(deny_unknown_fields)]
 pub struct ChatMessage {
     pub role: Role,
+    /// The text (`""` on an assistant message that only called tools).
     pub content: String,
+    /// The calls an assistant message made (as an earlier `done.tool_calls`
+    /// returned them); assistant messages only.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    /// Which call a `tool` message answers (its `ToolCall.id`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+}
+
+impl ChatMessage {
+    /// A message of plain text.
+    pub fn new(role: Role, content: impl Into<String>) -> ChatMessage {
+        ChatMessage { role, content: content.into(), tool_calls: Vec::new(), tool_call_id: None }
+    }
+}
+
+/// A function the model may call: its name, what it does, and its
+/// arguments as a JSON Schema (an object schema).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Tool {
+    /// Only `function` (the default).
+    #[serde(rename = "type", default)]
+    pub kind: ToolKind,
+    /// 1..=64 characters of `[A-Za-z0-9_.-]`, unique within the request.
+    #[schemars(length(min = 1, max = 64), regex(pattern = r"^[A-Za-z0-9_.-]+$"))]
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// JSON Schema of the arguments object; omitted = any object.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parameters: Option<serde_json::Value>,
+}
+
+/// The kind of a tool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolKind {
+    #[default]
+    Function,
+}
+
+/// One call the model made.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ToolCall {
+    /// Server-chosen id; a `tool` message answering this call names it in `tool_call_id`.
+    #[schemars(length(min = 1, max = 128))]
+    pub id: String,
+    /// The tool's name.
+    pub name: String,
+    /// The arguments, as JSON text (an object).
+    pub arguments: String,
+}
+
+/// `generate.tool_choice`: whether the model may, must or must not call tools.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(untagged)]
+pub enum ToolChoice {
+    /// `"auto"` (the default with tools: the model decides, and its calls are
+    /// held to the tools' schemas once it starts one), `"none"` (no calls), or
+    /// `"required"` (at least one call, nothing else).
+    Mode(ToolChoiceMode),
+    /// `{"type": "function", "name": ...}`: exactly this tool is called.
+    Function(NamedTool),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolChoiceMode {
+    None,
+    Auto,
+    Required,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NamedTool {
+    #[serde(rename = "type", default)]
+    pub kind: ToolKind,
+    pub name: String,
 }
 
 /// Fill-in-the-middle input: generate the text between `prefix` and `suffix`.
@@ -206,6 +291,13 @@ pub struct GenerateRequest {
     pub cache: Option<CacheScopeName>,
     /// What the output must look like; `None` = any text.
     pub response_format: Option<ResponseFormat>,
+    /// Functions the model may call (shown to it through its chat template);
+    /// `messages` input only.
+    pub tools: Vec<Tool>,
+    /// `None` = `auto` when there are tools.
+    pub tool_choice: Option<ToolChoice>,
+    /// Whether one answer may hold several calls; `None` = yes.
+    pub parallel_tool_calls: Option<bool>,
 }
 
 /// `generate.response_format`: the output is constrained, token by token,
@@ -291,6 +383,23 @@ impl GenerateRequest {
             speculation: None,
             cache: None,
             response_format: None,
+            tools: Vec::new(),
+            tool_choice: None,
+            parallel_tool_calls: None,
+        }
+    }
+
+    /// How this request uses its tools: `None` when it offers none or
+    /// says `tool_choice: "none"`.
+    pub fn tool_mode(&self) -> Option<ToolMode<'_>> {
+        if self.tools.is_empty() {
+            return None;
+        }
+        match &self.tool_choice {
+            None | Some(ToolChoice::Mode(ToolChoiceMode::Auto)) => Some(ToolMode::Auto),
+            Some(ToolChoice::Mode(ToolChoiceMode::None)) => None,
+            Some(ToolChoice::Mode(ToolChoiceMode::Required)) => Some(ToolMode::Required),
+            Some(ToolChoice::Function(f)) => Some(ToolMode::Named(&f.name)),
         }
     }
 
@@ -298,6 +407,17 @@ impl GenerateRequest {
     pub fn is_greedy(&self) -> bool {
         self.temperature == 0.0
     }
+}
+
+/// What a request with tools lets the model do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolMode<'a> {
+    /// Answer in text or call tools.
+    Auto,
+    /// Call at least one tool, and write nothing else.
+    Required,
+    /// Call this tool, and write nothing else.
+    Named(&'a str),
 }
 
 // ---------------------------------------------------------------------------

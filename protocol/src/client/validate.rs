@@ -4,7 +4,7 @@
 use crate::error::{ErrorCode, ProtocolError};
 use crate::limits::Limits;
 
-use super::messages::{Cancel, ClientMessage, GenerateInput, GenerateRequest, ResponseFormat, SessionOpen};
+use super::messages::{Cancel, ChatMessage, ClientMessage, GenerateInput, GenerateRequest, ResponseFormat, Role, SessionOpen, ToolMode};
 
 /// Longest allowed `request_id`, in characters.
 pub const MAX_REQUEST_ID_LEN: usize = 64;
@@ -24,6 +24,11 @@ pub const MAX_TEMPERATURE: f32 = 2.0;
 pub const MAX_DRAFT_TOKENS: u8 = 32;
 /// Longest `response_format` regular expression or grammar, in bytes.
 pub const MAX_GRAMMAR_BYTES: usize = 64 * 1024;
+/// Most `tools` per request.
+pub const MAX_TOOLS: usize = 128;
+/// Longest tool name, and longest tool call id.
+const MAX_TOOL_NAME: usize = 64;
+const MAX_TOOL_CALL_ID: usize = 128;
 
 impl ClientMessage {
     /// Semantic validation (value ranges and formats) of a well-typed message.
@@ -129,7 +134,11 @@ impl GenerateRequest {
             if m.is_empty() {
                 return Err(bad("messages must contain at least 1 message, got 0"));
             }
+            for (i, message) in m.iter().enumerate() {
+                check_message(i, message)?;
+            }
         }
+        self.check_tools()?;
         if !(self.temperature >= 0.0 && self.temperature <= MAX_TEMPERATURE) {
             return Err(bad(format!("temperature must be in [0, 2], got {}", self.temperature)));
         }
@@ -187,6 +196,51 @@ impl GenerateRequest {
         Ok(())
     }
 
+    /// Tool names unique and well formed, schemas objects, a named choice
+    /// among the tools; tools only with `messages`, and not beside a
+    /// `response_format` when the answer must be a call.
+    fn check_tools(&self) -> Result<(), ProtocolError> {
+        fn bad(m: impl Into<String>) -> ProtocolError {
+            ProtocolError::invalid_parameter(m)
+        }
+        if self.tools.len() > MAX_TOOLS {
+            return Err(bad(format!("tools must have at most {MAX_TOOLS} entries, got {}", self.tools.len())));
+        }
+        for (i, tool) in self.tools.iter().enumerate() {
+            let name = &tool.name;
+            let well_formed =
+                !name.is_empty() && name.chars().count() <= MAX_TOOL_NAME && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
+            if !well_formed {
+                return Err(bad(format!("tools[{i}].name must be 1 to {MAX_TOOL_NAME} characters from [A-Za-z0-9_.-], got {name:?}")));
+            }
+            if self.tools[..i].iter().any(|t| &t.name == name) {
+                return Err(bad(format!("tools[{i}].name {name:?} is given twice")));
+            }
+            if tool.parameters.as_ref().is_some_and(|p| !p.is_object()) {
+                return Err(bad(format!("tools[{i}].parameters must be a JSON Schema object")));
+            }
+        }
+        if self.tool_choice.is_some() && self.tools.is_empty() {
+            return Err(bad("tool_choice needs tools"));
+        }
+        if let Some(ToolMode::Named(name)) = self.tool_mode() {
+            if !self.tools.iter().any(|t| t.name == name) {
+                return Err(bad(format!("tool_choice names {name:?}, which is not among the tools")));
+            }
+        }
+        if !self.tools.is_empty() && !matches!(self.input, GenerateInput::Messages(_)) {
+            return Err(bad("tools need `messages` input: they are shown to the model through its chat template"));
+        }
+        let must_call = matches!(self.tool_mode(), Some(ToolMode::Required | ToolMode::Named(_)));
+        if must_call && self.response_format.as_ref().is_some_and(|f| *f != ResponseFormat::Text) {
+            return Err(bad("response_format cannot be combined with a tool_choice that requires a call: the answer is the call"));
+        }
+        if matches!(self.tool_mode(), Some(ToolMode::Auto)) && self.response_format.as_ref().is_some_and(|f| *f != ResponseFormat::Text) {
+            return Err(bad("response_format together with tools is not supported yet: use tool_choice \"none\" or leave response_format out"));
+        }
+        Ok(())
+    }
+
     /// Checks that depend on the server's configuration but need no
     /// tokenization: `max_tokens <= limits.max_tokens` (`invalid_parameter`)
     /// and `max_tokens < limits.context_length` (`context_overflow`: even a
@@ -222,6 +276,31 @@ impl GenerateRequest {
         }
         Ok(())
     }
+}
+
+/// Tool calls only on assistant messages, call ids only on tool messages.
+fn check_message(i: usize, m: &ChatMessage) -> Result<(), ProtocolError> {
+    fn bad(m: String) -> ProtocolError {
+        ProtocolError::invalid_parameter(m)
+    }
+    if !m.tool_calls.is_empty() && m.role != Role::Assistant {
+        return Err(bad(format!("messages[{i}]: only assistant messages carry tool_calls")));
+    }
+    if m.tool_call_id.is_some() && m.role != Role::Tool {
+        return Err(bad(format!("messages[{i}]: only tool messages carry tool_call_id")));
+    }
+    for (j, call) in m.tool_calls.iter().enumerate() {
+        if call.id.is_empty() || call.id.len() > MAX_TOOL_CALL_ID {
+            return Err(bad(format!("messages[{i}].tool_calls[{j}].id must be 1 to {MAX_TOOL_CALL_ID} bytes")));
+        }
+        if call.name.is_empty() {
+            return Err(bad(format!("messages[{i}].tool_calls[{j}].name must not be empty")));
+        }
+    }
+    if m.tool_call_id.as_ref().is_some_and(|id| id.is_empty() || id.len() > MAX_TOOL_CALL_ID) {
+        return Err(bad(format!("messages[{i}].tool_call_id must be 1 to {MAX_TOOL_CALL_ID} bytes")));
+    }
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------

@@ -9,7 +9,9 @@ use schemars::JsonSchema;
 use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::messages::{CacheScopeName, ChatMessage, FimInput, GenerateInput, GenerateRequest, ResponseFormat, SpeculationOptions, DEFAULT_MAX_TOKENS};
+use super::messages::{
+    CacheScopeName, ChatMessage, FimInput, GenerateInput, GenerateRequest, ResponseFormat, SpeculationOptions, Tool, ToolChoice, DEFAULT_MAX_TOKENS,
+};
 
 /// The flat wire form of `generate` (what the JSON looks like).
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
@@ -88,6 +90,16 @@ struct GenerateWire {
     /// Constrain the output: `{type: "json_schema", schema}`, `{type: "json_object"}`, `{type: "regex", pattern}`, `{type: "grammar", lark}` or `{type: "text"}`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     response_format: Option<ResponseFormat>,
+    /// Functions the model may call (`messages` input only): `{name, description, parameters}`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 128))]
+    tools: Vec<Tool>,
+    /// `"auto"` (default), `"none"`, `"required"`, or `{"type": "function", "name"}`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    tool_choice: Option<ToolChoice>,
+    /// Whether one answer may hold several calls (default true).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    parallel_tool_calls: Option<bool>,
 }
 
 fn default_max_tokens() -> u32 {
@@ -142,6 +154,9 @@ impl TryFrom<GenerateWire> for GenerateRequest {
             speculation: w.speculation,
             cache: w.cache,
             response_format: w.response_format,
+            tools: w.tools,
+            tool_choice: w.tool_choice,
+            parallel_tool_calls: w.parallel_tool_calls,
         })
     }
 }
@@ -172,6 +187,9 @@ impl From<GenerateRequest> for GenerateWire {
             speculation: r.speculation,
             cache: r.cache,
             response_format: r.response_format,
+            tools: r.tools,
+            tool_choice: r.tool_choice,
+            parallel_tool_calls: r.parallel_tool_calls,
         }
     }
 }

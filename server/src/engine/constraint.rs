@@ -6,7 +6,7 @@
 //!
 //! Each step, a constrained row's allowed set is computed on the host for
 //! every position it verifies (its next token, then one after each draft),
-//! and the logits outside it are set to -inf before the draw (greedy or
+//! and the logits outside it are set to -inf on the device before the draw (greedy or
 //! sampled alike). Drafts are checked against the matcher while the masks
 //! are made: a draft the grammar forbids ends the row's drafts there. The
 //! matcher itself only ever advances by emitted tokens, so rejected drafts
@@ -28,25 +28,10 @@ impl TokenMask {
     pub fn is_empty(&self) -> bool {
         self.words.iter().all(|&w| w == 0)
     }
-
-    /// An additive bias over `vocab` logits: 0 where allowed, -inf elsewhere
-    /// (ids past the mask, such as a model's padding rows, are never allowed).
-    pub fn write_bias(&self, vocab: usize, out: &mut Vec<f32>) {
-        let end = out.len() + vocab;
-        // Word by word: most words of a mask are all-allowed or all-forbidden.
-        for (w, &word) in self.words.iter().enumerate().take(vocab.div_ceil(32)) {
-            let n = 32.min(vocab - w * 32);
-            match word {
-                0 => out.extend(std::iter::repeat_n(f32::NEG_INFINITY, n)),
-                u32::MAX => out.extend(std::iter::repeat_n(0.0, n)),
-                _ => out.extend((0..n).map(|b| if word >> b & 1 == 1 { 0.0 } else { f32::NEG_INFINITY })),
-            }
-        }
-        out.resize(end, f32::NEG_INFINITY);
-    }
 }
 
-/// One request's matcher. Runs on the engine thread; errors end the request.
+/// One request's matcher. Used by one engine thread at a time (a step makes
+/// its rows' masks on several); errors end the request.
 pub trait TokenConstraint: Send {
     /// Tokens allowed after the tokens consumed so far. When the grammar is
     /// complete this holds only end-of-sequence tokens.
@@ -76,23 +61,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn masks_read_bits_and_write_biases() {
+    fn masks_read_bits() {
         let m = TokenMask { words: vec![0b101, 1 << 1] };
         assert!(m.allows(0) && !m.allows(1) && m.allows(2) && m.allows(33) && !m.allows(64));
-        let mut bias = Vec::new();
-        m.write_bias(40, &mut bias);
-        assert_eq!(bias.len(), 40);
-        let allowed: Vec<usize> = (0..40).filter(|&t| bias[t] == 0.0).collect();
-        assert_eq!(allowed, [0, 2, 33]);
-        // Past the mask's words, and a mask wider than the logits.
-        let mut bias = vec![1.0];
-        m.write_bias(70, &mut bias);
-        assert_eq!(bias.len(), 71);
-        assert!(bias[65..].iter().all(|b| *b == f32::NEG_INFINITY));
-        let full = TokenMask { words: vec![u32::MAX; 4] };
-        let mut bias = Vec::new();
-        full.write_bias(40, &mut bias);
-        assert_eq!(bias, vec![0.0; 40]);
         assert!(!m.is_empty() && TokenMask { words: vec![0, 0] }.is_empty());
     }
 }

@@ -19,6 +19,7 @@ mod scheduler;
 pub mod speculate;
 mod step;
 mod step_cost;
+mod step_masks;
 mod warmup;
 mod worker;
 

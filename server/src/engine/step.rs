@@ -5,10 +5,10 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use super::api::{EngineError, EngineEvent, Finish};
-use super::constraint::TokenMask;
-use super::row::{logprobs_of, Row, Work};
+use super::row::{logprobs_of, Work};
 use super::scheduler::{RowWork, StepTiming};
 use super::speculate::{self, DraftRow, Proposal};
+use super::step_masks::{step_masks, RowMasks};
 use super::worker::Engine;
 use crate::model::{BatchedRows, KvBatch, RowInput};
 
@@ -24,7 +24,7 @@ struct Scheduled {
     /// Where its logits come back.
     logits_at: LogitsAt,
     /// A constrained row's allowed tokens, one mask per sampled position.
-    masks: Option<Vec<TokenMask>>,
+    masks: Option<RowMasks>,
 }
 
 /// How a row's part in a step ended it.
@@ -70,17 +70,19 @@ impl Engine {
         }
         let mut work = self.fill_drafts(&plan.work, &mut proposals)?;
         let mut ended: Vec<(usize, End)> = Vec::new();
-        let mut masks: Vec<Option<Vec<TokenMask>>> = (0..self.running.len()).map(|_| None).collect();
-        for (i, row) in self.running.iter_mut().enumerate() {
-            let Some(w) = &mut work[i] else { continue };
-            match constrain(row, w) {
-                Ok(m) => masks[i] = m,
-                Err(e) => {
+        let masks_started = Instant::now();
+        let mut masks: Vec<Option<RowMasks>> = Vec::with_capacity(self.running.len());
+        for (i, made) in step_masks(&mut self.running, &mut work).into_iter().enumerate() {
+            match made {
+                Some(Err(e)) => {
                     work[i] = None;
                     ended.push((i, End::Failed(EngineError::Constraint(e))));
+                    masks.push(None);
                 }
+                made => masks.push(made.and_then(Result::ok)),
             }
         }
+        let masks_ms = masks_started.elapsed().as_secs_f64() * 1e3;
         let (mut decode_rows, mut draft_tokens, mut prefill_tokens) = (0, 0, 0);
         for w in work.iter().flatten() {
             match w {
@@ -145,15 +147,28 @@ impl Engine {
         // the argmax or the position-keyed sample (see Sampler::draw).
         // (index into `scheduled`, draws, logits kept for logprobs)
         let mut draws: Vec<(usize, mlx::Array, Option<mlx::Array>)> = Vec::new();
+        // Every constrained position's allowed set, expanded on the device at once.
+        let constrained: Vec<&RowMasks> = scheduled.iter().filter(|s| s.samples).filter_map(|s| s.masks.as_ref()).collect();
+        let width = logits.iter().flatten().next().map(|l| l.dim(-1));
+        let allowed = match width {
+            Some(vocab) if !constrained.is_empty() => Some((self.mask_expander.allowed(&constrained, vocab)?, vocab)),
+            _ => None,
+        };
+        let forbidden = mlx::Array::scalar(f32::NEG_INFINITY, mlx::Dtype::F32)?;
+        let mut at_position = 0;
         for (k, (s, logits)) in scheduled.iter().zip(logits).enumerate() {
             if !s.samples {
                 continue;
             }
             let logits = logits.ok_or_else(|| mlx::Error { op: "engine", message: "a sampling row got no logits".into() })?;
             let row = &mut self.running[s.row];
-            let masked = match &s.masks {
-                Some(m) => &logits.add(&mask_bias(m, logits.dim(-1))?)?,
-                None => &logits,
+            let masked = match (&s.masks, &allowed) {
+                (Some(m), Some((allowed, vocab))) => {
+                    let (from, to) = (at_position as i32, (at_position + m.len()) as i32);
+                    at_position += m.len();
+                    &mlx::where_(&allowed.slice(&[from, 0], &[to, *vocab as i32])?, &logits, &forbidden)?
+                }
+                _ => &logits,
             };
             let draw = row.sampler.draw(masked, row.generated)?;
             let keep = row.request.logprobs.is_some().then_some(logits);
@@ -214,7 +229,13 @@ impl Engine {
             // One line per step, for tuning the prefill allowance on a new machine.
             let next = self.scheduler.learned_allowance();
             let widened = plan.widened;
-            eprintln!("[step] decode_rows={decode_rows} draft_tokens={draft_tokens} prefill_tokens={prefill_tokens} ms={:.2} widened={widened} next_allowance={next:?}", seconds * 1e3);
+            let ms = |from: Instant, to: Instant| to.duration_since(from).as_secs_f64() * 1e3;
+            eprintln!(
+                "[step] decode_rows={decode_rows} draft_tokens={draft_tokens} prefill_tokens={prefill_tokens} ms={:.2} masks_ms={masks_ms:.2} build_ms={:.2} eval_ms={:.2} widened={widened} next_allowance={next:?}",
+                seconds * 1e3,
+                ms(started, built),
+                ms(built, evaluated),
+            );
         }
         let micros = |from: Instant, to: Instant| to.duration_since(from).as_micros() as u64;
         let times = &mut self.stats.step_time;
@@ -336,43 +357,4 @@ impl Engine {
         }
         Ok(finish.map(End::Finished))
     }
-}
-
-/// A constrained row's masks for this step's work, one per position it
-/// samples: its next token, then one after each draft. Drafts are walked
-/// through the matcher to make their masks and cut at the first one the
-/// grammar forbids (it could never be accepted); the matcher is rolled back
-/// after, so it holds emitted tokens only. `None` for unconstrained rows and
-/// prompt chunks that sample nothing.
-fn constrain(row: &mut Row, work: &mut Work) -> Result<Option<Vec<TokenMask>>, String> {
-    // (Before the row takes its input: a prompt chunk samples when it reads the rest.)
-    let samples = match work {
-        Work::Decode { .. } => true,
-        Work::Prefill { tokens } => *tokens == row.prompt_remaining() && !row.is_prewarm(),
-    };
-    let Some(c) = row.constraint.as_mut().filter(|_| samples) else { return Ok(None) };
-    let mut masks = vec![c.allowed()?];
-    if let Work::Decode { drafts } = work {
-        let mut walked = 0;
-        while walked < drafts.len() && masks[walked].allows(drafts[walked]) && !c.is_finished() {
-            c.consume(&drafts[walked..walked + 1])?;
-            walked += 1;
-            masks.push(c.allowed()?);
-        }
-        drafts.truncate(walked);
-        c.rollback(walked)?;
-    }
-    if masks.iter().any(TokenMask::is_empty) {
-        return Err("the grammar allows no token here".into());
-    }
-    Ok(Some(masks))
-}
-
-/// The additive bias `[positions, vocab]` of a row's masks.
-fn mask_bias(masks: &[TokenMask], vocab: usize) -> mlx::Result<mlx::Array> {
-    let mut bias = Vec::with_capacity(masks.len() * vocab);
-    for m in masks {
-        m.write_bias(vocab, &mut bias);
-    }
-    mlx::Array::from_f32(&bias, &[masks.len(), vocab])
 }

@@ -42,6 +42,8 @@ pub(super) struct Engine {
     pub(super) batch: Option<KvBatch>,
     /// `TETHER_TRACE_STEPS=1`: log every step's rows, tokens and time.
     pub(super) trace_steps: bool,
+    /// Turns constrained rows' token bitmasks into allowed sets on the device.
+    pub(super) mask_expander: super::step_masks::MaskExpander,
 }
 
 /// What the loop does before its next turn.
@@ -112,6 +114,7 @@ impl Engine {
             batch: batched.then(|| model.transformer.new_kv_batch()),
             scheduler: Scheduler::new(scheduler_config(&config, batched)),
             trace_steps: super::tracing(),
+            mask_expander: Default::default(),
             config,
             model: model.transformer,
             kv_bytes_per_token,

@@ -7,6 +7,7 @@
 //! vocabulary's bytes, in tens of microseconds a token; it also names the
 //! tokens the grammar forces, which the engine verifies as drafts.
 mod tok_env;
+mod triggered;
 
 use std::sync::{Arc, OnceLock};
 
@@ -18,7 +19,9 @@ use serde_json::{json, Value};
 
 use crate::engine::constraint::{Constraint, ConstraintSpec, TokenConstraint, TokenMask};
 use crate::tokenizer::TextTokenizer;
+use crate::tools::CallGrammar;
 pub use tok_env::VocabEnv;
+use triggered::Triggered;
 
 /// Compiles response formats for one model. The vocabulary trie and
 /// llguidance's tables (about a second for a 150k-token vocabulary on a
@@ -65,8 +68,22 @@ impl Grammars {
             ResponseFormat::Regex { pattern } => TopLevelGrammar::from_regex(pattern),
             ResponseFormat::Grammar { lark } => TopLevelGrammar::from_lark(lark.clone()),
         };
+        self.build(grammar).map(Some)
+    }
+
+    /// The constraint of a request's tool calls ([`crate::tools::call_grammar`]).
+    /// The error is llguidance's (a tool's parameters schema it rejects).
+    pub fn compile_calls(&self, calls: &CallGrammar) -> Result<Constraint, String> {
+        let inner = self.build(TopLevelGrammar::from_lark(calls.lark.clone()))?;
+        Ok(match calls.trigger {
+            Some(trigger) => Arc::new(Triggered { trigger, inner, vocab: self.vocab }),
+            None => inner,
+        })
+    }
+
+    fn build(&self, grammar: TopLevelGrammar) -> Result<Constraint, String> {
         let parser = self.factory()?.create_parser(grammar).map_err(|e| e.to_string())?;
-        Ok(Some(Arc::new(CompiledGrammar { parser })))
+        Ok(Arc::new(CompiledGrammar { parser }))
     }
 }
 
@@ -84,7 +101,7 @@ fn schema_object(schema: &Value) -> Result<Value, String> {
 /// otherwise in llguidance's `x-guidance` key. Free whitespace would let a
 /// model pad its answer with newlines until `max_tokens`, and a fixed
 /// layout leaves more tokens forced, which the engine then drafts.
-fn with_json_style(mut schema: Value) -> Value {
+pub fn with_json_style(mut schema: Value) -> Value {
     if let Some(obj) = schema.as_object_mut() {
         if !obj.contains_key("x-guidance") {
             let style =

@@ -62,6 +62,8 @@ pub struct ServerState {
     /// Compiles requests' `response_format`s for this model.
     pub grammars: crate::grammar::Grammars,
     pub fim: Option<FimTokens>,
+    /// How this model is shown tools.
+    pub tool_prompting: crate::tools::ToolPrompting,
     pub model: ModelInfo,
     pub limits: Limits,
     sessions: SessionRegistry,
@@ -172,6 +174,7 @@ pub async fn serve(config: ServerConfig, engines: impl Into<EnginePool>, tokeniz
         config,
         grammars: crate::grammar::Grammars::new(tokenizer.clone(), info.vocab_size),
         engines,
+        tool_prompting: crate::tools::ToolPrompting::detect(&tokenizer),
         tokenizer,
         fim,
         model,

@@ -8,13 +8,14 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use protocol::{ErrorCode, FinishReason, SpeculativeStats, Timing, TokenLogprob as WireLogprob, TopLogprob, Usage};
+use protocol::{ErrorCode, FinishReason, SpeculativeStats, Timing, TokenLogprob as WireLogprob, ToolCall, TopLogprob, Usage};
 use tokio::sync::mpsc;
 
 use super::ServerState;
 use crate::engine::speculate::SpecStats;
 use crate::engine::{EngineError, EngineEvent, Finish, StopHandle, StopReason, TokenLogprob};
 use crate::stop::{StopMatcher, StopScan};
+use crate::tools::{CallSplitter, Split};
 
 /// A piece of the output.
 pub struct Piece {
@@ -24,6 +25,8 @@ pub struct Piece {
     pub token_ids: Vec<u32>,
     /// One per token id, when the request asked for logprobs.
     pub logprobs: Option<Vec<WireLogprob>>,
+    /// Tool calls completed in this piece (their text is not in `text`).
+    pub tool_calls: Vec<ToolCall>,
 }
 
 /// How a request ended, when it ran to an end.
@@ -68,6 +71,8 @@ pub struct Relay {
     pub submitted: Instant,
     pub tokenizing: Duration,
     pub prompt_tokens: usize,
+    /// Splits tool calls from the text, when the request offered tools.
+    pub tool_calls: Option<CallSplitter>,
 }
 
 fn ms(d: Duration) -> u64 {
@@ -109,6 +114,19 @@ pub fn engine_error(e: &EngineError) -> (ErrorCode, String) {
     (code, message)
 }
 
+/// Text and calls of a piece, through the request's call splitter if any.
+fn split(calls: &mut Option<CallSplitter>, text: String, end: bool) -> (String, Vec<ToolCall>) {
+    let Some(splitter) = calls else { return (text, Vec::new()) };
+    let Split { text: mut out, mut calls } = splitter.push(&text);
+    if end {
+        let rest = splitter.finish();
+        out.push_str(&rest.text);
+        calls.extend(rest.calls);
+    }
+    let calls = calls.into_iter().map(|c| ToolCall { id: super::session::new_secret("call_"), name: c.name, arguments: c.arguments }).collect();
+    (out, calls)
+}
+
 impl Relay {
     fn wire_logprobs(&self, lps: &[TokenLogprob]) -> Option<Vec<WireLogprob>> {
         let top = self.logprobs?;
@@ -124,9 +142,10 @@ impl Relay {
     }
 
     /// Relays `events` to `writer` until the request ends.
-    pub async fn run(self, mut events: mpsc::Receiver<EngineEvent>, writer: &mut impl Writer) {
+    pub async fn run(mut self, mut events: mpsc::Receiver<EngineEvent>, writer: &mut impl Writer) {
         let tok = self.state.tokenizer.clone();
-        let mut decoder = tok.stream_decoder(true);
+        let tags = if self.tool_calls.is_some() { crate::tools::tag_tokens(&tok) } else { Vec::new() };
+        let mut decoder = tok.stream_decoder(true).keeping(tags);
         let mut stops = StopMatcher::new(self.stops.clone());
         // A stop sequence matched: the engine was told to stop, later tokens are dropped.
         let mut stopped = false;
@@ -166,7 +185,8 @@ impl Relay {
                             t
                         }
                     };
-                    let piece = Piece { text, token_ids: ids, logprobs: self.wire_logprobs(&logprobs) };
+                    let (text, tool_calls) = split(&mut self.tool_calls, text, stopped);
+                    let piece = Piece { text, token_ids: ids, logprobs: self.wire_logprobs(&logprobs), tool_calls };
                     if !writer.piece(piece).await {
                         alive = false;
                         self.stop.stop(StopReason::Cancel);
@@ -183,12 +203,17 @@ impl Relay {
                                 t
                             }
                         };
-                        if !text.is_empty() {
-                            let piece = Piece { text, token_ids: Vec::new(), logprobs: self.logprobs.map(|_| Vec::new()) };
+                        let (text, tool_calls) = split(&mut self.tool_calls, text, true);
+                        if !text.is_empty() || !tool_calls.is_empty() {
+                            let piece = Piece { text, token_ids: Vec::new(), logprobs: self.logprobs.map(|_| Vec::new()), tool_calls };
                             alive = writer.piece(piece).await;
                         }
                     }
-                    let reason = if stopped {
+                    let called = self.tool_calls.as_ref().is_some_and(CallSplitter::made_calls);
+                    // Calls end a turn the model (or a stop string) ended.
+                    let reason = if called && (stopped || matches!(info.reason, Finish::Stop)) {
+                        FinishReason::ToolCalls
+                    } else if stopped {
                         FinishReason::Stop
                     } else {
                         match info.reason {

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use protocol::{
-    CacheScopeName, Delta, Done, DraftSourceName, ErrorCode, FimInput, GenerateInput, GenerateRequest, ProtocolError, ServerMessage, SpeculationOptions,
+    CacheScopeName, Delta, Done, DraftSourceName, ErrorCode, FimInput, GenerateInput, GenerateRequest, ProtocolError, ServerMessage, SpeculationOptions, Tool,
+    ToolCall,
 };
 
 use super::relay::{engine_error, Ending, Piece, Relay, Writer};
@@ -17,7 +18,8 @@ use crate::engine::constraint::Constraint;
 use crate::engine::speculate::{DraftKind, Speculation};
 use crate::engine::{EngineHandle, Scope, SubmitRequest, Submitted};
 use crate::sample::SamplingParams;
-use crate::tokenizer::{ChatMessage, PieceEncoding, TextTokenizer, TokenizerError};
+use crate::tokenizer::{PieceEncoding, RenderOptions, TextTokenizer, TokenizerError};
+use crate::tools::{self, CallSplitter, ToolPrompting};
 
 /// Qwen2.5-Coder-style fill-in-the-middle tokens.
 #[derive(Clone, Copy, Debug)]
@@ -51,7 +53,8 @@ fn tokenizer_error(e: TokenizerError) -> ProtocolError {
 ///
 /// * `prompt`: BOS when the model wants it, then the text with special-token
 ///   text parsed (as `tether generate` does).
-/// * `messages`: the model's chat template with the generation prompt.
+/// * `messages`: the model's chat template with the generation prompt, and
+///   `tools` shown as `prompting` says.
 /// * `fim`: `[<|file_sep|>{path}\n{content}\n]* <|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>`
 ///   (Qwen2.5-Coder's repo-level format), where the user's text never turns
 ///   into control tokens.
@@ -63,6 +66,7 @@ pub fn tokenize(
     tok: &TextTokenizer,
     fim: Option<&FimTokens>,
     input: &GenerateInput,
+    (tools, prompting): (&[Tool], ToolPrompting),
     earlier: Option<&PieceEncoding>,
 ) -> Result<(Vec<u32>, Option<PieceEncoding>), ProtocolError> {
     let mut ids = Vec::new();
@@ -74,8 +78,9 @@ pub fn tokenize(
             Some(Cow::Borrowed(text.as_str()))
         }
         GenerateInput::Messages(messages) => {
-            let messages: Vec<ChatMessage> = messages.iter().map(|m| ChatMessage::new(m.role.as_str(), m.content.clone())).collect();
-            Some(Cow::Owned(tok.apply_chat_template(&messages, true).map_err(tokenizer_error)?))
+            let (messages, tools) = tools::template_input(messages, tools, prompting);
+            let opts = RenderOptions { add_generation_prompt: true, tools: tools.as_deref(), ..Default::default() };
+            Some(Cow::Owned(tok.chat_template().and_then(|t| t.render_with(&messages, &opts)).map_err(tokenizer_error)?))
         }
         GenerateInput::Fim(f) => {
             let fim = fim.ok_or_else(fim_unsupported)?;
@@ -164,11 +169,18 @@ pub fn submit_request(
     }
 }
 
-/// The compiled `response_format` of `req`; a schema, pattern or grammar
-/// llguidance rejects is the client's `invalid_parameter`, in its words.
-fn compile_response_format(state: &ServerState, req: &GenerateRequest) -> Result<Option<Constraint>, ProtocolError> {
+/// The constraint of `req`: its tool calls' grammar, or its compiled
+/// `response_format`. A schema, pattern or grammar llguidance rejects is the
+/// client's `invalid_parameter`, in its words.
+fn compile_constraint(state: &ServerState, req: &GenerateRequest) -> Result<Option<Constraint>, ProtocolError> {
+    let invalid = |what: &str, e: String| ProtocolError::invalid_parameter(format!("{what}: {e}")).with_request_id(req.request_id.clone());
+    if let Some(mode) = req.tool_mode() {
+        let parallel = req.parallel_tool_calls.unwrap_or(true);
+        let Some(calls) = tools::call_grammar(&state.tokenizer, &req.tools, mode, parallel, crate::grammar::with_json_style) else { return Ok(None) };
+        return state.grammars.compile_calls(&calls).map(Some).map_err(|e| invalid("tools", e));
+    }
     let Some(format) = &req.response_format else { return Ok(None) };
-    state.grammars.compile(format).map_err(|e| ProtocolError::invalid_parameter(format!("response_format: {e}")).with_request_id(req.request_id.clone()))
+    state.grammars.compile(format).map_err(|e| invalid("response_format", e))
 }
 
 /// A request's speculation: its own choices over the server's defaults.
@@ -231,11 +243,14 @@ pub async fn prepare(
     let rid = req.request_id.clone();
     tokio::task::spawn_blocking(move || {
         let started = Instant::now();
+        // Shown even with `tool_choice: "none"`, so a conversation's turns
+        // share one prompt prefix (and its cache) whatever each turn allows.
+        let tools = (req.tools.as_slice(), state.tool_prompting);
         let (prompt, encoding) =
-            tokenize(&state.tokenizer, state.fim.as_ref(), &req.input, earlier.as_deref()).map_err(|e| e.with_request_id(req.request_id.clone()))?;
+            tokenize(&state.tokenizer, state.fim.as_ref(), &req.input, tools, earlier.as_deref()).map_err(|e| e.with_request_id(req.request_id.clone()))?;
         let tokenizing = started.elapsed();
         req.check_prompt_tokens(prompt.len(), &state.limits)?;
-        let constraint = compile_response_format(&state, &req)?;
+        let constraint = compile_constraint(&state, &req)?;
         Ok(Prepared { submit: submit_request(&state, &owner, &req, prompt, constraint, received), encoding, tokenizing })
     })
     .await
@@ -267,6 +282,7 @@ pub fn submit(
         submitted: submitted_at,
         tokenizing: prepared.tokenizing,
         prompt_tokens,
+        tool_calls: req.tool_mode().map(|_| CallSplitter::new(tools::tool_names(&req.tools))),
     };
     Ok((submitted, in_flight, relay))
 }
@@ -282,7 +298,7 @@ pub async fn start(state: &Arc<ServerState>, session: &Arc<Session>, conn_id: u6
     }
     let (submitted, in_flight, relay) = submit(state, session.engine(), &req, prepared, received)?;
     registration.set_stop(submitted.stop.clone());
-    let mut writer = FrameWriter { registration, request_id: req.request_id, seq: 0 };
+    let mut writer = FrameWriter { registration, request_id: req.request_id, seq: 0, tool_calls: Vec::new() };
     tokio::spawn(async move {
         relay.run(submitted.events, &mut writer).await;
         // The session forgets the request before the server's count drops,
@@ -385,6 +401,8 @@ struct FrameWriter {
     request_id: String,
     /// The last `seq` used.
     seq: u64,
+    /// The calls the model made, for `done`.
+    tool_calls: Vec<ToolCall>,
 }
 
 impl FrameWriter {
@@ -397,6 +415,7 @@ impl FrameWriter {
 impl Writer for FrameWriter {
     async fn piece(&mut self, piece: Piece) -> bool {
         self.seq += 1;
+        self.tool_calls.extend(piece.tool_calls);
         let delta = Delta { request_id: self.request_id.clone(), seq: self.seq, text: piece.text, token_ids: piece.token_ids, logprobs: piece.logprobs };
         self.push(Some(self.seq), ServerMessage::Delta(delta)).await
     }
@@ -412,6 +431,7 @@ impl Writer for FrameWriter {
                     usage: f.usage,
                     timing: f.timing,
                     speculative: f.speculative,
+                    tool_calls: std::mem::take(&mut self.tool_calls),
                 };
                 self.push(Some(self.seq), ServerMessage::Done(done)).await;
             }

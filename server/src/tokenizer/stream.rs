@@ -19,6 +19,8 @@ use super::TextTokenizer;
 #[derive(Debug, Clone, Default)]
 pub struct StreamDecoder {
     skip_special: bool,
+    /// Control tokens written as text even when skipping (a tool call's tags).
+    kept: Vec<u32>,
     /// Bytes received but not yet emitted (always a prefix of one incomplete char
     /// between calls: at most 3 bytes).
     pending: Vec<u8>,
@@ -31,13 +33,20 @@ impl StreamDecoder {
     /// `skip_special`: drop control tokens (`<|im_end|>` ...) from the text, like
     /// `decode(.., true)`.
     pub fn new(skip_special: bool) -> Self {
-        StreamDecoder { skip_special, pending: Vec::with_capacity(16), at_start: true, tokens: 0 }
+        StreamDecoder { skip_special, kept: Vec::new(), pending: Vec::with_capacity(16), at_start: true, tokens: 0 }
+    }
+
+    /// Writes these control tokens as their text although others are skipped.
+    pub fn keeping(mut self, ids: Vec<u32>) -> Self {
+        self.kept = ids;
+        self
     }
 
     /// Feed one generated token; returns newly completed text, if any.
     pub fn push(&mut self, tokenizer: &TextTokenizer, id: u32) -> Option<String> {
         self.tokens += 1;
-        let piece = tokenizer.token_bytes_table().decode_piece(id, self.skip_special);
+        let skip = self.skip_special && !self.kept.contains(&id);
+        let piece = tokenizer.token_bytes_table().decode_piece(id, skip);
         self.push_bytes(tokenizer, piece)
     }
 

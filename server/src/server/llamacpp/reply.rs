@@ -138,7 +138,8 @@ impl EditorWriter {
             _ if self.cut => "limit",
             FinishReason::Length | FinishReason::TimeLimit => "limit",
             FinishReason::Stop if f.by_stop_string => "word",
-            FinishReason::Stop => "eos",
+            // (This edge offers no tools, so no call ends its turns.)
+            FinishReason::Stop | FinishReason::ToolCalls => "eos",
             FinishReason::Cancelled => "none",
         }
     }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use hyper::body::Bytes;
 use hyper::header::{self, HeaderValue};
 use hyper::{Response, StatusCode};
-use protocol::{ErrorCode, FinishReason, ProtocolError, TokenLogprob, Usage};
+use protocol::{ErrorCode, FinishReason, ProtocolError, TokenLogprob, ToolCall, Usage};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 
@@ -104,8 +104,21 @@ pub struct Reply {
 fn finish_reason(r: FinishReason) -> &'static str {
     match r {
         FinishReason::Length | FinishReason::TimeLimit => "length",
+        FinishReason::ToolCalls => "tool_calls",
         _ => "stop",
     }
+}
+
+/// Calls in Chat Completions' shape; `first` numbers them in a stream.
+fn tool_calls(calls: &[ToolCall], first: Option<usize>) -> Value {
+    let call = |(i, c): (usize, &ToolCall)| {
+        let mut v = json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}});
+        if let Some(first) = first {
+            v["index"] = json!(first + i);
+        }
+        v
+    };
+    Value::Array(calls.iter().enumerate().map(call).collect())
 }
 
 fn usage(u: &Usage) -> Value {
@@ -204,25 +217,33 @@ impl Reply {
     }
 }
 
-/// The non-streaming writer: collects the text and logprobs, then answers
-/// with one JSON body.
+/// The non-streaming writer: collects the text, calls and logprobs, then
+/// answers with one JSON body.
 pub struct Collected {
     reply: Reply,
     text: String,
+    tool_calls: Vec<ToolCall>,
     logprobs: Option<Vec<TokenLogprob>>,
     ending: Option<Ending>,
 }
 
 impl Collected {
     pub fn new(reply: Reply) -> Collected {
-        Collected { reply, text: String::new(), logprobs: None, ending: None }
+        Collected { reply, text: String::new(), tool_calls: Vec::new(), logprobs: None, ending: None }
     }
 
     pub fn into_response(self) -> Result<Response<Body>, ApiError> {
         let ending = self.ending.unwrap_or_else(|| Err((ErrorCode::Internal, "the request ended without an answer".into())));
         let finished = ending.map_err(ApiError::from)?;
         let logprobs = self.logprobs.map(|l| self.reply.logprobs(&l, 0));
-        let choice = self.reply.choice(&self.text, None, logprobs, Some(finish_reason(finished.reason)));
+        let mut choice = self.reply.choice(&self.text, None, logprobs, Some(finish_reason(finished.reason)));
+        if !self.tool_calls.is_empty() {
+            let message = &mut choice["message"];
+            if self.text.is_empty() {
+                message["content"] = Value::Null;
+            }
+            message["tool_calls"] = tool_calls(&self.tool_calls, None);
+        }
         Ok(json(StatusCode::OK, self.reply.envelope(false, vec![choice], Some(usage(&finished.usage)))))
     }
 }
@@ -230,6 +251,7 @@ impl Collected {
 impl Writer for Collected {
     async fn piece(&mut self, piece: Piece) -> bool {
         self.text.push_str(&piece.text);
+        self.tool_calls.extend(piece.tool_calls);
         if let Some(l) = piece.logprobs {
             self.logprobs.get_or_insert_with(Vec::new).extend(l);
         }
@@ -254,11 +276,13 @@ pub struct EventStream {
     started: bool,
     /// Bytes of text sent, for the completions' `text_offset`.
     sent: usize,
+    /// Tool calls sent (the next one's `index`).
+    calls: usize,
 }
 
 impl EventStream {
     pub fn new(reply: Reply, tx: mpsc::Sender<Bytes>, include_usage: bool, ready: oneshot::Sender<Result<(), ApiError>>) -> EventStream {
-        EventStream { reply, tx, include_usage, ready: Some(ready), started: false, sent: 0 }
+        EventStream { reply, tx, include_usage, ready: Some(ready), started: false, sent: 0, calls: 0 }
     }
 
     async fn event(&self, v: &Value) -> bool {
@@ -279,9 +303,22 @@ impl Writer for EventStream {
         self.started = true;
         let logprobs = piece.logprobs.map(|l| self.reply.logprobs(&l, self.sent));
         self.sent += piece.text.len();
-        let choice = self.reply.choice(&piece.text, Some(first), logprobs, None);
-        let chunk = self.reply.envelope(true, vec![choice], None);
-        self.event(&chunk).await
+        // A piece with no text (held back: a character or a call's tag not
+        // complete yet) is sent only to open the stream or carry logprobs.
+        if !piece.text.is_empty() || first || logprobs.is_some() {
+            let choice = self.reply.choice(&piece.text, Some(first), logprobs, None);
+            if !self.event(&self.reply.envelope(true, vec![choice], None)).await {
+                return false;
+            }
+        }
+        if piece.tool_calls.is_empty() {
+            return true;
+        }
+        // Each call whole, in one chunk (clients join a call's pieces by
+        // `index`, so one piece is a complete call).
+        let choice = json!({"index": 0, "logprobs": null, "finish_reason": null, "delta": {"tool_calls": tool_calls(&piece.tool_calls, Some(self.calls))}});
+        self.calls += piece.tool_calls.len();
+        self.event(&self.reply.envelope(true, vec![choice], None)).await
     }
 
     async fn end(&mut self, ending: Ending) {

@@ -2,7 +2,7 @@
 //! parsed strictly (an unknown field is an error, as OpenAI's own API
 //! answers) and turned into the protocol's [`GenerateRequest`], so every
 //! edge shares one validation and one request path.
-use protocol::{ChatMessage, FimInput, GenerateInput, GenerateRequest, ResponseFormat, Role};
+use protocol::{ChatMessage, FimInput, GenerateInput, GenerateRequest, NamedTool, ResponseFormat, Role, Tool, ToolCall, ToolChoice, ToolChoiceMode};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -51,10 +51,14 @@ pub struct Message {
     /// A participant's name; no chat template here uses it, so ignored.
     #[serde(default, rename = "name")]
     _name: Option<serde::de::IgnoredAny>,
-    /// The fields of an assistant message as a response returned it, which
-    /// clients append to the conversation as is: accepted when empty.
+    /// An assistant message's calls: `[{id, type: "function", function: {name, arguments}}]`.
     #[serde(default)]
     pub tool_calls: Option<Vec<Value>>,
+    /// Which call a `tool` message answers.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+    /// The fields of an assistant message as a response returned it, which
+    /// clients append to the conversation as is: accepted when empty.
     #[serde(default)]
     pub function_call: Option<Value>,
     #[serde(default)]
@@ -84,21 +88,8 @@ const SAMPLING_FIELDS: &[&str] = &[
     // Accepted and ignored: an end-user id for the caller's records.
     "user",
 ];
-pub const CHAT_FIELDS: &[&str] = &[
-    "model",
-    "messages",
-    "logprobs",
-    "top_logprobs",
-    "store",
-    "metadata",
-    "service_tier",
-    "response_format",
-    "tools",
-    "tool_choice",
-    // Accepted and ignored: nothing is stored, there is one service tier,
-    // and without tools there are no parallel calls.
-    "parallel_tool_calls",
-];
+pub const CHAT_FIELDS: &[&str] =
+    &["model", "messages", "logprobs", "top_logprobs", "store", "metadata", "service_tier", "response_format", "tools", "tool_choice", "parallel_tool_calls"];
 pub const COMPLETION_FIELDS: &[&str] = &["model", "prompt", "suffix", "logprobs", "echo", "best_of"];
 
 /// The first field of `body` that neither `fields` nor the shared sampling
@@ -140,9 +131,10 @@ pub struct ChatRequest {
     pub top_logprobs: Option<u8>,
     /// `text`, `json_object` or `json_schema` (see [`response_format`]).
     pub response_format: Option<Value>,
-    /// Tools are not supported yet: an empty list or `"none"` only.
+    /// `[{type: "function", function: {name, description, parameters, strict}}]`.
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
 }
 
 /// `prompt`: one string (or a list holding exactly one).
@@ -239,6 +231,108 @@ pub fn response_format(format: &Value, param: &'static str, shape: FormatShape) 
     }
 }
 
+/// One function tool's fields (`obj` holds `name`, `description`,
+/// `parameters`, `strict`, and `type` in the Responses shape). Every
+/// call's arguments are held to `parameters` whether or not `strict` is set.
+fn function_tool(obj: &serde_json::Map<String, Value>, at: &str, param: &'static str, shape: FormatShape) -> Result<Tool, ParamError> {
+    let known = |k: &str| ["name", "description", "parameters", "strict"].contains(&k) || (shape == FormatShape::Responses && k == "type");
+    if let Some(k) = obj.keys().find(|k| !known(k)) {
+        return Err(bad(param, format!("{at}: unknown field {k:?}")));
+    }
+    let name = obj.get("name").and_then(Value::as_str).ok_or_else(|| bad(param, format!("{at}.name (a string) is required")))?;
+    let description = match obj.get("description") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(d)) => Some(d.clone()),
+        Some(_) => return Err(bad(param, format!("{at}.description must be a string"))),
+    };
+    let parameters = match obj.get("parameters") {
+        None | Some(Value::Null) => None,
+        Some(p @ Value::Object(_)) => Some(p.clone()),
+        Some(_) => return Err(bad(param, format!("{at}.parameters must be a JSON Schema object"))),
+    };
+    Ok(Tool { kind: Default::default(), name: name.to_string(), description, parameters })
+}
+
+/// OpenAI's `tools` (function tools only) in the endpoint's shape: Chat
+/// Completions nests each as `{type: "function", function: {...}}`, the
+/// Responses API flattens it to `{type: "function", name, ...}`.
+pub fn tools(tools: &[Value], shape: FormatShape) -> Result<Vec<Tool>, ParamError> {
+    tools
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let at = format!("tools[{i}]");
+            let obj = t.as_object().ok_or_else(|| bad("tools", format!("{at} must be an object")))?;
+            match obj.get("type").and_then(Value::as_str) {
+                Some("function") => {}
+                Some(other) => return Err(bad("tools", format!("{at}: tools of type {other:?} are not supported (function only)"))),
+                None => return Err(bad("tools", format!("{at}.type is required (\"function\")"))),
+            }
+            match shape {
+                FormatShape::Chat => {
+                    if let Some(k) = obj.keys().find(|k| *k != "type" && *k != "function") {
+                        return Err(bad("tools", format!("{at}: unknown field {k:?}")));
+                    }
+                    let f = obj.get("function").and_then(Value::as_object).ok_or_else(|| bad("tools", format!("{at}.function (an object) is required")))?;
+                    function_tool(f, &format!("{at}.function"), "tools", shape)
+                }
+                FormatShape::Responses => function_tool(obj, &at, "tools", shape),
+            }
+        })
+        .collect()
+}
+
+/// OpenAI's `tool_choice`: `"none"`, `"auto"`, `"required"`, or one
+/// function (`{type: "function", function: {name}}` in Chat Completions,
+/// `{type: "function", name}` in the Responses API).
+pub fn tool_choice(v: &Value, shape: FormatShape) -> Result<ToolChoice, ParamError> {
+    let expected = "expected \"none\", \"auto\", \"required\" or a function";
+    match v {
+        Value::String(s) => match s.as_str() {
+            "none" => Ok(ToolChoice::Mode(ToolChoiceMode::None)),
+            "auto" => Ok(ToolChoice::Mode(ToolChoiceMode::Auto)),
+            "required" => Ok(ToolChoice::Mode(ToolChoiceMode::Required)),
+            other => Err(bad("tool_choice", format!("unknown tool_choice {other:?}: {expected}"))),
+        },
+        Value::Object(obj) => {
+            if obj.get("type").and_then(Value::as_str) != Some("function") {
+                return Err(bad("tool_choice", format!("only function tool choices are supported: {expected}")));
+            }
+            let name = match shape {
+                FormatShape::Chat => obj.get("function").and_then(|f| f.get("name")),
+                FormatShape::Responses => obj.get("name"),
+            };
+            let allowed: &[&str] = if shape == FormatShape::Chat { &["type", "function"] } else { &["type", "name"] };
+            if let Some(k) = obj.keys().find(|k| !allowed.contains(&k.as_str())) {
+                return Err(bad("tool_choice", format!("unknown field {k:?}")));
+            }
+            let name = name.and_then(Value::as_str).ok_or_else(|| bad("tool_choice", "the function's `name` is required"))?;
+            Ok(ToolChoice::Function(NamedTool { kind: Default::default(), name: name.to_string() }))
+        }
+        _ => Err(bad("tool_choice", expected)),
+    }
+}
+
+/// Chat Completions' `tool_calls` of an assistant message.
+fn chat_tool_calls(calls: &[Value], i: usize) -> Result<Vec<ToolCall>, ParamError> {
+    calls
+        .iter()
+        .enumerate()
+        .map(|(j, c)| {
+            let at = format!("messages[{i}].tool_calls[{j}]");
+            let id = c.get("id").and_then(Value::as_str).ok_or_else(|| bad("messages", format!("{at}.id (a string) is required")))?;
+            let function = c.get("function").ok_or_else(|| bad("messages", format!("{at}.function is required")))?;
+            let name = function.get("name").and_then(Value::as_str).ok_or_else(|| bad("messages", format!("{at}.function.name is required")))?;
+            let arguments = match function.get("arguments") {
+                Some(Value::String(a)) => a.clone(),
+                Some(a @ Value::Object(_)) => a.to_string(),
+                _ => return Err(bad("messages", format!("{at}.function.arguments (a JSON string) is required"))),
+            };
+            Ok(ToolCall { id: id.to_string(), name: name.to_string(), arguments })
+        })
+        .collect()
+}
+
 impl Sampling {
     /// The generation parameters of `req`; `logprobs` is the endpoint's own.
     fn apply(self, req: &mut GenerateRequest, logprobs: Option<u8>) -> Result<Options, ParamError> {
@@ -316,12 +410,8 @@ fn content_text(content: Option<Content>, i: usize) -> Result<String, ParamError
 
 impl ChatRequest {
     pub fn into_generate(self, request_id: String) -> Result<(String, GenerateRequest, Options), ParamError> {
-        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-            return Err(bad("tools", "tools are not supported yet"));
-        }
-        if self.tool_choice.as_ref().is_some_and(|c| c != "none") {
-            return Err(bad("tool_choice", "tool_choice must be \"none\": tools are not supported yet"));
-        }
+        let tools = self.tools.as_deref().map(|t| tools(t, FormatShape::Chat)).transpose()?.unwrap_or_default();
+        let tool_choice = self.tool_choice.as_ref().map(|c| tool_choice(c, FormatShape::Chat)).transpose()?;
         let format = self.response_format.as_ref().map(|f| response_format(f, "response_format", FormatShape::Chat)).transpose()?;
         if self.top_logprobs.is_some() && !self.logprobs {
             return Err(bad("top_logprobs", "top_logprobs requires logprobs: true"));
@@ -334,8 +424,8 @@ impl ChatRequest {
             .into_iter()
             .enumerate()
             .map(|(i, m)| {
-                if m.tool_calls.as_ref().is_some_and(|c| !c.is_empty()) || m.function_call.as_ref().is_some_and(|f| !f.is_null()) {
-                    return Err(bad("messages", format!("messages[{i}]: tool calls are not supported yet")));
+                if m.function_call.as_ref().is_some_and(|f| !f.is_null()) {
+                    return Err(bad("messages", format!("messages[{i}]: function_call (deprecated) is not supported: use tool_calls")));
                 }
                 if m.audio.as_ref().is_some_and(|a| !a.is_null()) {
                     return Err(bad("messages", format!("messages[{i}]: audio is not supported")));
@@ -345,11 +435,17 @@ impl ChatRequest {
                     (None, Some(refusal)) => refusal,
                     (content, _) => content_text(content, i)?,
                 };
-                Ok(ChatMessage { role: role(&m.role)?, content })
+                let mut message = ChatMessage::new(role(&m.role)?, content);
+                message.tool_calls = chat_tool_calls(m.tool_calls.as_deref().unwrap_or_default(), i)?;
+                message.tool_call_id = m.tool_call_id;
+                Ok(message)
             })
             .collect::<Result<Vec<_>, ParamError>>()?;
         let mut req = GenerateRequest::new(request_id, GenerateInput::Messages(messages));
         req.response_format = format;
+        req.tools = tools;
+        req.tool_choice = tool_choice;
+        req.parallel_tool_calls = self.parallel_tool_calls;
         let logprobs = self.logprobs.then(|| self.top_logprobs.unwrap_or(0));
         let options = self.sampling.apply(&mut req, logprobs)?;
         Ok((self.model, req, options))

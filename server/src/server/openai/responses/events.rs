@@ -3,7 +3,8 @@
 //! `response.in_progress`, `response.output_item.added`,
 //! `response.content_part.added`, `response.output_text.delta`...,
 //! `response.output_text.done`, `response.content_part.done`,
-//! `response.output_item.done`, then `response.completed`,
+//! `response.output_item.done`; for each tool call a `function_call` item
+//! with `response.function_call_arguments.delta` and `.done`; then `response.completed`,
 //! `response.incomplete` or `response.failed`), each with its
 //! `sequence_number` (and the socket lane's `stream_id`).
 //!
@@ -13,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use hyper::body::Bytes;
-use protocol::{ErrorCode, FinishReason, Usage};
+use protocol::{ErrorCode, FinishReason, ToolCall, Usage};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
@@ -57,6 +58,7 @@ pub enum Outcome {
     /// It ran to an end: `completed`, or `incomplete` at its token limit.
     Done {
         text: String,
+        tool_calls: Vec<ToolCall>,
         usage: Usage,
         incomplete: bool,
     },
@@ -65,13 +67,40 @@ pub enum Outcome {
     Failed(ApiError),
 }
 
+/// One item of a response's `output`.
+enum Item {
+    /// Assistant text; `open` while it may still grow.
+    Message { id: String, text: String, open: bool },
+    /// A function call (`call.id` is its `call_id`).
+    Call { id: String, call: ToolCall },
+}
+
+impl Item {
+    fn json(&self) -> Value {
+        match self {
+            Item::Message { id, text, open } => {
+                let content: Vec<Value> = if *open { Vec::new() } else { vec![text_part(text)] };
+                json!({"id": id, "type": "message", "status": if *open { "in_progress" } else { "completed" }, "role": "assistant", "content": content})
+            }
+            Item::Call { id, call } => function_call(id, call, "completed", &call.arguments),
+        }
+    }
+}
+
+fn text_part(text: &str) -> Value {
+    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []})
+}
+
+fn function_call(id: &str, call: &ToolCall, status: &str, arguments: &str) -> Value {
+    json!({"id": id, "type": "function_call", "status": status, "call_id": call.id, "name": call.name, "arguments": arguments})
+}
+
 pub struct ResponseWriter {
     header: Header,
     sink: Sink,
     sequence: u64,
-    /// The output message's id, once its item was opened.
-    item: Option<String>,
-    text: String,
+    /// The output so far, in order.
+    items: Vec<Item>,
     outcome: Option<Outcome>,
     /// Set by the edge when its client cancelled the response.
     cancelled: Arc<AtomicBool>,
@@ -89,7 +118,7 @@ fn usage(u: &Usage) -> Value {
 
 impl ResponseWriter {
     pub fn new(header: Header, sink: Sink, cancelled: Arc<AtomicBool>) -> ResponseWriter {
-        ResponseWriter { header, sink, sequence: 0, item: None, text: String::new(), outcome: None, cancelled }
+        ResponseWriter { header, sink, sequence: 0, items: Vec::new(), outcome: None, cancelled }
     }
 
     pub fn outcome(&self) -> Option<&Outcome> {
@@ -99,7 +128,7 @@ impl ResponseWriter {
     /// The `response` object in `status`.
     pub fn response(&self, status: &str, usage: Option<&Usage>, error: Option<&ApiError>) -> Value {
         let c = &self.header.create;
-        let output: Vec<Value> = self.item.iter().map(|id| self.message(id, status == "in_progress")).collect();
+        let output: Vec<Value> = self.items.iter().map(Item::json).collect();
         json!({
             "id": self.header.id,
             "object": "response",
@@ -113,28 +142,18 @@ impl ResponseWriter {
             "metadata": if c.metadata.is_null() { json!({}) } else { c.metadata.clone() },
             "model": self.header.model,
             "output": output,
-            "parallel_tool_calls": false,
+            "parallel_tool_calls": c.parallel_tool_calls.unwrap_or(true),
             "previous_response_id": c.previous_response_id,
             "prompt_cache_key": c.prompt_cache_key,
             "store": c.store,
             "temperature": c.temperature,
             "text": {"format": c.text_format},
-            "tool_choice": "none",
-            "tools": [],
+            "tool_choice": c.tool_choice_echo,
+            "tools": c.tools_echo,
             "top_p": c.top_p.unwrap_or(1.0),
             "truncation": "disabled",
             "usage": usage.map(self::usage),
         })
-    }
-
-    /// The output message item.
-    fn message(&self, id: &str, open: bool) -> Value {
-        let content: Vec<Value> = if open { Vec::new() } else { vec![self.part()] };
-        json!({"id": id, "type": "message", "status": if open { "in_progress" } else { "completed" }, "role": "assistant", "content": content})
-    }
-
-    fn part(&self) -> Value {
-        json!({"type": "output_text", "text": self.text, "annotations": [], "logprobs": []})
     }
 
     /// The body of a whole (not streamed) response.
@@ -163,28 +182,58 @@ impl ResponseWriter {
             && self.emit(json!({"type": "response.in_progress", "response": self.response("in_progress", None, None)})).await
     }
 
-    /// Opens the output message and its text part (once).
-    async fn open_item(&mut self) -> bool {
-        if self.item.is_some() {
-            return true;
+    /// The open message's id and output index, opening one (with its text
+    /// part) when the last item is not an open message.
+    async fn open_message(&mut self) -> Option<(String, usize)> {
+        if let Some(Item::Message { id, open: true, .. }) = self.items.last() {
+            return Some((id.clone(), self.items.len() - 1));
         }
         let id = super::super::super::new_secret("msg_");
-        self.item = Some(id.clone());
-        let item = self.message(&id, true);
-        self.emit(json!({"type": "response.output_item.added", "output_index": 0, "item": item})).await
+        let index = self.items.len();
+        self.items.push(Item::Message { id: id.clone(), text: String::new(), open: true });
+        let item = self.items[index].json();
+        let opened = self.emit(json!({"type": "response.output_item.added", "output_index": index, "item": item})).await
             && self
-                .emit(json!({"type": "response.content_part.added", "item_id": id, "output_index": 0, "content_index": 0,
-                "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}))
-                .await
+                .emit(json!({"type": "response.content_part.added", "item_id": id, "output_index": index, "content_index": 0,
+                "part": text_part("")}))
+                .await;
+        opened.then_some((id, index))
     }
 
-    /// The text, part and item `done` events.
-    async fn close_item(&mut self) -> bool {
-        let Some(id) = self.item.clone() else { return true };
-        let (text, part, item) = (self.text.clone(), self.part(), self.message(&id, false));
-        self.emit(json!({"type": "response.output_text.done", "item_id": id, "output_index": 0, "content_index": 0, "text": text, "logprobs": []})).await
-            && self.emit(json!({"type": "response.content_part.done", "item_id": id, "output_index": 0, "content_index": 0, "part": part})).await
-            && self.emit(json!({"type": "response.output_item.done", "output_index": 0, "item": item})).await
+    /// The text, part and item `done` events of the open message, if any.
+    async fn close_message(&mut self) -> bool {
+        let index = self.items.len().wrapping_sub(1);
+        let Some(Item::Message { id, text, open }) = self.items.last_mut() else { return true };
+        if !*open {
+            return true;
+        }
+        *open = false;
+        let (id, text) = (id.clone(), text.clone());
+        let item = self.items[index].json();
+        self.emit(json!({"type": "response.output_text.done", "item_id": id, "output_index": index, "content_index": 0, "text": text, "logprobs": []})).await
+            && self
+                .emit(json!({"type": "response.content_part.done", "item_id": id, "output_index": index, "content_index": 0, "part": text_part(&text)}))
+                .await
+            && self.emit(json!({"type": "response.output_item.done", "output_index": index, "item": item})).await
+    }
+
+    /// A call, whole: its item added, its arguments, its item done.
+    async fn emit_call(&mut self, call: ToolCall) -> bool {
+        if !self.close_message().await {
+            return false;
+        }
+        let id = super::super::super::new_secret("fc_");
+        let index = self.items.len();
+        let added = function_call(&id, &call, "in_progress", "");
+        let (arguments, name) = (call.arguments.clone(), call.name.clone());
+        self.items.push(Item::Call { id: id.clone(), call });
+        let done = self.items[index].json();
+        self.emit(json!({"type": "response.output_item.added", "output_index": index, "item": added})).await
+            && self.emit(json!({"type": "response.function_call_arguments.delta", "item_id": id, "output_index": index, "delta": arguments})).await
+            && self
+                .emit(json!({"type": "response.function_call_arguments.done", "item_id": id, "output_index": index, "name": name, "arguments": arguments}))
+                .await
+            && self.emit(json!({"type": "response.output_item.done", "output_index": index, "item": done})).await
     }
 
     async fn fail(&mut self, e: ApiError) {
@@ -192,20 +241,44 @@ impl ResponseWriter {
         self.outcome = Some(Outcome::Failed(e));
         self.emit(json!({"type": "response.failed", "response": r})).await;
     }
+
+    /// The answer's text and calls, for the conversation's next turn.
+    fn answer(&self) -> (String, Vec<ToolCall>) {
+        let mut text = String::new();
+        let mut calls = Vec::new();
+        for item in &self.items {
+            match item {
+                Item::Message { text: t, .. } => text.push_str(t),
+                Item::Call { call, .. } => calls.push(call.clone()),
+            }
+        }
+        (text, calls)
+    }
 }
 
 impl Writer for ResponseWriter {
     async fn piece(&mut self, piece: Piece) -> bool {
-        if !self.open_item().await {
-            return false;
+        // The message opens with the first output, unless the output may
+        // be calls (then with the first text).
+        let first = self.items.is_empty() && self.header.create.tools.is_empty();
+        if !piece.text.is_empty() || first {
+            let Some((id, index)) = self.open_message().await else { return false };
+            if !piece.text.is_empty() {
+                if let Some(Item::Message { text, .. }) = self.items.last_mut() {
+                    text.push_str(&piece.text);
+                }
+                let delta = json!({"type": "response.output_text.delta", "item_id": id, "output_index": index, "content_index": 0, "delta": piece.text, "logprobs": []});
+                if !self.emit(delta).await {
+                    return false;
+                }
+            }
         }
-        if piece.text.is_empty() {
-            return true;
+        for call in piece.tool_calls {
+            if !self.emit_call(call).await {
+                return false;
+            }
         }
-        self.text.push_str(&piece.text);
-        let id = self.item.clone().unwrap_or_default();
-        self.emit(json!({"type": "response.output_text.delta", "item_id": id, "output_index": 0, "content_index": 0, "delta": piece.text, "logprobs": []}))
-            .await
+        true
     }
 
     async fn end(&mut self, ending: Ending) {
@@ -221,16 +294,18 @@ impl Writer for ResponseWriter {
             self.emit(json!({"type": "response.incomplete", "response": r})).await;
             return;
         }
-        if self.header.create.generate && !self.open_item().await {
+        // An answer always has an item, if only an empty message.
+        if self.header.create.generate && self.items.is_empty() && self.open_message().await.is_none() {
             return;
         }
-        if !self.close_item().await {
+        if !self.close_message().await {
             return;
         }
         let incomplete = matches!(finished.reason, FinishReason::Length | FinishReason::TimeLimit) && self.header.create.generate;
         let status = if incomplete { "incomplete" } else { "completed" };
         let r = self.response(status, Some(&finished.usage), None);
-        self.outcome = Some(Outcome::Done { text: self.text.clone(), usage: finished.usage, incomplete });
+        let (text, tool_calls) = self.answer();
+        self.outcome = Some(Outcome::Done { text, tool_calls, usage: finished.usage, incomplete });
         let kind = if incomplete { "response.incomplete" } else { "response.completed" };
         self.emit(json!({"type": kind, "response": r})).await;
     }

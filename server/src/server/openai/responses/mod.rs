@@ -87,7 +87,7 @@ async fn start(
     };
     let mut messages = Vec::new();
     if let Some(i) = &create.instructions {
-        messages.push(ChatMessage { role: Role::System, content: i.clone() });
+        messages.push(ChatMessage::new(Role::System, i.clone()));
     }
     if let Some(c) = &earlier {
         messages.extend(c.all_messages());
@@ -98,6 +98,9 @@ async fn start(
     generate.temperature = create.temperature;
     generate.top_p = create.top_p;
     generate.response_format = create.response_format.clone();
+    generate.tools = create.tools.clone();
+    generate.tool_choice = create.tool_choice.clone();
+    generate.parallel_tool_calls = create.parallel_tool_calls;
     let length = match (create.generate, create.max_output_tokens) {
         (false, _) => Length::WarmOnly,
         (true, Some(n)) => {
@@ -134,10 +137,12 @@ impl Started {
             submitted.stop.stop(StopReason::Cancel);
         }
         drop(in_flight);
-        if let Some(Outcome::Done { text, .. }) = writer.outcome() {
+        if let Some(Outcome::Done { text, tool_calls, .. }) = writer.outcome() {
             let mut messages = create.input;
             if create.generate {
-                messages.push(ChatMessage { role: Role::Assistant, content: text.clone() });
+                let mut answer = ChatMessage::new(Role::Assistant, text.clone());
+                answer.tool_calls = tool_calls.clone();
+                messages.push(answer);
             }
             let conversation = Conversation { tenant, owner, earlier, messages, encoding: encoding.map(Arc::new) };
             state.responses.keep(&id, Arc::new(conversation), create.store, socket);

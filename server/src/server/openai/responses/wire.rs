@@ -3,11 +3,11 @@
 //! `stream_id` on the socket), parsed strictly: an unknown field, or a
 //! feature this server does not have (tools, images, reasoning), is an
 //! error naming the parameter rather than something silently ignored.
-use protocol::{ChatMessage, ResponseFormat, Role};
+use protocol::{ChatMessage, ResponseFormat, Role, Tool, ToolCall, ToolChoice};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
-use super::super::wire::{bad, response_format as response_format_of, FormatShape, ParamError};
+use super::super::wire::{bad, response_format as response_format_of, tool_choice as tool_choice_of, tools as tools_of, FormatShape, ParamError};
 
 /// Fields both `POST /v1/responses` and `response.create` take.
 const SHARED_FIELDS: &[&str] = &[
@@ -28,12 +28,11 @@ const SHARED_FIELDS: &[&str] = &[
     "reasoning",
     "include",
     "top_logprobs",
-    // Accepted and ignored: ids for the caller's records, one service tier,
-    // and without tools there are no parallel calls.
+    "parallel_tool_calls",
+    // Accepted and ignored: ids for the caller's records, one service tier.
     "user",
     "safety_identifier",
     "service_tier",
-    "parallel_tool_calls",
 ];
 /// Fields only the HTTP endpoint takes.
 const HTTP_FIELDS: &[&str] = &["stream", "stream_options", "background"];
@@ -87,6 +86,7 @@ pub struct CreateBody {
     pub text: Option<Value>,
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
     pub reasoning: Option<Value>,
     pub include: Option<Vec<Value>>,
     pub top_logprobs: Option<u8>,
@@ -123,6 +123,12 @@ pub struct Create {
     pub response_format: Option<ResponseFormat>,
     /// `text.format` as the client sent it, echoed in the response object.
     pub text_format: Value,
+    pub tools: Vec<Tool>,
+    pub tool_choice: Option<ToolChoice>,
+    pub parallel_tool_calls: Option<bool>,
+    /// `tools` and `tool_choice` as the client sent them, echoed.
+    pub tools_echo: Value,
+    pub tool_choice_echo: Value,
 }
 
 fn role(name: &str, i: usize) -> Result<Role, ParamError> {
@@ -160,31 +166,65 @@ fn content(v: &Value, i: usize) -> Result<String, ParamError> {
     }
 }
 
-/// One input item; only messages (no tool calls, files or references).
-fn item(v: &Value, i: usize) -> Result<ChatMessage, ParamError> {
+/// Only these fields, else an error naming the first other.
+fn only_fields(obj: &Map<String, Value>, fields: &[&str], i: usize) -> Result<(), ParamError> {
+    match obj.keys().find(|k| !fields.contains(&k.as_str())) {
+        Some(k) => Err(bad("input", format!("input[{i}]: unknown field {k:?}"))),
+        None => Ok(()),
+    }
+}
+
+fn string_field<'a>(obj: &'a Map<String, Value>, key: &str, i: usize) -> Result<&'a str, ParamError> {
+    obj.get(key).and_then(Value::as_str).ok_or_else(|| bad("input", format!("input[{i}]: `{key}` (a string) is required")))
+}
+
+/// Appends input item `i` to `messages`: a message; a `function_call` an
+/// earlier response made (joining the assistant message before it); or a
+/// `function_call_output`, the call's result, as a tool message.
+fn push_item(messages: &mut Vec<ChatMessage>, v: &Value, i: usize) -> Result<(), ParamError> {
     let Some(obj) = v.as_object() else {
-        return Err(bad("input", format!("input[{i}] must be an object (a message)")));
+        return Err(bad("input", format!("input[{i}] must be an object (a message or a function call item)")));
     };
     let kind = obj.get("type").map(|t| t.as_str().unwrap_or("?")).unwrap_or("message");
-    if kind != "message" {
-        return Err(bad("input", format!("input[{i}]: items of type {kind:?} are not supported (messages only)")));
+    match kind {
+        "message" => {
+            only_fields(obj, &["type", "role", "content", "id", "status"], i)?;
+            let role = role(string_field(obj, "role", i)?, i)?;
+            let content = content(obj.get("content").ok_or_else(|| bad("input", format!("input[{i}]: `content` is required")))?, i)?;
+            messages.push(ChatMessage::new(role, content));
+        }
+        "function_call" => {
+            only_fields(obj, &["type", "call_id", "name", "arguments", "id", "status"], i)?;
+            let call = ToolCall {
+                id: string_field(obj, "call_id", i)?.into(),
+                name: string_field(obj, "name", i)?.into(),
+                arguments: string_field(obj, "arguments", i)?.into(),
+            };
+            match messages.last_mut() {
+                Some(m) if m.role == Role::Assistant => m.tool_calls.push(call),
+                _ => {
+                    let mut m = ChatMessage::new(Role::Assistant, "");
+                    m.tool_calls.push(call);
+                    messages.push(m);
+                }
+            }
+        }
+        "function_call_output" => {
+            only_fields(obj, &["type", "call_id", "output", "id", "status"], i)?;
+            let output = content(obj.get("output").ok_or_else(|| bad("input", format!("input[{i}]: `output` is required")))?, i)?;
+            let mut m = ChatMessage::new(Role::Tool, output);
+            m.tool_call_id = Some(string_field(obj, "call_id", i)?.into());
+            messages.push(m);
+        }
+        other => return Err(bad("input", format!("input[{i}]: items of type {other:?} are not supported (message, function_call and function_call_output)"))),
     }
-    if let Some(k) = obj.keys().find(|k| !["type", "role", "content", "id", "status"].contains(&k.as_str())) {
-        return Err(bad("input", format!("input[{i}]: unknown field {k:?}")));
-    }
-    let role = role(obj.get("role").and_then(Value::as_str).ok_or_else(|| bad("input", format!("input[{i}]: `role` is required")))?, i)?;
-    let content = content(obj.get("content").ok_or_else(|| bad("input", format!("input[{i}]: `content` is required")))?, i)?;
-    Ok(ChatMessage { role, content })
+    Ok(())
 }
 
 impl CreateBody {
     pub fn check(self, edge: Edge) -> Result<Create, ParamError> {
-        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-            return Err(bad("tools", "tools are not supported yet"));
-        }
-        if self.tool_choice.as_ref().is_some_and(|c| c != "none" && c != "auto") {
-            return Err(bad("tool_choice", "tool_choice must be \"none\" or \"auto\": tools are not supported yet"));
-        }
+        let tools = self.tools.as_deref().map(|t| tools_of(t, FormatShape::Responses)).transpose()?.unwrap_or_default();
+        let tool_choice = self.tool_choice.as_ref().map(|c| tool_choice_of(c, FormatShape::Responses)).transpose()?;
         if self.reasoning.as_ref().is_some_and(|r| !r.is_null() && r.as_object().is_none_or(|o| !o.is_empty())) {
             return Err(bad("reasoning", "reasoning options are not supported: this model does not reason"));
         }
@@ -256,8 +296,14 @@ impl CreateBody {
         let input = match self.input {
             None => Vec::new(),
             Some(Input::Text(t)) if t.is_empty() => return Err(bad("input", "input must not be empty")),
-            Some(Input::Text(t)) => vec![ChatMessage { role: Role::User, content: t }],
-            Some(Input::Items(items)) => items.iter().enumerate().map(|(i, v)| item(v, i)).collect::<Result<_, _>>()?,
+            Some(Input::Text(t)) => vec![ChatMessage::new(Role::User, t)],
+            Some(Input::Items(items)) => {
+                let mut messages = Vec::with_capacity(items.len());
+                for (i, v) in items.iter().enumerate() {
+                    push_item(&mut messages, v, i)?;
+                }
+                messages
+            }
         };
         if input.is_empty() {
             return Err(bad("input", "input is required: a string or a list of messages"));
@@ -279,6 +325,11 @@ impl CreateBody {
             metadata,
             response_format,
             text_format,
+            tools,
+            tool_choice_echo: self.tool_choice.unwrap_or_else(|| json!(if self.tools.as_ref().is_some_and(|t| !t.is_empty()) { "auto" } else { "none" })),
+            tools_echo: Value::Array(self.tools.unwrap_or_default()),
+            tool_choice,
+            parallel_tool_calls: self.parallel_tool_calls,
         })
     }
 }
