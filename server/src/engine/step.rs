@@ -151,10 +151,12 @@ impl Engine {
         let constrained: Vec<&RowMasks> = scheduled.iter().filter(|s| s.samples).filter_map(|s| s.masks.as_ref()).collect();
         let width = logits.iter().flatten().next().map(|l| l.dim(-1));
         let allowed = match width {
-            Some(vocab) if !constrained.is_empty() => Some((self.mask_expander.allowed(&constrained, vocab)?, vocab)),
+            Some(vocab) if !constrained.is_empty() => {
+                let forbidden = mlx::Array::scalar(f32::NEG_INFINITY, mlx::Dtype::F32)?;
+                Some((self.mask_expander.allowed(&constrained, vocab)?, vocab, forbidden))
+            }
             _ => None,
         };
-        let forbidden = mlx::Array::scalar(f32::NEG_INFINITY, mlx::Dtype::F32)?;
         let mut at_position = 0;
         for (k, (s, logits)) in scheduled.iter().zip(logits).enumerate() {
             if !s.samples {
@@ -163,10 +165,10 @@ impl Engine {
             let logits = logits.ok_or_else(|| mlx::Error { op: "engine", message: "a sampling row got no logits".into() })?;
             let row = &mut self.running[s.row];
             let masked = match (&s.masks, &allowed) {
-                (Some(m), Some((allowed, vocab))) => {
+                (Some(m), Some((allowed, vocab, forbidden))) => {
                     let (from, to) = (at_position as i32, (at_position + m.len()) as i32);
                     at_position += m.len();
-                    &mlx::where_(&allowed.slice(&[from, 0], &[to, *vocab as i32])?, &logits, &forbidden)?
+                    &mlx::where_(&allowed.slice(&[from, 0], &[to, *vocab as i32])?, &logits, forbidden)?
                 }
                 _ => &logits,
             };

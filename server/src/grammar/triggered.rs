@@ -6,7 +6,7 @@
 //! tool while every call it starts matches the tools' schemas.
 use crate::engine::constraint::{Constraint, ConstraintSpec, TokenConstraint, TokenMask};
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct Triggered {
     pub trigger: u32,
     /// The grammar of what follows the trigger.
@@ -17,13 +17,7 @@ pub struct Triggered {
 
 impl ConstraintSpec for Triggered {
     fn start(&self) -> Result<Box<dyn TokenConstraint>, String> {
-        Ok(Box::new(TriggeredMatcher { spec: self.clone_parts(), tokens: Vec::new(), open_after: Vec::new(), call: None }))
-    }
-}
-
-impl Triggered {
-    fn clone_parts(&self) -> Triggered {
-        Triggered { trigger: self.trigger, inner: self.inner.clone(), vocab: self.vocab }
+        Ok(Box::new(TriggeredMatcher { spec: self.clone(), tokens: Vec::new(), open_after: Vec::new(), call: None }))
     }
 }
 

@@ -203,6 +203,17 @@ fn tojson(value: &Value, indent: Option<Value>, kwargs: Kwargs) -> std::result::
     Ok(Value::from_safe_string(out))
 }
 
+/// `v` as the templates' `tojson` writes it (Python's `json.dumps`, `", "`
+/// and `": "`), for text that must match what a template renders.
+pub fn python_json(v: &serde_json::Value) -> String {
+    let fmt = JsonFmt { indent: None, item_sep: ", ".into(), key_sep: ": ".into(), sort_keys: false };
+    let mut out = String::new();
+    match fmt.write(&Value::from_serialize(v), 0, &mut out) {
+        Ok(()) => out,
+        Err(_) => v.to_string(),
+    }
+}
+
 struct JsonFmt {
     indent: Option<String>,
     item_sep: String,

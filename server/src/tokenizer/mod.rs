@@ -30,7 +30,7 @@ use tokenizers::models::bpe::BPE;
 use tokenizers::{AddedToken, Tokenizer};
 
 pub use bytes::TokenKind;
-pub use chat::{ChatMessage, ChatTemplate, RenderOptions};
+pub use chat::{python_json, ChatMessage, ChatTemplate, RenderOptions};
 pub use error::{Result, TokenizerError};
 pub use extend::PieceEncoding;
 pub use gguf_vocab::{token_type, GgufVocab};

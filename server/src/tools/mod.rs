@@ -17,7 +17,7 @@ mod parse;
 use protocol::{ChatMessage as WireMessage, Role, Tool, ToolCall, ToolMode};
 use serde_json::{json, Value};
 
-use crate::tokenizer::{ChatMessage, RenderOptions, TextTokenizer, TokenKind};
+use crate::tokenizer::{python_json, ChatMessage, RenderOptions, TextTokenizer, TokenKind};
 pub use parse::{CallSplitter, Split};
 
 /// Opens a call in the model's output.
@@ -70,19 +70,6 @@ fn arguments_value(call: &ToolCall) -> Value {
 fn call_text(call: &ToolCall) -> String {
     let body = json!({"name": call.name, "arguments": arguments_value(call)});
     format!("{CALL_OPEN}\n{}\n{CALL_CLOSE}", python_json(&body))
-}
-
-/// JSON with `", "` and `": "` separators, as the templates' `tojson` and
-/// the call grammar write it.
-fn python_json(v: &Value) -> String {
-    match v {
-        Value::Object(map) => {
-            let items: Vec<String> = map.iter().map(|(k, v)| format!("{}: {}", Value::String(k.clone()), python_json(v))).collect();
-            format!("{{{}}}", items.join(", "))
-        }
-        Value::Array(items) => format!("[{}]", items.iter().map(python_json).collect::<Vec<_>>().join(", ")),
-        other => other.to_string(),
-    }
 }
 
 /// The system text that shows tools to a model whose template cannot.
