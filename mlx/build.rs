@@ -14,6 +14,8 @@ fn main() {
     println!("cargo:rerun-if-changed=src/shim.cc");
     println!("cargo:rerun-if-changed=src/cpu_qmm.h");
     println!("cargo:rerun-if-changed=src/cpu_qmm.cc");
+    println!("cargo:rerun-if-changed=src/cpu_dequantize.h");
+    println!("cargo:rerun-if-changed=src/cpu_dequantize.cc");
     println!("cargo:rerun-if-changed=src/cpu_panels.h");
     println!("cargo:rerun-if-changed=src/cpu_panels.cc");
     println!("cargo:rerun-if-changed=src/cpu_attention.h");
@@ -45,6 +47,7 @@ fn main() {
     cxx_build::bridge("src/ffi.rs")
         .file("src/shim.cc")
         .file("src/cpu_qmm.cc")
+        .file("src/cpu_dequantize.cc")
         .file("src/cpu_panels.cc")
         .file("src/cpu_attention.cc")
         .file("src/cpu_swiglu.cc")

@@ -298,6 +298,13 @@ pub fn dequantize(q: &QuantizedWeights, dtype: Dtype) -> Result<Array> {
     wrap("dequantize", bridge::dequantize(q.packed.raw(), q.scales.raw(), q.biases.raw(), q.group_size, q.bits, dtype as u8))
 }
 
+/// [`dequantize`] to float32 on the CPU, rows split over all cores (MLX's own
+/// runs on one thread); the same values bit for bit. Needs float32 scales
+/// and biases and 4 or 8 bits.
+pub fn cpu_dequantize(q: &QuantizedWeights) -> Result<Array> {
+    wrap("cpu_dequantize", bridge::cpu_dequantize(q.packed.raw(), q.scales.raw(), q.biases.raw(), q.group_size, q.bits))
+}
+
 /// `x @ w^T` for a quantized `w` of shape `[out, in]` (as nn.Linear stores it).
 pub fn quantized_matmul(x: &Array, q: &QuantizedWeights) -> Result<Array> {
     wrap("quantized_matmul", bridge::quantized_matmul(x.raw(), q.packed.raw(), q.scales.raw(), q.biases.raw(), true, q.group_size, q.bits))

@@ -21,7 +21,7 @@ pub mod random;
 mod safetensors;
 
 pub use array::{
-    async_eval, concatenate, cpu_pack_panels, cpu_panel_matmul, cpu_panels_supported, cpu_quantized_matmul, cpu_quantized_matmul_fused,
+    async_eval, concatenate, cpu_dequantize, cpu_pack_panels, cpu_panel_matmul, cpu_panels_supported, cpu_quantized_matmul, cpu_quantized_matmul_fused,
     cpu_quantized_matmul_max_rows, dequantize, eval, quantize, quantized_matmul, stack, where_, Array, QmmFusion, QuantizedWeights,
 };
 pub use dtype::Dtype;

@@ -10,6 +10,7 @@
 #include "tether-mlx/src/cpu_panels.h"
 #include "tether-mlx/src/cpu_swiglu.h"
 #include "tether-mlx/src/cpu_qmm.h"
+#include "tether-mlx/src/cpu_dequantize.h"
 
 namespace mx = mlx::core;
 
@@ -217,6 +218,9 @@ std::unique_ptr<Array> cpu_quantized_matmul_fused(const Array& x, const Array& w
   return boxed(cpu_affine_matmul(x, w, scales, biases, group_size, bits, first(norm), eps, first(bias), first(residual)));
 }
 int32_t cpu_quantized_matmul_max_rows() { return kCpuQmmMaxRows; }
+std::unique_ptr<Array> cpu_dequantize(const Array& w, const Array& scales, const Array& biases, int32_t group_size, int32_t bits) {
+  return boxed(cpu_affine_dequantize(w, scales, biases, group_size, bits));
+}
 std::unique_ptr<Array> cpu_pack_panels(const Array& w) { return boxed(pack_panels(w)); }
 std::unique_ptr<Array> cpu_panel_matmul(const Array& x, const Array& panels, int32_t out_features) { return boxed(panel_matmul(x, panels, out_features)); }
 bool cpu_panels_supported() { return panel_kernel_supported(); }

@@ -171,6 +171,31 @@ fn cpu_quantized_matmul_matches_dequantized_product() {
     assert!(mlx::cpu_quantized_matmul(&too_many, &q).is_err());
 }
 
+/// The CPU's parallel dequantize gives MLX's values bit for bit (prefill
+/// products use it in place of MLX's), for 4 and 8 bits in the group sizes
+/// MLX quantizes to,
+/// row counts that do and do not split evenly over the pool, and bad shapes
+/// refused.
+#[test]
+fn cpu_dequantize_is_bit_identical_to_mlx() {
+    let _serial = serial();
+    for (n, k) in [(1usize, 128usize), (37, 640), (200, 1536)] {
+        let data: Vec<f32> = (0..n * k).map(|i| ((i * 2654435761usize) % 1000) as f32 / 317.0 - 1.3).collect();
+        let w = Array::from_f32(&data, &[n, k]).unwrap();
+        for (bits, group) in [(4, 32), (8, 32), (4, 64), (8, 64), (4, 128)] {
+            let q = mlx::quantize(&w, group, bits).unwrap();
+            let want = mlx::dequantize(&q, Dtype::F32).unwrap().to_vec_f32().unwrap();
+            let got = mlx::cpu_dequantize(&q).unwrap().to_vec_f32().unwrap();
+            assert_eq!(got.len(), want.len());
+            let differ = got.iter().zip(&want).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+            assert_eq!(differ, 0, "{n}x{k}, {bits} bits, groups of {group}: {differ} values differ");
+        }
+    }
+    let q = mlx::quantize(&Array::zeros(&[4, 64], Dtype::F32).unwrap(), 32, 4).unwrap();
+    let odd = mlx::QuantizedWeights { bits: 3, ..q };
+    assert!(mlx::cpu_dequantize(&odd).is_err());
+}
+
 /// The norm in front, the bias and the residual after, folded into the
 /// product's node, give what the separate ops give.
 #[test]

@@ -23,9 +23,15 @@ fn quantized_product(x: &Array, q: &QuantizedWeights) -> mlx::Result<Array> {
     }
     let in_features = x.dim(-1);
     let rows = x.size() / in_features.max(1);
-    if rows > CPU_KERNEL_MAX_ROWS || q.scales.dtype() != mlx::Dtype::F32 {
-        // Prefill: compute-bound, so expand once and let BLAS do the GEMM.
+    if q.scales.dtype() != mlx::Dtype::F32 {
         return x.matmul(&mlx::dequantize(q, x.dtype())?.transpose(&[1, 0])?);
+    }
+    if rows > CPU_KERNEL_MAX_ROWS {
+        // Prefill: compute-bound, so expand once (on every core) and let
+        // BLAS do the GEMM.
+        let w = mlx::cpu_dequantize(q)?;
+        let w = if x.dtype() == mlx::Dtype::F32 { w } else { w.astype(x.dtype())? };
+        return x.matmul(&w.transpose(&[1, 0])?);
     }
     // Decode (and batched decode): memory-bound; the kernel reads each
     // quantized row once per chunk of up to `max_rows` activation rows.
