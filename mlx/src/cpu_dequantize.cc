@@ -37,7 +37,7 @@ void expand_rows(const uint8_t* w, const float* scales, const float* biases, int
       const int e0 = g * gs;
       for (int j = 0; j < gs; ++j) {
         const int e = e0 + j;
-        const float code = BITS == 8 ? wr[e] : static_cast<float>((wr[e / 2] >> ((e & 1) * 4)) & 0xF);
+        const float code = static_cast<float>(affine_code(wr, BITS, e));
         const float scaled = code * s;
         dst[e] = scaled + b;
       }

@@ -29,6 +29,7 @@
 #include <immintrin.h>
 
 #include "mlx/backend/cpu/encoder.h"
+#include "tether-mlx/src/cpu_dequantize.h"
 #include "tether-mlx/src/cpu_eval.h"
 #include "mlx/primitives.h"
 #include "tether-mlx/src/row_pool.h"
@@ -65,7 +66,7 @@ void rows_scalar(const Problem& p, int n0, int n1) {
     for (int g = 0; g < p.G; ++g) {
       for (int j = 0; j < gs; ++j) {
         int e = g * gs + j;
-        q[j] = p.bits == 8 ? wr[e] : static_cast<float>((wr[e / 2] >> ((e & 1) * 4)) & 0xF);
+        q[j] = static_cast<float>(affine_code(wr, p.bits, e));
       }
       float s = p.scales[static_cast<size_t>(n) * p.G + g], b = p.biases[static_cast<size_t>(n) * p.G + g];
       for (int m = 0; m < p.M; ++m) {

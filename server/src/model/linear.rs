@@ -23,15 +23,15 @@ fn quantized_product(x: &Array, q: &QuantizedWeights) -> mlx::Result<Array> {
     }
     let in_features = x.dim(-1);
     let rows = x.size() / in_features.max(1);
-    if q.scales.dtype() != mlx::Dtype::F32 {
-        return x.matmul(&mlx::dequantize(q, x.dtype())?.transpose(&[1, 0])?);
-    }
-    if rows > CPU_KERNEL_MAX_ROWS {
-        // Prefill: compute-bound, so expand once (on every core) and let
-        // BLAS do the GEMM.
-        let w = mlx::cpu_dequantize(q)?;
-        let w = if x.dtype() == mlx::Dtype::F32 { w } else { w.astype(x.dtype())? };
-        return x.matmul(&w.transpose(&[1, 0])?);
+    if rows > CPU_KERNEL_MAX_ROWS || q.scales.dtype() != mlx::Dtype::F32 {
+        // Prefill: compute-bound, so expand once (float32 scales on every
+        // core) and let BLAS do the GEMM.
+        let w = match q.scales.dtype() {
+            mlx::Dtype::F32 if x.dtype() == mlx::Dtype::F32 => mlx::cpu_dequantize(q)?,
+            mlx::Dtype::F32 => mlx::cpu_dequantize(q)?.astype(x.dtype())?,
+            _ => mlx::dequantize(q, x.dtype())?,
+        };
+        return dense_product(x, &w);
     }
     // Decode (and batched decode): memory-bound; the kernel reads each
     // quantized row once per chunk of up to `max_rows` activation rows.
