@@ -178,3 +178,65 @@ async fn bad_tools_are_invalid_parameters_and_the_session_goes_on() {
     assert_eq!(after.done().tool_calls.len(), 1, "{:?} {:?}", after.done(), after.text());
     assert_eq!(after.done().tool_calls[0].name, "get_time");
 }
+
+/// `tool_choice: "auto"` beside a `response_format`: every output is either
+/// valid calls or an answer in the format (never free text, never a broken
+/// call), greedy and sampled, on a model whose template speaks the call
+/// format (Qwen, one opener token) and on one whose tools are written into
+/// the system message (SmolLM2, whose opener is several tokens). Both
+/// branches are taken: the weather question gets calls, SmolLM2 answers the
+/// yes-or-no question in the regex's words.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_beside_a_response_format_is_calls_or_the_answer() {
+    let answer_schema = json!({"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"], "additionalProperties": false});
+    let formats = [json!({"type": "json_schema", "schema": answer_schema}), json!({"type": "regex", "pattern": "(yes|no)"})];
+    let answer_is_valid = |format: usize, text: &str| match format {
+        0 => serde_json::from_str::<Value>(text).is_ok_and(|v| v.as_object().is_some_and(|o| o.len() == 1 && o["answer"].is_string())),
+        _ => text == "yes" || text == "no",
+    };
+    let questions = ["What is the weather in Paris right now?", "Is Paris in France? Answer yes or no."];
+    let (mut answers, mut calls) = (0, 0);
+    for server in [qwen().await, smollm().await] {
+        let mut c = server.client().await;
+        c.open().await;
+        for (f, format) in formats.iter().enumerate() {
+            for (q, question) in questions.iter().enumerate() {
+                for seed in [0, 5] {
+                    let id = format!("f{f}-q{q}-seed{seed}");
+                    let mut req = json!({"messages": [{"role": "user", "content": question}], "tools": [weather_tool(), time_tool()], "response_format": format, "max_tokens": 64});
+                    if seed > 0 {
+                        req["temperature"] = json!(1.0);
+                        req["seed"] = json!(seed);
+                    }
+                    c.generate(&id, req).await;
+                    let out = c.collect(&id).await;
+                    let (done, text) = (out.done(), out.text());
+                    if done.tool_calls.is_empty() {
+                        assert_eq!(done.finish_reason, FinishReason::Stop, "{id}: {text:?}");
+                        assert!(answer_is_valid(f, &text), "{id}: not an answer in the format: {text:?}");
+                        answers += 1;
+                        continue;
+                    }
+                    calls += 1;
+                    for call in &done.tool_calls {
+                        match call.name.as_str() {
+                            "get_weather" => drop(assert_weather_call(call)),
+                            name => {
+                                assert_eq!(name, "get_time", "{id}");
+                                let args: Value = serde_json::from_str(&call.arguments).unwrap();
+                                assert!(args["zone"].is_string(), "{id}: {args}");
+                            }
+                        }
+                    }
+                    // Nothing but calls; at the token limit, the start of one more.
+                    match done.finish_reason {
+                        FinishReason::ToolCalls => assert_eq!(text, "", "{id}"),
+                        FinishReason::Length => assert!(text.starts_with("<tool_call>"), "{id}: {text:?}"),
+                        other => panic!("{id}: calls ended by {other:?}"),
+                    }
+                }
+            }
+        }
+    }
+    assert!(answers > 0 && calls > 0, "both branches should be taken: {answers} answers, {calls} calls");
+}

@@ -171,6 +171,31 @@ def test_responses_http_returns_function_calls_and_takes_them_back(coder):
     assert second.status in ("completed", "incomplete") and second.output[0].type == "message", second
 
 
+def test_auto_beside_a_response_format_calls_or_answers_in_the_format(coder):
+    """tool_choice "auto" with a response_format: the model may call (and
+    does, for the weather) or answer, and an answer is in the format."""
+    c = client(coder)
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA, "strict": True}}
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 11}):
+        r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}], tools=CHAT_TOOLS, response_format=fmt, max_tokens=80, **sampling)
+        choice = r.choices[0]
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+            for t in choice.message.tool_calls:
+                valid_call(t.function.name, t.function.arguments)
+        else:
+            jsonschema.validate(json.loads(choice.message.content), ANSWER_SCHEMA)
+    # Greedy, the weather question is a call, the same through the Responses API.
+    first = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}], tools=CHAT_TOOLS, response_format=fmt, temperature=0, max_tokens=80)
+    [call] = first.choices[0].message.tool_calls
+    assert valid_call(call.function.name, call.function.arguments)["city"] == "Paris"
+    text_format = {"format": {"type": "json_schema", "name": "answer", "schema": ANSWER_SCHEMA, "strict": True}}
+    r = c.responses.create(model=MODEL, input=QUESTION, tools=RESPONSE_TOOLS, text=text_format, temperature=0, max_output_tokens=80)
+    [item] = r.output
+    assert item.type == "function_call", r
+    assert valid_call(item.name, item.arguments)["city"] == "Paris"
+
+
 @pytest.mark.parametrize(
     "tools, tool_choice, words",
     [

@@ -235,9 +235,6 @@ impl GenerateRequest {
         if must_call && self.response_format.as_ref().is_some_and(|f| *f != ResponseFormat::Text) {
             return Err(bad("response_format cannot be combined with a tool_choice that requires a call: the answer is the call"));
         }
-        if matches!(self.tool_mode(), Some(ToolMode::Auto)) && self.response_format.as_ref().is_some_and(|f| *f != ResponseFormat::Text) {
-            return Err(bad("response_format together with tools is not supported yet: use tool_choice \"none\" or leave response_format out"));
-        }
         Ok(())
     }
 

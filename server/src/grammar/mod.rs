@@ -11,7 +11,7 @@ mod triggered;
 
 use std::sync::{Arc, OnceLock};
 
-use llguidance::api::TopLevelGrammar;
+use llguidance::api::{GrammarWithLexer, TopLevelGrammar};
 use llguidance::toktrie::TokEnv;
 use llguidance::{JsonCompileOptions, Matcher, ParserFactory, TokenParser};
 use protocol::ResponseFormat;
@@ -19,7 +19,7 @@ use serde_json::{json, Value};
 
 use crate::engine::constraint::{Constraint, ConstraintSpec, TokenConstraint, TokenMask};
 use crate::tokenizer::TextTokenizer;
-use crate::tools::CallGrammar;
+use crate::tools::{self, CallGrammar};
 pub use tok_env::VocabEnv;
 use triggered::Triggered;
 
@@ -61,14 +61,20 @@ impl Grammars {
     /// parser's own message (a bad schema, pattern or grammar), for the
     /// client.
     pub fn compile(&self, format: &ResponseFormat) -> Result<Option<Constraint>, String> {
-        let grammar = match format {
-            ResponseFormat::Text => return Ok(None),
-            ResponseFormat::JsonObject => TopLevelGrammar::from_json_schema(with_json_style(json!({"type": "object"}))),
-            ResponseFormat::JsonSchema { schema } => TopLevelGrammar::from_json_schema(with_json_style(schema_object(schema)?)),
-            ResponseFormat::Regex { pattern } => TopLevelGrammar::from_regex(pattern),
-            ResponseFormat::Grammar { lark } => TopLevelGrammar::from_lark(lark.clone()),
-        };
-        self.build(grammar).map(Some)
+        match format_grammar(format)? {
+            None => Ok(None),
+            Some(grammar) => self.build(TopLevelGrammar::from_grammar(grammar)).map(Some),
+        }
+    }
+
+    /// The constraint of `tool_choice: "auto"` beside a `response_format`:
+    /// `calls` ([`crate::tools::calls_or_answer_grammar`]) refers to the
+    /// answer's grammar by name, and `format` is that grammar.
+    pub fn compile_calls_or_answer(&self, calls: &str, format: &ResponseFormat) -> Result<Constraint, String> {
+        let Some(mut answer) = format_grammar(format)? else { return Err("a plain-text response_format needs no grammar".into()) };
+        answer.name = Some(tools::ANSWER_GRAMMAR.into());
+        let grammars = vec![GrammarWithLexer::from_lark(calls.to_string()), answer];
+        self.build(TopLevelGrammar { grammars, max_tokens: None })
     }
 
     /// The constraint of a request's tool calls ([`crate::tools::call_grammar`]).
@@ -85,6 +91,17 @@ impl Grammars {
         let parser = self.factory()?.create_parser(grammar).map_err(|e| e.to_string())?;
         Ok(Arc::new(CompiledGrammar { parser }))
     }
+}
+
+/// The grammar of `format`; `None` for plain text.
+fn format_grammar(format: &ResponseFormat) -> Result<Option<GrammarWithLexer>, String> {
+    Ok(Some(match format {
+        ResponseFormat::Text => return Ok(None),
+        ResponseFormat::JsonObject => GrammarWithLexer::from_json_schema(with_json_style(json!({"type": "object"}))),
+        ResponseFormat::JsonSchema { schema } => GrammarWithLexer::from_json_schema(with_json_style(schema_object(schema)?)),
+        ResponseFormat::Regex { pattern } => GrammarWithLexer::from_regex(pattern),
+        ResponseFormat::Grammar { lark } => GrammarWithLexer::from_lark(lark.clone()),
+    }))
 }
 
 /// A boolean schema as the object schema it stands for.

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use protocol::{
-    CacheScopeName, Delta, Done, DraftSourceName, ErrorCode, FimInput, GenerateInput, GenerateRequest, ProtocolError, ServerMessage, SpeculationOptions, Tool,
-    ToolCall,
+    CacheScopeName, Delta, Done, DraftSourceName, ErrorCode, FimInput, GenerateInput, GenerateRequest, ProtocolError, ResponseFormat, ServerMessage, SpeculationOptions,
+    Tool, ToolCall, ToolMode,
 };
 
 use super::relay::{engine_error, Ending, Piece, Relay, Writer};
@@ -174,6 +174,12 @@ pub fn submit_request(
 /// client's `invalid_parameter`, in its words.
 fn compile_constraint(state: &ServerState, req: &GenerateRequest) -> Result<Option<Constraint>, ProtocolError> {
     let invalid = |what: &str, e: String| ProtocolError::invalid_parameter(format!("{what}: {e}")).with_request_id(req.request_id.clone());
+    let format = req.response_format.as_ref().filter(|f| **f != ResponseFormat::Text);
+    if let (Some(ToolMode::Auto), Some(format)) = (req.tool_mode(), format) {
+        let parallel = req.parallel_tool_calls.unwrap_or(true);
+        let calls = tools::calls_or_answer_grammar(&state.tokenizer, &req.tools, parallel, crate::grammar::with_json_style);
+        return state.grammars.compile_calls_or_answer(&calls, format).map(Some).map_err(|e| invalid("tools or response_format", e));
+    }
     if let Some(mode) = req.tool_mode() {
         let parallel = req.parallel_tool_calls.unwrap_or(true);
         let Some(calls) = tools::call_grammar(&state.tokenizer, &req.tools, mode, parallel, crate::grammar::with_json_style) else { return Ok(None) };

@@ -215,19 +215,65 @@ pub fn call_grammar(tok: &TextTokenizer, tools: &[Tool], mode: ToolMode<'_>, par
         ToolMode::Named(name) => tools.iter().filter(|t| t.name == name).collect(),
         ToolMode::Auto | ToolMode::Required => tools.iter().collect(),
     };
-    let body = format!("body: %json {}", style(call_schema(&chosen)));
-    let (open, close) = (lark_literal(tok, CALL_OPEN), lark_literal(tok, CALL_CLOSE));
+    let rules = CallRules::new(tok, &chosen, style);
     match mode {
         ToolMode::Auto => {
             let opener = tok.encode(CALL_OPEN, false).ok().filter(|ids| ids.len() == 1)?;
-            Some(CallGrammar { lark: format!("start: \"\\n\" body \"\\n\" {close}\n{body}\n"), trigger: Some(opener[0]) })
+            Some(CallGrammar { lark: format!("start: \"\\n\" body \"\\n\" {}\n{}\n", rules.close, rules.body), trigger: Some(opener[0]) })
         }
         ToolMode::Required | ToolMode::Named(_) => {
             // A named tool is called once (OpenAI's meaning of naming it).
             let several = parallel && mode == ToolMode::Required;
-            let start = if several { "start: call (\"\\n\" call)*" } else { "start: call" };
-            Some(CallGrammar { lark: format!("{start}\ncall: {open} \"\\n\" body \"\\n\" {close}\n{body}\n"), trigger: None })
+            Some(CallGrammar { lark: format!("start: {}\n{}", repeated("call", several), rules.tagged()), trigger: None })
         }
+    }
+}
+
+/// The grammar of `tool_choice: "auto"` beside a `response_format`: the
+/// output is either calls (tagged, or the bare call objects small models
+/// write, which the splitter also takes as calls) or the answer, which is
+/// the grammar named [`ANSWER_GRAMMAR`] that the caller supplies. Free text
+/// is not among the choices: the format is the answer's shape.
+pub fn calls_or_answer_grammar(tok: &TextTokenizer, tools: &[Tool], parallel: bool, style: impl Fn(Value) -> Value) -> String {
+    let chosen: Vec<&Tool> = tools.iter().collect();
+    let rules = CallRules::new(tok, &chosen, style);
+    format!(
+        "start: tagged | bare | @{ANSWER_GRAMMAR}\ntagged: {}\nbare: {}\n{}",
+        repeated("call", parallel),
+        // Untagged, one call: nothing marks where a run of them would end.
+        "body",
+        rules.tagged()
+    )
+}
+
+/// The name under which [`calls_or_answer_grammar`] refers to the answer's grammar.
+pub const ANSWER_GRAMMAR: &str = "answer";
+
+/// `rule`, or several of it on their own lines.
+fn repeated(rule: &str, several: bool) -> String {
+    if several {
+        format!("{rule} (\"\\n\" {rule})*")
+    } else {
+        rule.to_string()
+    }
+}
+
+/// The Lark rules every call grammar shares: the call object's JSON (`body`)
+/// and the tags around it.
+struct CallRules {
+    body: String,
+    open: String,
+    close: String,
+}
+
+impl CallRules {
+    fn new(tok: &TextTokenizer, chosen: &[&Tool], style: impl Fn(Value) -> Value) -> CallRules {
+        CallRules { body: format!("body: %json {}", style(call_schema(chosen))), open: lark_literal(tok, CALL_OPEN), close: lark_literal(tok, CALL_CLOSE) }
+    }
+
+    /// `call` (a tagged call) and `body`.
+    fn tagged(&self) -> String {
+        format!("call: {} \"\\n\" body \"\\n\" {}\n{}\n", self.open, self.close, self.body)
     }
 }
 

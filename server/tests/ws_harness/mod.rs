@@ -6,7 +6,7 @@
 #![allow(dead_code)]
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::{SinkExt, StreamExt};
@@ -46,32 +46,44 @@ fn model_path(name: &str) -> std::path::PathBuf {
     tether::registry::resolve(name).unwrap_or_else(|e| panic!("{e} (scripts/test.sh fetches the test models)"))
 }
 
-/// Loads `model` once per test binary. The greedy references for
+/// Loads `model` once per test binary (a binary may load several models;
+/// each gets its own engine). The greedy references for
 /// `reference_prompts` are computed first, on this thread, with the same
 /// weights and the plain `greedy_tokens` loop; then the engine starts.
+/// The first call for a model decides its references.
 pub fn harness_for(model: &'static str, reference_prompts: &[(&str, usize)]) -> &'static Harness {
-    static H: OnceLock<Harness> = OnceLock::new();
-    H.get_or_init(|| {
-        let opts = load_options();
-        let mut reference = HashMap::new();
-        {
-            let m = LoadedModel::load(model, opts).unwrap();
-            for &(prompt, n) in reference_prompts {
-                let ids = m.encode_prompt(prompt).unwrap();
-                let out = tether::generate::greedy_tokens(&m.transformer, &ids, n).unwrap();
-                reference.insert((prompt.to_string(), n), out);
-            }
+    static LOADED: Mutex<Vec<(&'static str, &'static Harness)>> = Mutex::new(Vec::new());
+    // Held while a model loads, so two tests never load the same one twice;
+    // a test that panicked while loading leaves the list as it was.
+    let mut loaded = LOADED.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(&(_, harness)) = loaded.iter().find(|(m, _)| *m == model) {
+        return harness;
+    }
+    let harness: &'static Harness = Box::leak(Box::new(load_harness(model, reference_prompts)));
+    loaded.push((model, harness));
+    harness
+}
+
+fn load_harness(model: &'static str, reference_prompts: &[(&str, usize)]) -> Harness {
+    let opts = load_options();
+    let mut reference = HashMap::new();
+    {
+        let m = LoadedModel::load(model, opts).unwrap();
+        for &(prompt, n) in reference_prompts {
+            let ids = m.encode_prompt(prompt).unwrap();
+            let out = tether::generate::greedy_tokens(&m.transformer, &ids, n).unwrap();
+            reference.insert((prompt.to_string(), n), out);
         }
-        let engine = EngineHandle::start(EngineConfig::default(), move || {
-            let opts = load_options();
-            Ok(LoadedModel::load(model, opts)?)
-        })
-        .unwrap();
-        let path = model_path(model);
-        let tokenizer = Arc::new(TextTokenizer::from_gguf_path(&path).unwrap());
-        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-        Harness { runtime, engine, tokenizer, reference }
+    }
+    let engine = EngineHandle::start(EngineConfig::default(), move || {
+        let opts = load_options();
+        Ok(LoadedModel::load(model, opts)?)
     })
+    .unwrap();
+    let path = model_path(model);
+    let tokenizer = Arc::new(TextTokenizer::from_gguf_path(&path).unwrap());
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    Harness { runtime, engine, tokenizer, reference }
 }
 
 impl Harness {
