@@ -86,6 +86,9 @@ impl Array {
     pub fn from_u32(data: &[u32], shape: &[usize]) -> Result<Array> {
         wrap("from_u32", bridge::from_u32(data, &shape_i32("from_u32", shape)?))
     }
+    pub fn from_bool(data: &[bool], shape: &[usize]) -> Result<Array> {
+        wrap("from_bool", bridge::from_bool(data, &shape_i32("from_bool", shape)?))
+    }
     /// Builds a 16-bit float array (F16 or BF16) from raw bit patterns.
     pub fn from_f16_bits(data: &[u16], shape: &[usize], dtype: Dtype) -> Result<Array> {
         wrap("from_f16_bits", bridge::from_u16_bits(data, &shape_i32("from_f16_bits", shape)?, dtype as u8))

@@ -23,6 +23,7 @@ pub(crate) mod bridge {
         fn from_f32(data: &[f32], shape: &[i32]) -> Result<UniquePtr<Array>>;
         fn from_i32(data: &[i32], shape: &[i32]) -> Result<UniquePtr<Array>>;
         fn from_u32(data: &[u32], shape: &[i32]) -> Result<UniquePtr<Array>>;
+        fn from_bool(data: &[bool], shape: &[i32]) -> Result<UniquePtr<Array>>;
         fn from_u16_bits(data: &[u16], shape: &[i32], dtype: u8) -> Result<UniquePtr<Array>>;
         fn scalar_f32(v: f32, dtype: u8) -> Result<UniquePtr<Array>>;
         fn zeros(shape: &[i32], dtype: u8) -> Result<UniquePtr<Array>>;

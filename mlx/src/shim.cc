@@ -84,6 +84,7 @@ std::unique_ptr<Array> list_get(const ArrayList& list, size_t i) {
 std::unique_ptr<Array> from_f32(rust::Slice<const float> d, rust::Slice<const int32_t> s) { return from_slice(d, s, mx::float32); }
 std::unique_ptr<Array> from_i32(rust::Slice<const int32_t> d, rust::Slice<const int32_t> s) { return from_slice(d, s, mx::int32); }
 std::unique_ptr<Array> from_u32(rust::Slice<const uint32_t> d, rust::Slice<const int32_t> s) { return from_slice(d, s, mx::uint32); }
+std::unique_ptr<Array> from_bool(rust::Slice<const bool> d, rust::Slice<const int32_t> s) { return from_slice(d, s, mx::bool_); }
 std::unique_ptr<Array> from_u16_bits(rust::Slice<const uint16_t> d, rust::Slice<const int32_t> s, uint8_t dtype) {
   auto dt = dtype_from_code(dtype);
   if (dt.size() != 2) throw std::invalid_argument("from_u16_bits needs a 16-bit dtype");

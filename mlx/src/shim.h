@@ -43,6 +43,7 @@ std::unique_ptr<Array> list_get(const ArrayList& list, size_t i);
 std::unique_ptr<Array> from_f32(rust::Slice<const float> data, rust::Slice<const int32_t> shape);
 std::unique_ptr<Array> from_i32(rust::Slice<const int32_t> data, rust::Slice<const int32_t> shape);
 std::unique_ptr<Array> from_u32(rust::Slice<const uint32_t> data, rust::Slice<const int32_t> shape);
+std::unique_ptr<Array> from_bool(rust::Slice<const bool> data, rust::Slice<const int32_t> shape);
 std::unique_ptr<Array> from_u16_bits(rust::Slice<const uint16_t> data, rust::Slice<const int32_t> shape, uint8_t dtype);
 std::unique_ptr<Array> scalar_f32(float v, uint8_t dtype);
 std::unique_ptr<Array> zeros(rust::Slice<const int32_t> shape, uint8_t dtype);

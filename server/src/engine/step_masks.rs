@@ -88,10 +88,14 @@ fn side_by_side<T: Send, R: Send>(jobs: Vec<T>, f: impl Fn(T) -> R + Sync) -> Ve
     })
 }
 
-/// The device side of the masks: every constrained position's bits in one
-/// `[positions, words]` upload, expanded by gathering each token's word and
-/// testing its bit. The per-token word index and bit shift are made once per
-/// logits width.
+/// The device side of the masks: `[positions, vocab]` booleans, true where
+/// a token is allowed. On a GPU every constrained position's bits go up in
+/// one `[positions, words]` upload and are expanded there, by gathering each
+/// token's word and testing its bit (the per-token word index and bit shift
+/// are made once per logits width). On the CPU those four element-wise ops
+/// would run on one core while the other waits (at 32 constrained streams
+/// of a 152k-token vocabulary, a tenth of the step), so the host expands the
+/// bits into the booleans itself, a byte at a time through a table.
 #[derive(Default)]
 pub(super) struct MaskExpander {
     /// (width, word index of each token, bit of each token within its word)
@@ -100,8 +104,32 @@ pub(super) struct MaskExpander {
 
 impl MaskExpander {
     /// `[sum of positions, vocab]` booleans for `masks` (rows in order, each
-    /// row's positions in order): true where a token is allowed.
+    /// row's positions in order): true where a token is allowed. Ids past a
+    /// mask's words (a model's padding rows) are never allowed.
     pub fn allowed(&mut self, masks: &[&RowMasks], vocab: usize) -> mlx::Result<Array> {
+        match mlx::default_device() {
+            mlx::Device::Cpu => Self::expanded_on_host(masks, vocab),
+            mlx::Device::Gpu => self.expanded_on_device(masks, vocab),
+        }
+    }
+
+    fn expanded_on_host(masks: &[&RowMasks], vocab: usize) -> mlx::Result<Array> {
+        // Byte value -> its 8 bits as 8 booleans, lowest bit first.
+        static BYTE_BITS: std::sync::OnceLock<[[bool; 8]; 256]> = std::sync::OnceLock::new();
+        let table = BYTE_BITS.get_or_init(|| std::array::from_fn(|b| std::array::from_fn(|i| b >> i & 1 == 1)));
+        let positions: usize = masks.iter().map(|m| m.len()).sum();
+        let mut allowed = vec![false; positions * vocab];
+        let jobs: Vec<(&TokenMask, &mut [bool])> = masks.iter().flat_map(|m| m.iter()).zip(allowed.chunks_mut(vocab.max(1))).collect();
+        side_by_side(jobs, |(mask, out)| {
+            let bytes = mask.words.iter().flat_map(|w| w.to_le_bytes());
+            for (chunk, byte) in out.chunks_mut(8).zip(bytes) {
+                chunk.copy_from_slice(&table[byte as usize][..chunk.len()]);
+            }
+        });
+        Array::from_bool(&allowed, &[positions, vocab])
+    }
+
+    fn expanded_on_device(&mut self, masks: &[&RowMasks], vocab: usize) -> mlx::Result<Array> {
         if self.tables.as_ref().is_none_or(|(w, _, _)| *w != vocab) {
             let ids: Vec<u32> = (0..vocab as u32).collect();
             let word: Vec<u32> = ids.iter().map(|t| t / 32).collect();
@@ -113,7 +141,6 @@ impl MaskExpander {
         let positions: usize = masks.iter().map(|m| m.len()).sum();
         let mut bits = Vec::with_capacity(positions * words_per_position);
         for mask in masks.iter().flat_map(|m| m.iter()) {
-            // Ids past the mask's words (a model's padding rows) are never allowed.
             let have = mask.words.len().min(words_per_position);
             bits.extend_from_slice(&mask.words[..have]);
             bits.resize(bits.len() + words_per_position - have, 0);
@@ -128,6 +155,8 @@ impl MaskExpander {
 mod tests {
     use super::side_by_side;
 
+    /// Both expansions (the CPU's on the host, the GPU's as MLX ops, which
+    /// run on whatever device is the default) give the masks' sets.
     #[test]
     fn expanded_masks_are_the_host_masks() {
         use super::{MaskExpander, TokenMask};
@@ -137,12 +166,15 @@ mod tests {
         let c = TokenMask { words: vec![u32::MAX] };
         let rows = [vec![a.clone(), b.clone()], vec![c.clone()]];
         let refs: Vec<&Vec<TokenMask>> = rows.iter().collect();
-        let allowed = MaskExpander::default().allowed(&refs, vocab).unwrap();
-        assert_eq!(allowed.shape(), [3, vocab]);
-        let got = allowed.astype(mlx::Dtype::U32).unwrap().to_vec_u32().unwrap();
-        for (p, mask) in [a, b, c].iter().enumerate() {
-            for t in 0..vocab {
-                assert_eq!(got[p * vocab + t] == 1, mask.allows(t as u32), "position {p} token {t}");
+        let on_host = MaskExpander::expanded_on_host(&refs, vocab).unwrap();
+        let on_device = MaskExpander::default().expanded_on_device(&refs, vocab).unwrap();
+        for allowed in [on_host, on_device] {
+            assert_eq!(allowed.shape(), [3, vocab]);
+            let got = allowed.astype(mlx::Dtype::U32).unwrap().to_vec_u32().unwrap();
+            for (p, mask) in [&a, &b, &c].iter().enumerate() {
+                for t in 0..vocab {
+                    assert_eq!(got[p * vocab + t] == 1, mask.allows(t as u32), "position {p} token {t}");
+                }
             }
         }
     }
