@@ -17,7 +17,8 @@ Settings (each at every --streams count, requests started together):
 llama.cpp: its /completion with `json_schema` (turned into a GBNF grammar
 by the server) against the same without; `plain` and `schema` only.
 
-Printed per (engine, setting, streams): decode tok/s per stream (median of
+With --rounds N each setting runs N times on new prompts (a row each);
+the report prints medians over rows. Printed per (engine, setting, streams): decode tok/s per stream (median of
 (tokens - 1) / (last token - first token)), aggregate tok/s (all tokens /
 wall time of the run, so prompt reading counts), all-decoding tok/s (tokens
 that arrived while every request was decoding / that window), share of valid outputs (json.loads + required keys),
@@ -183,11 +184,13 @@ async def main_async(args):
     rows = []
     for streams in args.streams:
         for setting in args.settings:
-            # The same prompts for every setting of one stream count.
-            row = await measure(args, setting, streams, offset=streams * 100)
-            print(f"[structured] {args.engine} {setting} x{streams}: {row['decode_tok_s']:.1f} tok/s per stream, "
-                  f"{row['aggregate_tok_s']:.1f} aggregate, valid {row['valid']:.0%}", file=sys.stderr)
-            rows.append(row)
+            for rnd in range(args.rounds):
+                # The same prompts for every setting of one stream count; new ones each round.
+                row = await measure(args, setting, streams, offset=streams * 100 + rnd * streams)
+                row["round"] = rnd
+                print(f"[structured] {args.engine} {setting} x{streams} round {rnd + 1}: {row['decode_tok_s']:.1f} tok/s per stream, "
+                      f"{row['aggregate_tok_s']:.1f} aggregate, valid {row['valid']:.0%}", file=sys.stderr)
+                rows.append(row)
     with open(args.out, "a") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
@@ -231,6 +234,8 @@ def main():
     p.add_argument("--settings", default="plain,schema,schema+ff", type=lambda s: s.split(","))
     p.add_argument("--streams", default="1,32", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--max-tokens", type=int, default=160)
+    # One request per setting is one sample at one stream: rounds of new prompts, one row each (the report takes medians).
+    p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--out")
     p.add_argument("--report")
     args = p.parse_args()

@@ -10,6 +10,7 @@
 # env:   MODELS="qwen2.5-coder-0.5b"   known model names (space-separated)
 #        STREAMS=1,32                  concurrent requests per measurement
 #        REPS=1                        repeat everything (engines interleaved); medians
+#        ROUNDS=1                      requests of new prompts per setting on one server; medians
 #        WITH_LLAMACPP=0               skip llama.cpp's server
 #        OUT=DIR                       results.jsonl and server logs (default: a temp dir)
 set -euo pipefail
@@ -37,7 +38,7 @@ for rep in $(seq "$REPS"); do
       # --speculation off: a constrained request's only drafts are then its
       # grammar's forced tokens (schema+ff); plain and schema ask for none.
       start_tether "$TETHER_BIN" "$OUT/tether-$m.log" --model "$m" --device cpu --speculation off
-      "$PY" bench/structured.py --engine tether --url "http://127.0.0.1:$port" --label "$m" --streams "$STREAMS" --settings "$setting" \
+      "$PY" bench/structured.py --engine tether --url "http://127.0.0.1:$port" --label "$m" --streams "$STREAMS" --settings "$setting" --rounds "${ROUNDS:-1}" \
         --out "$OUT/results.jsonl"
       stop_server
     done
@@ -49,7 +50,7 @@ for rep in $(seq "$REPS"); do
         "$llama_server" -m "$gguf" --host 127.0.0.1 --port "$port" -t "$(nproc)" -tb "$(nproc)" -np 32 -c 32768 --no-webui >"$OUT/llamacpp-$m.log" 2>&1 &
         SERVER_PID=$!
         wait_http "http://127.0.0.1:$port/health" "$OUT/llamacpp-$m.log" 180
-        "$PY" bench/structured.py --engine llama.cpp --url "http://127.0.0.1:$port" --label "$m" --streams "$STREAMS" --settings "$setting" \
+        "$PY" bench/structured.py --engine llama.cpp --url "http://127.0.0.1:$port" --label "$m" --streams "$STREAMS" --settings "$setting" --rounds "${ROUNDS:-1}" \
           --out "$OUT/results.jsonl"
         stop_server
       done

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use protocol::{
-    CacheScopeName, Delta, Done, DraftSourceName, ErrorCode, FimInput, GenerateInput, GenerateRequest, ProtocolError, ResponseFormat, ServerMessage, SpeculationOptions,
-    Tool, ToolCall, ToolMode,
+    CacheScopeName, Delta, Done, DraftSourceName, ErrorCode, FimInput, GenerateInput, GenerateRequest, ProtocolError, ResponseFormat, ServerMessage,
+    SpeculationOptions, Tool, ToolCall, ToolMode,
 };
 
 use super::relay::{engine_error, Ending, Piece, Relay, Writer};
