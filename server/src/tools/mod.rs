@@ -237,13 +237,8 @@ pub fn call_grammar(tok: &TextTokenizer, tools: &[Tool], mode: ToolMode<'_>, par
 pub fn calls_or_answer_grammar(tok: &TextTokenizer, tools: &[Tool], parallel: bool, style: impl Fn(Value) -> Value) -> String {
     let chosen: Vec<&Tool> = tools.iter().collect();
     let rules = CallRules::new(tok, &chosen, style);
-    format!(
-        "start: tagged | bare | @{ANSWER_GRAMMAR}\ntagged: {}\nbare: {}\n{}",
-        repeated("call", parallel),
-        // Untagged, one call: nothing marks where a run of them would end.
-        "body",
-        rules.tagged()
-    )
+    // Untagged, one call only: nothing marks where a run of them would end.
+    format!("start: tagged | bare | @{ANSWER_GRAMMAR}\ntagged: {}\nbare: body\n{}", repeated("call", parallel), rules.tagged())
 }
 
 /// The name under which [`calls_or_answer_grammar`] refers to the answer's grammar.
