@@ -93,6 +93,11 @@ impl Array {
     pub fn from_f16_bits(data: &[u16], shape: &[usize], dtype: Dtype) -> Result<Array> {
         wrap("from_f16_bits", bridge::from_u16_bits(data, &shape_i32("from_f16_bits", shape)?, dtype as u8))
     }
+    /// An array of `shape` and `dtype` from its raw bytes, row-contiguous
+    /// in `dtype`'s own encoding (what [`to_bytes`](Self::to_bytes) gives): a copy.
+    pub fn from_bytes(data: &[u8], shape: &[usize], dtype: Dtype) -> Result<Array> {
+        wrap("from_bytes", bridge::from_raw_bytes(data, &shape_i32("from_bytes", shape)?, dtype as u8))
+    }
     /// A 0-d array.
     pub fn scalar(v: f32, dtype: Dtype) -> Result<Array> {
         wrap("scalar", bridge::scalar_f32(v, dtype as u8))
@@ -145,6 +150,12 @@ impl Array {
     }
     pub fn to_vec_u32(&self) -> Result<Vec<u32>> {
         bridge::to_u32_vec(self.raw()).map_err(|e| Error::from_cxx("to_vec_u32", e))
+    }
+    /// The array's raw bytes, row-contiguous, in its own dtype (evaluates it).
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        let mut out = vec![0u8; self.nbytes()];
+        bridge::copy_raw_bytes(self.raw(), &mut out).map_err(|e| Error::from_cxx("to_bytes", e))?;
+        Ok(out)
     }
     /// The single value of a one-element array.
     pub fn item_f32(&self) -> Result<f32> {

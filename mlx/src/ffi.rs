@@ -25,6 +25,8 @@ pub(crate) mod bridge {
         fn from_u32(data: &[u32], shape: &[i32]) -> Result<UniquePtr<Array>>;
         fn from_bool(data: &[bool], shape: &[i32]) -> Result<UniquePtr<Array>>;
         fn from_u16_bits(data: &[u16], shape: &[i32], dtype: u8) -> Result<UniquePtr<Array>>;
+        fn from_raw_bytes(data: &[u8], shape: &[i32], dtype: u8) -> Result<UniquePtr<Array>>;
+        fn copy_raw_bytes(a: &Array, out: &mut [u8]) -> Result<()>;
         fn scalar_f32(v: f32, dtype: u8) -> Result<UniquePtr<Array>>;
         fn zeros(shape: &[i32], dtype: u8) -> Result<UniquePtr<Array>>;
         fn full(shape: &[i32], v: f32, dtype: u8) -> Result<UniquePtr<Array>>;

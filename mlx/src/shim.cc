@@ -1,6 +1,7 @@
 // Adapters from the Rust bridge to mlx::core. See shim.h for the contract.
 #include "tether-mlx/src/shim.h"
 
+#include <cstring>
 #include <stdexcept>
 #if defined(__GLIBC__)  // defined by the C library's headers, included above
 #include <malloc.h>
@@ -56,7 +57,10 @@ template <typename T>
 std::unique_ptr<Array> from_slice(rust::Slice<const T> data, rust::Slice<const int32_t> shape, mx::Dtype dt) {
   if (checked_size(shape) != data.size())
     throw std::invalid_argument("data length " + std::to_string(data.size()) + " does not match shape");
-  return boxed(mx::array(data.begin(), to_shape(shape), dt));
+  // A raw pointer, not the slice's iterator: MLX copies with std::copy,
+  // which is a memmove for a pointer of the element type and an
+  // element-at-a-time loop for anything else.
+  return boxed(mx::array(data.data(), to_shape(shape), dt));
 }
 
 // Reads an array back to the host as a row-contiguous buffer of T.
@@ -90,6 +94,22 @@ std::unique_ptr<Array> from_u16_bits(rust::Slice<const uint16_t> d, rust::Slice<
   if (dt.size() != 2) throw std::invalid_argument("from_u16_bits needs a 16-bit dtype");
   auto a = from_slice(d, s, mx::uint16);
   return boxed(mx::view(*a, dt));
+}
+std::unique_ptr<Array> from_raw_bytes(rust::Slice<const uint8_t> d, rust::Slice<const int32_t> s, uint8_t dtype) {
+  auto dt = dtype_from_code(dtype);
+  if (checked_size(s) * dt.size() != d.size())
+    throw std::invalid_argument("from_raw_bytes: " + std::to_string(d.size()) + " bytes do not match the shape and dtype");
+  // Bytes in as one flat uint8 array, reinterpreted (a view), then shaped.
+  int32_t n = static_cast<int32_t>(d.size());
+  auto flat = from_slice(d, rust::Slice<const int32_t>(&n, 1), mx::uint8);
+  return boxed(mx::reshape(mx::view(*flat, dt), to_shape(s)));
+}
+void copy_raw_bytes(const Array& a, rust::Slice<uint8_t> out) {
+  auto c = mx::contiguous(a);
+  c.eval();
+  if (c.nbytes() != out.size())
+    throw std::invalid_argument("copy_raw_bytes: " + std::to_string(c.nbytes()) + " bytes into " + std::to_string(out.size()));
+  std::memcpy(out.data(), c.data<uint8_t>(), c.nbytes());
 }
 std::unique_ptr<Array> scalar_f32(float v, uint8_t dtype) { return boxed(mx::array(v, dtype_from_code(dtype))); }
 std::unique_ptr<Array> zeros(rust::Slice<const int32_t> s, uint8_t dtype) { return boxed(mx::zeros(to_shape(s), dtype_from_code(dtype))); }

@@ -45,6 +45,10 @@ std::unique_ptr<Array> from_i32(rust::Slice<const int32_t> data, rust::Slice<con
 std::unique_ptr<Array> from_u32(rust::Slice<const uint32_t> data, rust::Slice<const int32_t> shape);
 std::unique_ptr<Array> from_bool(rust::Slice<const bool> data, rust::Slice<const int32_t> shape);
 std::unique_ptr<Array> from_u16_bits(rust::Slice<const uint16_t> data, rust::Slice<const int32_t> shape, uint8_t dtype);
+// Raw bytes in the array's own dtype, row-contiguous: in (a copy) and out
+// (into a buffer of exactly nbytes).
+std::unique_ptr<Array> from_raw_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> shape, uint8_t dtype);
+void copy_raw_bytes(const Array& a, rust::Slice<uint8_t> out);
 std::unique_ptr<Array> scalar_f32(float v, uint8_t dtype);
 std::unique_ptr<Array> zeros(rust::Slice<const int32_t> shape, uint8_t dtype);
 std::unique_ptr<Array> full(rust::Slice<const int32_t> shape, float v, uint8_t dtype);

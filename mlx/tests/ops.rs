@@ -25,6 +25,25 @@ fn matmul_and_readback() {
     assert_eq!(c.to_vec_f32().unwrap(), vec![4., 5., 10., 11.]);
 }
 
+/// Raw bytes out of a view (a transposed slice) and back in, in float32
+/// and bfloat16, give the same values; a wrong byte count is an error.
+#[test]
+fn raw_bytes_round_trip() {
+    let _serial = serial();
+    let base = Array::from_f32(&(0..24).map(|i| i as f32 * 0.5 - 3.0).collect::<Vec<_>>(), &[2, 3, 4]).unwrap();
+    let view = base.transpose(&[0, 2, 1]).unwrap().slice(&[0, 1, 0], &[2, 4, 3]).unwrap();
+    for dtype in [Dtype::F32, Dtype::BF16] {
+        let a = view.astype(dtype).unwrap();
+        let bytes = a.to_bytes().unwrap();
+        assert_eq!(bytes.len(), a.size() * if dtype == Dtype::F32 { 4 } else { 2 });
+        let back = Array::from_bytes(&bytes, &a.shape(), dtype).unwrap();
+        assert_eq!(back.dtype(), dtype);
+        assert_eq!(back.shape(), vec![2, 3, 3]);
+        assert_eq!(back.to_vec_f32().unwrap(), a.to_vec_f32().unwrap());
+    }
+    assert!(Array::from_bytes(&[0u8; 7], &[2], Dtype::F32).is_err());
+}
+
 #[test]
 fn errors_are_values_not_panics() {
     let _serial = serial();

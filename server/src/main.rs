@@ -425,6 +425,15 @@ struct EngineArgs {
     /// Bytes of KV state the prefix cache may hold, in MiB.
     #[arg(long, default_value_t = EngineConfig::default().prefix_cache_bytes >> 20)]
     prefix_cache_mib: usize,
+    /// Bytes of KV files the prefix cache may keep on disk, in MiB: entries
+    /// RAM cannot hold (idle sessions' first) are written there and read
+    /// back on their session's next turn. 0: they are dropped.
+    #[arg(long, default_value_t = 0)]
+    kv_disk_mib: usize,
+    /// Where those files go (a folder per server process under it, removed
+    /// when it stops). Default: `kv` under the cache directory.
+    #[arg(long)]
+    kv_dir: Option<std::path::PathBuf>,
     /// Where decoding rows keep their KV caches.
     #[arg(long, value_enum, default_value_t = KvLayoutArg::Auto)]
     kv_layout: KvLayoutArg,
@@ -448,6 +457,10 @@ impl EngineArgs {
             step_token_budget: self.step_token_budget,
             max_running: self.max_running,
             prefix_cache_bytes: self.prefix_cache_mib << 20,
+            kv_disk: (self.kv_disk_mib > 0).then(|| tether::engine::DiskTierConfig {
+                dir: self.kv_dir.clone().unwrap_or_else(|| tether::registry::cache_dir().join("kv")),
+                budget_bytes: self.kv_disk_mib << 20,
+            }),
             step_draft_budget: self.step_draft_budget,
             kv_layout: self.kv_layout.layout(),
             max_itl_inflation: self.max_itl_inflation,

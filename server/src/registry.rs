@@ -116,6 +116,15 @@ pub fn models_dir() -> PathBuf {
     home.join(".cache/tether/models")
 }
 
+/// `$TETHER_CACHE`, else `~/.cache/tether`: models, and KV files spilled to disk.
+pub fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("TETHER_CACHE") {
+        return PathBuf::from(d);
+    }
+    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+    home.join(".cache/tether")
+}
+
 pub fn find(name: &str) -> Result<&'static KnownModel, FetchError> {
     KNOWN_MODELS
         .iter()

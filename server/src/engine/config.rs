@@ -27,6 +27,10 @@ pub struct EngineConfig {
     pub reclaim_every_steps: u64,
     /// KV bytes the prefix cache may hold.
     pub prefix_cache_bytes: usize,
+    /// Where prefix-cache entries evicted from RAM are written (idle
+    /// sessions' first), to be read back on their next turn; `None`: they
+    /// are dropped.
+    pub kv_disk: Option<super::DiskTierConfig>,
     /// Tokens per prefix-cache block (the granularity of matches).
     pub prefix_block_tokens: usize,
     /// Draft tokens (all rows together) one step may verify, within the
@@ -86,6 +90,7 @@ impl Default for EngineConfig {
             kv_budget_bytes: 4 << 30,
             reclaim_every_steps: 256,
             prefix_cache_bytes: 1 << 30,
+            kv_disk: None,
             prefix_block_tokens: 16,
             step_draft_budget: 64,
             draft_model: None,

@@ -10,6 +10,7 @@
 mod api;
 mod config;
 pub mod constraint;
+mod disk_tier;
 mod draft_cost;
 mod handle;
 mod pool;
@@ -36,6 +37,7 @@ pub use api::{
     TokenLogprob,
 };
 pub use config::{EngineConfig, KvLayout};
+pub use disk_tier::DiskTierConfig;
 pub use handle::EngineHandle;
 pub use pool::EnginePool;
-pub use prefix::{PrefixStats, Scope};
+pub use prefix::{DiskStats, PrefixStats, Scope};

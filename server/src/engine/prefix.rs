@@ -27,11 +27,22 @@
 //! moka's policy evict anything of a live session (or the shared scope).
 //! Closing or expiring a session drops all of its entries
 //! ([`PrefixCache::drop_scope`]). Scopes are live unless marked idle.
+//!
+//! With a disk tier ([`super::disk_tier`]), an entry evicted from RAM is
+//! written to a file instead of dropped: it keeps its place in the index,
+//! and a lookup that lands on it reads it back (checked: a damaged or
+//! missing file is a miss, and the turn computes its state afresh). A
+//! session's own entry stays on disk until its turn's end supersedes it
+//! (the turn owns the restored buffers); a shared one comes back into RAM.
+//! The tier has its own byte budget, over which its oldest files go; a
+//! session that re-attaches has its files read ahead.
 use std::collections::{HashMap, HashSet};
 use std::hash::{Hash, Hasher};
 use std::sync::mpsc;
+use std::time::Instant;
 
-use crate::model::KvCache;
+use super::disk_tier::{DiskTier, DiskTierConfig};
+use crate::model::{kv_file, KvCache};
 
 /// Whose entries these are: one session's private history, or entries any
 /// session may reuse (e.g. a common system prompt).
@@ -41,16 +52,49 @@ pub enum Scope {
     Shared,
 }
 
+impl DiskStats {
+    /// Sums another engine's counters into these.
+    pub fn add(&mut self, o: &DiskStats) {
+        self.entries += o.entries;
+        self.bytes += o.bytes;
+        self.writes += o.writes;
+        self.written_bytes += o.written_bytes;
+        self.hits += o.hits;
+        self.failed_reads += o.failed_reads;
+        self.evictions += o.evictions;
+        self.read_seconds += o.read_seconds;
+    }
+}
+
 type EntryId = u64;
 
 struct Entry {
     scope: Scope,
     tokens: Vec<u32>,
-    cache: KvCache,
+    held: Held,
+    /// The shortest prefix of `tokens` its state can serve (see
+    /// [`KvCache::earliest_truncation`]).
+    earliest_truncation: usize,
     /// Its weight in the policy (KiB, rounded up), as moka counts it.
     kib: u32,
+    /// When it was last stored or served (a tick of the cache's own):
+    /// evictions outside moka's policy take the least recent first.
+    used: u64,
     /// The index keys pointing at this entry, for removal.
     keys: Vec<u64>,
+}
+
+/// Where an entry's KV state is.
+enum Held {
+    Ram(KvCache),
+    /// In the disk tier's file of the entry's id: the file's size, when it
+    /// was written (older files are evicted first), and an empty cache of
+    /// the state's shape to read it back into.
+    Disk {
+        bytes: usize,
+        written: u64,
+        shape: KvCache,
+    },
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -58,9 +102,30 @@ pub struct PrefixStats {
     pub hits: u64,
     pub misses: u64,
     pub hit_tokens: u64,
+    /// Entries that left RAM under its budget (written to disk, or dropped).
     pub evictions: u64,
     pub entries: usize,
+    /// KV bytes in RAM.
     pub bytes: usize,
+    pub disk: DiskStats,
+}
+
+/// The disk tier's counters (all zero without one).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct DiskStats {
+    pub entries: usize,
+    pub bytes: usize,
+    /// Entries written out of RAM.
+    pub writes: u64,
+    pub written_bytes: u64,
+    /// Hits served from a file (taken back into RAM).
+    pub hits: u64,
+    /// Files that could not serve: unreadable, damaged or of other state.
+    pub failed_reads: u64,
+    /// Entries dropped from the tier under its budget.
+    pub evictions: u64,
+    /// Time spent reading and restoring files for hits, in total.
+    pub read_seconds: f64,
 }
 
 pub struct PrefixCache {
@@ -76,6 +141,12 @@ pub struct PrefixCache {
     next_id: EntryId,
     /// Scopes whose session is detached (idle): their entries go first.
     idle: HashSet<Scope>,
+    /// Where entries evicted from RAM go, if anywhere.
+    disk: Option<DiskTier>,
+    /// Counts the disk tier's writes, to order its files by age.
+    disk_writes: u64,
+    /// Counts stores and hits, for `Entry::used`.
+    ticks: u64,
     stats: PrefixStats,
 }
 
@@ -85,7 +156,15 @@ const WEIGHT_UNIT: usize = 1024;
 impl PrefixCache {
     /// `budget_bytes` bounds the KV bytes held; `block` is the token
     /// granularity of matches; `namespace` identifies model and KV layout.
+    #[cfg(test)]
     pub fn new(budget_bytes: usize, block: usize, namespace: u64) -> PrefixCache {
+        Self::with_disk_tier(budget_bytes, block, namespace, None).expect("no disk tier to open")
+    }
+
+    /// The same, evicting to a disk tier when `disk` says where (its
+    /// folder is made, or an error says why not).
+    pub fn with_disk_tier(budget_bytes: usize, block: usize, namespace: u64, disk: Option<&DiskTierConfig>) -> std::io::Result<PrefixCache> {
+        let disk = disk.map(DiskTier::new).transpose()?;
         let (tx, evicted) = mpsc::channel();
         let policy = moka::sync::Cache::builder()
             .max_capacity((budget_bytes / WEIGHT_UNIT) as u64)
@@ -97,7 +176,7 @@ impl PrefixCache {
                 }
             })
             .build();
-        PrefixCache {
+        Ok(PrefixCache {
             budget_bytes,
             block: block.max(1),
             namespace,
@@ -107,8 +186,11 @@ impl PrefixCache {
             index: HashMap::new(),
             next_id: 1,
             idle: HashSet::new(),
+            disk,
+            disk_writes: 0,
+            ticks: 0,
             stats: PrefixStats::default(),
-        }
+        })
     }
 
     /// Chain hashes of each full block of `tokens` (block i covers tokens[..(i+1)*block]).
@@ -130,22 +212,70 @@ impl PrefixCache {
     /// one prompt token to run (its logits start generation). Returns a
     /// copy-on-write snapshot of the KV state and the number of tokens it holds.
     pub fn lookup(&mut self, scope: &Scope, prompt: &[u32]) -> Option<(KvCache, usize)> {
-        let own = self.longest_match(scope, prompt);
-        let shared = if *scope == Scope::Shared { None } else { self.longest_match(&Scope::Shared, prompt) };
-        let best = match (own, shared) {
-            (Some(a), Some(b)) => Some(if b.1 > a.1 { b } else { a }),
-            (a, b) => a.or(b),
+        loop {
+            let own = self.longest_match(scope, prompt);
+            let shared = if *scope == Scope::Shared { None } else { self.longest_match(&Scope::Shared, prompt) };
+            let best = match (own, shared) {
+                (Some(a), Some(b)) => Some(if b.1 > a.1 { b } else { a }),
+                (a, b) => a.or(b),
+            };
+            let Some((id, len)) = best else {
+                self.stats.misses += 1;
+                return None;
+            };
+            // A file that cannot serve is gone now: look again.
+            let Some(mut cache) = self.state_of(id) else { continue };
+            cache.truncate(len);
+            self.policy.get(&id); // counts as an access for the eviction policy
+            self.ticks += 1;
+            if let Some(entry) = self.entries.get_mut(&id) {
+                entry.used = self.ticks;
+            }
+            self.stats.hits += 1;
+            self.stats.hit_tokens += len as u64;
+            return Some((cache, len));
+        }
+    }
+
+    /// Entry `id`'s state, read back if it is on disk; `None` (and the
+    /// entry removed) when its file cannot serve.
+    fn state_of(&mut self, id: EntryId) -> Option<KvCache> {
+        let entry = self.entries.get(&id)?;
+        let shape = match &entry.held {
+            Held::Ram(cache) => return Some(cache.clone()),
+            Held::Disk { shape, .. } => shape,
         };
-        let Some((id, len)) = best else {
-            self.stats.misses += 1;
-            return None;
+        let started = Instant::now();
+        let disk = self.disk.as_mut().expect("entries are on disk only with a disk tier");
+        let restored =
+            disk.read(id).map_err(|e| e.to_string()).and_then(|bytes| kv_file::decode(&bytes, shape, self.namespace, &entry.tokens).map_err(|e| e.to_string()));
+        let cache = match restored {
+            Ok(cache) => cache,
+            Err(e) => {
+                eprintln!("warning: a prefix-cache file could not serve ({e}); the prompt is computed afresh");
+                self.stats.disk.failed_reads += 1;
+                self.remove(id);
+                return None;
+            }
         };
-        let mut cache = self.entries[&id].cache.clone();
-        cache.truncate(len);
-        self.policy.get(&id); // counts as an access for the eviction policy
-        self.stats.hits += 1;
-        self.stats.hit_tokens += len as u64;
-        Some((cache, len))
+        self.stats.disk.read_seconds += started.elapsed().as_secs_f64();
+        self.stats.disk.hits += 1;
+        let entry = self.entries.get_mut(&id).expect("looked up above");
+        if entry.scope != Scope::Shared {
+            // A session's own history: the returning turn owns the restored
+            // buffers outright (its writes land in place, with no
+            // copy-on-write of the whole history), and the file stays until
+            // the turn's end stores the longer state that supersedes it (a
+            // cancelled turn stores nothing and the file still serves).
+            return Some(cache);
+        }
+        // Shared state serves many sessions: back into RAM, and the file
+        // goes. Room is made at the next insert, not here: writing another
+        // entry out now would delay this request's first token.
+        entry.held = Held::Ram(cache.clone());
+        self.policy.insert(id, entry.kib);
+        self.disk.as_mut().expect("checked above").remove(id);
+        Some(cache)
     }
 
     /// The entry holding the longest block-aligned prefix of `prompt` (all
@@ -160,7 +290,7 @@ impl PrefixCache {
             // A hash collision must never serve the wrong state; and a cache
             // whose sliding-window layers dropped the keys a continuation at
             // `len` would see cannot serve it (a miss, computed afresh).
-            let usable = entry.cache.earliest_truncation() <= len;
+            let usable = entry.earliest_truncation <= len;
             (usable && entry.scope == *scope && entry.tokens.len() >= len && entry.tokens[..len] == prompt[..len]).then_some((id, len))
         })
     }
@@ -187,52 +317,110 @@ impl PrefixCache {
             self.index.insert(*k, id);
         }
         let kib = cache.nbytes().div_ceil(WEIGHT_UNIT).min(u32::MAX as usize) as u32;
-        // Make room from idle sessions first, so the policy only has to
-        // evict live entries when idle ones cannot free enough.
-        let capacity = (self.budget_bytes / WEIGHT_UNIT) as u64;
-        let mut held: u64 = self.entries.values().map(|e| u64::from(e.kib)).sum();
-        while held + u64::from(kib) > capacity {
-            let Some(victim) = self.oldest_idle() else { break };
-            held -= u64::from(self.entries[&victim].kib);
-            self.stats.evictions += 1;
-            self.remove(victim);
-        }
-        self.entries.insert(id, Entry { scope, tokens, cache, kib, keys });
+        self.make_room(kib);
+        let earliest_truncation = cache.earliest_truncation();
+        self.ticks += 1;
+        self.entries.insert(id, Entry { scope, tokens, held: Held::Ram(cache), earliest_truncation, kib, used: self.ticks, keys });
         self.policy.insert(id, kib);
         if self.bytes() > self.budget_bytes {
             self.maintain();
         }
     }
 
-    fn bytes(&self) -> usize {
-        self.entries.values().map(|e| e.cache.nbytes()).sum()
+    /// Makes room in RAM for `kib` more from idle sessions first, so the
+    /// policy only has to evict live entries when idle ones cannot free
+    /// enough.
+    fn make_room(&mut self, kib: u32) {
+        let capacity = (self.budget_bytes / WEIGHT_UNIT) as u64;
+        let mut held: u64 = self.entries.values().filter(|e| matches!(e.held, Held::Ram(_))).map(|e| u64::from(e.kib)).sum();
+        while held + u64::from(kib) > capacity {
+            let Some(victim) = self.oldest_idle() else { break };
+            held -= u64::from(self.entries[&victim].kib);
+            self.evict(victim);
+        }
     }
 
-    /// The oldest entry of an idle scope, if any.
+    /// RAM bytes held.
+    fn bytes(&self) -> usize {
+        self.entries.values().filter_map(|e| if let Held::Ram(c) = &e.held { Some(c.nbytes()) } else { None }).sum()
+    }
+
+    /// The least recently used entry in RAM of an idle scope, if any.
     fn oldest_idle(&self) -> Option<EntryId> {
         if self.idle.is_empty() {
             return None;
         }
-        self.entries.iter().filter(|(_, e)| self.idle.contains(&e.scope)).map(|(id, _)| *id).min()
+        self.least_recent(|e| self.idle.contains(&e.scope))
+    }
+
+    /// The least recently used entry in RAM that `pick` accepts.
+    fn least_recent(&self, pick: impl Fn(&Entry) -> bool) -> Option<EntryId> {
+        self.entries.iter().filter(|(_, e)| matches!(e.held, Held::Ram(_)) && pick(e)).min_by_key(|(_, e)| e.used).map(|(id, _)| *id)
     }
 
     /// Marks `scope`'s session attached (`live`) or detached: entries of
-    /// detached sessions are evicted before any live one.
+    /// detached sessions are evicted before any live one. A session coming
+    /// back has its entries on disk read ahead for its next turn.
     pub fn set_scope_live(&mut self, scope: &Scope, live: bool) {
         if live {
             self.idle.remove(scope);
+            if let Some(disk) = self.disk.as_mut() {
+                for (id, _) in self.entries.iter().filter(|(_, e)| e.scope == *scope && matches!(e.held, Held::Disk { .. })) {
+                    disk.prefetch(*id);
+                }
+            }
         } else if *scope != Scope::Shared {
             self.idle.insert(scope.clone());
         }
     }
 
-    /// Drops every entry of `scope` (a session closed or expired).
+    /// Drops every entry of `scope` (a session closed or expired), its
+    /// files on disk included.
     pub fn drop_scope(&mut self, scope: &Scope) {
         self.idle.remove(scope);
         let ids: Vec<EntryId> = self.entries.iter().filter(|(_, e)| e.scope == *scope).map(|(id, _)| *id).collect();
         for id in ids {
             self.remove(id);
         }
+    }
+
+    /// Entry `id` leaves RAM: to the disk tier when there is one and the
+    /// file fits its budget, else it is dropped.
+    fn evict(&mut self, id: EntryId) {
+        self.stats.evictions += 1;
+        let Some(disk) = self.disk.as_mut() else { return self.remove(id) };
+        let Some(entry) = self.entries.get_mut(&id) else { return };
+        let Held::Ram(cache) = &entry.held else { return };
+        let file = match kv_file::encode(cache, self.namespace, &entry.tokens) {
+            Ok(file) if file.len() <= disk.budget_bytes() => file,
+            Ok(_) => return self.remove(id),
+            Err(e) => {
+                eprintln!("warning: a prefix-cache entry could not be written to disk ({e}); it is dropped");
+                return self.remove(id);
+            }
+        };
+        self.disk_writes += 1;
+        self.stats.disk.writes += 1;
+        self.stats.disk.written_bytes += file.len() as u64;
+        entry.held = Held::Disk { bytes: file.len(), written: self.disk_writes, shape: cache.emptied() };
+        disk.write(id, file);
+        self.policy.invalidate(&id);
+        self.trim_disk();
+    }
+
+    /// Drops the oldest files until the disk tier is within its budget.
+    fn trim_disk(&mut self) {
+        let Some(budget) = self.disk.as_ref().map(DiskTier::budget_bytes) else { return };
+        while self.disk_bytes() > budget {
+            let oldest = self.entries.iter().filter_map(|(id, e)| if let Held::Disk { written, .. } = e.held { Some((written, *id)) } else { None }).min();
+            let Some((_, id)) = oldest else { break };
+            self.stats.disk.evictions += 1;
+            self.remove(id);
+        }
+    }
+
+    fn disk_bytes(&self) -> usize {
+        self.entries.values().filter_map(|e| if let Held::Disk { bytes, .. } = e.held { Some(bytes) } else { None }).sum()
     }
 
     fn remove(&mut self, id: EntryId) {
@@ -242,31 +430,203 @@ impl PrefixCache {
                     self.index.remove(&k);
                 }
             }
+            if let (Held::Disk { .. }, Some(disk)) = (&entry.held, self.disk.as_mut()) {
+                disk.remove(id);
+            }
         }
         self.policy.invalidate(&id);
     }
 
-    /// Runs moka's pending maintenance and frees what it evicted. Call from
+    /// Runs moka's pending maintenance and evicts what it chose. Call from
     /// the engine thread (the eviction listener runs here).
     pub fn maintain(&mut self) {
         self.policy.run_pending_tasks();
         while let Ok(id) = self.evicted.try_recv() {
-            if self.entries.contains_key(&id) {
-                self.stats.evictions += 1;
-                self.remove(id);
+            if self.entries.get(&id).is_some_and(|e| matches!(e.held, Held::Ram(_))) {
+                self.evict(id);
             }
         }
         // The budget holds even if the policy has not caught up yet (or
-        // declined to admit an entry): drop the oldest entries beyond it,
+        // declined to admit an entry): evict the oldest entries beyond it,
         // idle sessions' first.
         while self.bytes() > self.budget_bytes {
-            let Some(oldest) = self.oldest_idle().or_else(|| self.entries.keys().min().copied()) else { break };
-            self.stats.evictions += 1;
-            self.remove(oldest);
+            let Some(oldest) = self.oldest_idle().or_else(|| self.least_recent(|_| true)) else { break };
+            self.evict(oldest);
         }
     }
 
     pub fn stats(&self) -> PrefixStats {
-        PrefixStats { entries: self.entries.len(), bytes: self.bytes(), ..self.stats }
+        let on_disk = self.entries.values().filter(|e| matches!(e.held, Held::Disk { .. })).count();
+        PrefixStats {
+            entries: self.entries.len() - on_disk,
+            bytes: self.bytes(),
+            disk: DiskStats { entries: on_disk, bytes: self.disk_bytes(), ..self.stats.disk },
+            ..self.stats
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use mlx::{Array, Dtype};
+
+    use super::*;
+
+    /// A 2-layer cache of `tokens.len()` positions whose values are `salt`
+    /// plus the position: 64 KiB of buffers (256 positions of capacity).
+    fn state(tokens: &[u32], salt: f32) -> KvCache {
+        let (heads, dim, len) = (2, 8, tokens.len());
+        let data: Vec<f32> = (0..heads * len * dim).map(|i| salt + ((i / dim) % len) as f32).collect();
+        let a = Array::from_f32(&data, &[1, heads, len, dim]).unwrap();
+        let mut cache = KvCache::new(2, heads, dim, Dtype::F32);
+        cache.fill(&[(a.clone(), a.clone()), (a.clone(), a)], len, 0).unwrap();
+        cache
+    }
+
+    fn first_value(cache: &KvCache) -> f32 {
+        cache.positions(1).unwrap().unwrap().1.to_vec_f32().unwrap()[0]
+    }
+
+    fn session(n: u32) -> Scope {
+        Scope::Session(format!("s{n}"))
+    }
+
+    /// Tokens of session `n`'s history: distinct per session.
+    fn history(n: u32) -> Vec<u32> {
+        (0..64).map(|t| n * 1000 + t).collect()
+    }
+
+    struct Folder(std::path::PathBuf);
+    impl Drop for Folder {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// A cache whose RAM holds one 64 KiB entry, with a disk tier of `disk_kib`.
+    fn tiered(name: &str, disk_kib: usize) -> (Folder, PrefixCache) {
+        let dir = std::env::temp_dir().join(format!("tether-prefix-test-{}-{name}", std::process::id()));
+        let config = DiskTierConfig { dir: dir.clone(), budget_bytes: disk_kib << 10 };
+        (Folder(dir), PrefixCache::with_disk_tier(100 << 10, 16, 7, Some(&config)).unwrap())
+    }
+
+    /// Session `n`'s turn ends: its state is stored, its socket detaches.
+    fn store(cache: &mut PrefixCache, n: u32, salt: f32) {
+        cache.insert(session(n), history(n), state(&history(n), salt));
+        cache.set_scope_live(&session(n), false);
+    }
+
+    /// Session `n` comes back and asks with one more token than its
+    /// history, so the whole history (its 4 blocks) can match; then goes idle.
+    fn ask(cache: &mut PrefixCache, n: u32) -> Option<(KvCache, usize)> {
+        let mut prompt = history(n);
+        prompt.push(1);
+        cache.set_scope_live(&session(n), true);
+        let hit = cache.lookup(&session(n), &prompt);
+        cache.set_scope_live(&session(n), false);
+        hit
+    }
+
+    #[test]
+    fn evicted_entries_go_to_disk_and_come_back_whole() {
+        let (_dir, mut cache) = tiered("round-trip", 1 << 10);
+        for n in 0..3 {
+            store(&mut cache, n, n as f32 * 100.0);
+        }
+        let s = cache.stats();
+        assert_eq!((s.entries, s.disk.entries, s.disk.writes), (1, 2, 2), "{s:?}");
+        for n in [0, 2, 1] {
+            let (kv, len) = ask(&mut cache, n).expect("a hit from RAM or disk");
+            assert_eq!(len, 64);
+            assert_eq!(first_value(&kv), n as f32 * 100.0, "session {n}'s own state");
+        }
+        let s = cache.stats();
+        assert_eq!(s.hits, 3);
+        assert_eq!((s.disk.hits, s.disk.entries, s.entries), (2, 2, 1), "a session's files stay until superseded: {s:?}");
+        assert_eq!(s.disk.failed_reads, 0);
+        // A turn's end supersedes its file; RAM stays within its budget.
+        let mut longer = history(0);
+        longer.extend([7, 7, 7, 7]);
+        cache.insert(session(0), longer.clone(), state(&longer, 0.0));
+        let s = cache.stats();
+        assert_eq!((s.entries, s.disk.entries, s.bytes), (1, 2, 64 << 10), "{s:?}");
+        for n in 0..3 {
+            assert_eq!(first_value(&ask(&mut cache, n).unwrap().0), n as f32 * 100.0);
+        }
+        // Shared state read back from disk comes back into RAM.
+        let shared: Vec<u32> = (0..64).map(|t| 9000 + t).collect();
+        cache.insert(Scope::Shared, shared.clone(), state(&shared, 5.0));
+        let id = *cache.entries.iter().find(|(_, e)| e.scope == Scope::Shared).unwrap().0;
+        cache.evict(id);
+        let on_disk = cache.stats().disk.entries;
+        let mut prompt = shared.clone();
+        prompt.push(1);
+        assert_eq!(first_value(&cache.lookup(&session(3), &prompt).unwrap().0), 5.0);
+        assert_eq!(cache.stats().disk.entries, on_disk - 1, "it came back into RAM");
+    }
+
+    #[test]
+    fn without_a_disk_tier_evicted_entries_are_gone() {
+        let mut cache = PrefixCache::new(100 << 10, 16, 7);
+        for n in 0..2 {
+            store(&mut cache, n, 0.0);
+        }
+        assert!(ask(&mut cache, 0).is_none());
+        assert!(ask(&mut cache, 1).is_some());
+        assert_eq!(cache.stats().disk, DiskStats::default());
+    }
+
+    #[test]
+    fn the_disk_budget_drops_the_oldest_files() {
+        // Room for one file of ~64 KiB (the buffers as held: 256 positions
+        // of room, 2 layers, keys and values).
+        let (_dir, mut cache) = tiered("budget", 100);
+        for n in 0..3 {
+            store(&mut cache, n, 0.0);
+        }
+        let s = cache.stats();
+        assert_eq!((s.disk.entries, s.disk.evictions), (1, 1), "{s:?}");
+        assert!(ask(&mut cache, 0).is_none(), "the oldest file went");
+        assert!(ask(&mut cache, 1).is_some(), "the newer one serves");
+    }
+
+    #[test]
+    fn a_damaged_or_missing_file_is_a_miss() {
+        let (_dir, mut cache) = tiered("damaged", 1 << 10);
+        for n in 0..3 {
+            store(&mut cache, n, 0.0);
+        }
+        let folder = cache.disk.as_mut().unwrap().dir().to_path_buf();
+        // Wait for the writes: a read of each queues behind them.
+        cache.disk.as_mut().unwrap().read(1).unwrap();
+        let damaged = folder.join("1.kv");
+        let mut bytes = std::fs::read(&damaged).unwrap();
+        let middle = bytes.len() / 2;
+        bytes[middle] ^= 0x40;
+        std::fs::write(&damaged, bytes).unwrap();
+        std::fs::remove_file(folder.join("2.kv")).unwrap();
+        assert!(ask(&mut cache, 0).is_none(), "damaged: a miss, not wrong state");
+        assert!(ask(&mut cache, 1).is_none(), "missing: a miss");
+        assert_eq!(cache.stats().disk.failed_reads, 2);
+        assert!(ask(&mut cache, 2).is_some(), "the entry in RAM is untouched");
+        assert!(ask(&mut cache, 0).is_none(), "a failed entry is gone, not retried");
+        assert_eq!(cache.stats().disk.failed_reads, 2);
+    }
+
+    #[test]
+    fn a_closed_session_leaves_no_files() {
+        let (_dir, mut cache) = tiered("closed", 1 << 10);
+        for n in 0..3 {
+            store(&mut cache, n, 0.0);
+        }
+        for n in 0..3 {
+            cache.drop_scope(&session(n));
+        }
+        let s = cache.stats();
+        assert_eq!((s.entries, s.disk.entries, s.disk.bytes), (0, 0, 0));
+        let folder = cache.disk.as_mut().unwrap().dir().to_path_buf();
+        // The removals are queued: a read of a removed file queues behind them.
+        assert!(cache.disk.as_mut().unwrap().read(1).is_err());
+        assert_eq!(std::fs::read_dir(folder).unwrap().count(), 0);
     }
 }

@@ -109,7 +109,8 @@ impl Engine {
             h.finish()
         };
         let engine = Engine {
-            prefix: PrefixCache::new(config.prefix_cache_bytes, config.prefix_block_tokens, namespace),
+            prefix: PrefixCache::with_disk_tier(config.prefix_cache_bytes, config.prefix_block_tokens, namespace, config.kv_disk.as_ref())
+                .map_err(|e| anyhow::anyhow!("opening the KV disk tier in {:?} failed: {e}", config.kv_disk.as_ref().map(|d| &d.dir)))?,
             draft,
             batch: batched.then(|| model.transformer.new_kv_batch()),
             scheduler: Scheduler::new(scheduler_config(&config, batched)),

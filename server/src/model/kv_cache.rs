@@ -89,6 +89,15 @@ pub(super) fn zeros_keeping(shape: &[usize; 4], dtype: Dtype, old: Option<&Array
     }
 }
 
+/// A cache's bookkeeping beside its buffers, when it is stored as is.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct StoredCache {
+    pub len: usize,
+    pub capacity: usize,
+    pub window_first: usize,
+    pub window_capacity: usize,
+}
+
 /// Cloning shares every buffer (MLX arrays are reference-counted values): a
 /// clone is a copy-on-write snapshot, and the first write to either side
 /// copies that layer's buffer because it is no longer uniquely held.
@@ -138,6 +147,59 @@ impl KvCache {
         assert!(self.is_empty() && windows.len() == self.layers.len(), "windows are set on an empty cache, one per layer");
         self.windows = windows;
         self
+    }
+
+    /// A cache of the same model and layout (layers, heads, dtype, key
+    /// layout, windows) holding nothing: what [`fill`](Self::fill) restores
+    /// a stored copy into.
+    pub fn emptied(&self) -> KvCache {
+        KvCache { keys: self.keys, ..KvCache::new(self.layers.len(), self.kv_heads, self.head_dim, self.dtype) }.with_windows(self.windows.clone())
+    }
+
+    /// Its bookkeeping and every layer's whole buffers (spare room
+    /// included, keys in the cache's own layout): what storing the cache
+    /// elsewhere as is takes. `None` for a cache with an empty layer.
+    pub fn as_stored(&self) -> Option<(StoredCache, Vec<(&Array, &Array)>)> {
+        let layers = self.layers.iter().map(|l| l.as_ref().map(|(k, v)| (k, v))).collect::<Option<Vec<_>>>()?;
+        let stored = StoredCache { len: self.len, capacity: self.capacity, window_first: self.window_first, window_capacity: self.window_capacity };
+        Some((stored, layers))
+    }
+
+    /// The cache [`as_stored`](Self::as_stored) described, shaped like this
+    /// (empty) one, owning `layers` as its buffers; an error when they do
+    /// not fit the bookkeeping or this cache's geometry.
+    pub fn from_stored(&self, stored: &StoredCache, layers: Vec<(Array, Array)>) -> mlx::Result<KvCache> {
+        let whole_fits = self.windows.iter().all(Option::is_some) || stored.len <= stored.capacity;
+        let window_fits = self.widest_window().is_none() || (stored.window_first <= stored.len && stored.len <= stored.window_first + stored.window_capacity);
+        let fits = layers.len() == self.layers.len()
+            && whole_fits
+            && window_fits
+            && layers.iter().zip(&self.windows).all(|((k, v), w)| {
+                let room = if w.is_some() { stored.window_capacity } else { stored.capacity };
+                let shape = [1, self.kv_heads, room, self.head_dim];
+                k.shape() == shape && v.shape() == shape && k.dtype() == self.dtype && v.dtype() == self.dtype
+            });
+        if !fits || !self.is_empty() {
+            return Err(mlx::Error { op: "kv_cache", message: "stored buffers do not fit this cache".into() });
+        }
+        Ok(KvCache {
+            layers: layers.into_iter().map(Some).collect(),
+            len: stored.len,
+            capacity: stored.capacity,
+            window_first: stored.window_first,
+            window_capacity: stored.window_capacity,
+            ..self.clone()
+        })
+    }
+
+    /// (layers, kv heads, head dim, dtype): what a stored copy must match.
+    pub fn geometry(&self) -> (usize, usize, usize, Dtype) {
+        (self.layers.len(), self.kv_heads, self.head_dim, self.dtype)
+    }
+
+    /// The first position the window layers hold (0 without window layers).
+    pub fn window_first(&self) -> usize {
+        self.window_first
     }
 
     /// Per layer, its attention window.

@@ -38,6 +38,14 @@ pub struct Metrics {
     prefix_evictions: Counter<u64, AtomicU64>,
     prefix_entries: Gauge,
     prefix_bytes: Gauge,
+    kv_disk_entries: Gauge,
+    kv_disk_bytes: Gauge,
+    kv_disk_writes: Counter<u64, AtomicU64>,
+    kv_disk_written_bytes: Counter<u64, AtomicU64>,
+    kv_disk_hits: Counter<u64, AtomicU64>,
+    kv_disk_failed_reads: Counter<u64, AtomicU64>,
+    kv_disk_evictions: Counter<u64, AtomicU64>,
+    kv_disk_read_seconds: Counter<f64, AtomicU64>,
     spec_drafted: Counter<u64, AtomicU64>,
     spec_accepted: Counter<u64, AtomicU64>,
     spec_forwards: Counter<u64, AtomicU64>,
@@ -79,6 +87,14 @@ impl Metrics {
             prefix_evictions: Counter::default(),
             prefix_entries: Gauge::default(),
             prefix_bytes: Gauge::default(),
+            kv_disk_entries: Gauge::default(),
+            kv_disk_bytes: Gauge::default(),
+            kv_disk_writes: Counter::default(),
+            kv_disk_written_bytes: Counter::default(),
+            kv_disk_hits: Counter::default(),
+            kv_disk_failed_reads: Counter::default(),
+            kv_disk_evictions: Counter::default(),
+            kv_disk_read_seconds: Counter::default(),
             spec_drafted: Counter::default(),
             spec_accepted: Counter::default(),
             spec_forwards: Counter::default(),
@@ -108,6 +124,14 @@ impl Metrics {
         registry.register("prefix_cache_evictions", "Prefix-cache entries evicted under the byte budget", m.prefix_evictions.clone());
         registry.register("prefix_cache_entries", "Prefix-cache entries held", m.prefix_entries.clone());
         registry.register("prefix_cache_bytes", "KV bytes held by the prefix cache", m.prefix_bytes.clone());
+        registry.register("kv_disk_entries", "Prefix-cache entries held on disk", m.kv_disk_entries.clone());
+        registry.register("kv_disk_bytes", "Bytes of prefix-cache files on disk", m.kv_disk_bytes.clone());
+        registry.register("kv_disk_writes", "Prefix-cache entries written to disk out of RAM", m.kv_disk_writes.clone());
+        registry.register("kv_disk_written_bytes", "Bytes written to the KV disk tier", m.kv_disk_written_bytes.clone());
+        registry.register("kv_disk_hits", "Prefix-cache hits read back from disk", m.kv_disk_hits.clone());
+        registry.register("kv_disk_failed_reads", "KV files that could not serve (missing, damaged, other state): misses", m.kv_disk_failed_reads.clone());
+        registry.register("kv_disk_evictions", "KV files dropped under the disk budget", m.kv_disk_evictions.clone());
+        registry.register("kv_disk_read_seconds", "Time spent reading KV files back for hits", m.kv_disk_read_seconds.clone());
         registry.register("spec_drafted_tokens", "Draft tokens verified", m.spec_drafted.clone());
         registry.register("spec_accepted_tokens", "Draft tokens accepted", m.spec_accepted.clone());
         registry.register("spec_decode_forwards", "Decode forwards of speculating requests (per request row)", m.spec_forwards.clone());
@@ -152,6 +176,18 @@ impl Metrics {
             catch_up(&self.prefix_evictions, s.prefix.evictions);
             self.prefix_entries.set(s.prefix.entries as i64);
             self.prefix_bytes.set(s.prefix.bytes as i64);
+            let d = &s.prefix.disk;
+            self.kv_disk_entries.set(d.entries as i64);
+            self.kv_disk_bytes.set(d.bytes as i64);
+            catch_up(&self.kv_disk_writes, d.writes);
+            catch_up(&self.kv_disk_written_bytes, d.written_bytes);
+            catch_up(&self.kv_disk_hits, d.hits);
+            catch_up(&self.kv_disk_failed_reads, d.failed_reads);
+            catch_up(&self.kv_disk_evictions, d.evictions);
+            let seen = self.kv_disk_read_seconds.get();
+            if d.read_seconds > seen {
+                self.kv_disk_read_seconds.inc_by(d.read_seconds - seen);
+            }
             catch_up(&self.spec_drafted, s.drafted_tokens);
             catch_up(&self.spec_accepted, s.accepted_draft_tokens);
             catch_up(&self.spec_forwards, s.spec_decode_forwards);

@@ -1,0 +1,246 @@
+//! A KV cache as one self-checking file, for the prefix cache's disk tier:
+//! what an idle session's state is written as when RAM runs short, and
+//! read back from when the session takes its next turn.
+//!
+//! Layout (integers little-endian):
+//!   `TETHERKV` | version u32 | header length u32 | header (JSON) |
+//!   each layer's key buffer then value buffer (raw bytes) |
+//!   CRC-32 of everything before it, u32
+//!
+//! The buffers are stored as the cache holds them (spare room and the key
+//! layout included; at most one growth step of room, see
+//! [`super::KV_CAPACITY_STEP`]): writing is one copy out of each buffer and
+//! reading one copy into it, with no reordering, which matters at the
+//! ~180 MB of a 4k-token SmolLM2 history. The header names the tokens the
+//! state is of and the namespace (model and KV layout) it was computed
+//! under; a reader checks the checksum ([`check`], on the disk tier's
+//! thread), then both names and the geometry ([`decode`]), so a stale,
+//! truncated or corrupt file is an error, never wrong state.
+use std::io::Write;
+
+use mlx::Array;
+use serde::{Deserialize, Serialize};
+
+use super::{KvCache, StoredCache};
+
+const MAGIC: &[u8; 8] = b"TETHERKV";
+const VERSION: u32 = 1;
+/// Magic, version and header length.
+const PREAMBLE: usize = MAGIC.len() + 8;
+
+#[derive(Serialize, Deserialize)]
+struct Header {
+    namespace: u64,
+    tokens: Vec<u32>,
+    /// (layers, kv heads, head dim), and the dtype's name.
+    geometry: (usize, usize, usize),
+    dtype: String,
+    stored: StoredCache,
+    /// Per layer, the positions of room its buffers have.
+    rooms: Vec<usize>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum KvFileError {
+    #[error("not a KV file of this version")]
+    Format,
+    #[error("checksum mismatch (the file is corrupt)")]
+    Checksum,
+    #[error("the file holds other state: {0}")]
+    Mismatch(&'static str),
+    #[error("bad header: {0}")]
+    Header(#[from] serde_json::Error),
+    #[error(transparent)]
+    Mlx(#[from] mlx::Error),
+}
+
+/// A cache's file, in parts as they were copied out of its buffers.
+pub struct Encoded {
+    parts: Vec<Vec<u8>>,
+}
+
+impl Encoded {
+    /// The file's size in bytes.
+    pub fn len(&self) -> usize {
+        self.parts.iter().map(Vec::len).sum::<usize>() + 4
+    }
+
+    /// Never: a file has at least its preamble and checksum.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Writes the file: the parts, then their checksum.
+    pub fn write_to(&self, out: &mut impl Write) -> std::io::Result<()> {
+        let mut crc = crc32fast::Hasher::new();
+        for part in &self.parts {
+            crc.update(part);
+            out.write_all(part)?;
+        }
+        out.write_all(&crc.finalize().to_le_bytes())
+    }
+}
+
+/// `cache` (holding exactly `tokens`) as a file. Evaluates the cache.
+pub fn encode(cache: &KvCache, namespace: u64, tokens: &[u32]) -> Result<Encoded, KvFileError> {
+    let (layers, heads, dim, dtype) = cache.geometry();
+    let (stored, buffers) = cache.as_stored().ok_or(KvFileError::Mismatch("a layer holds nothing"))?;
+    let header = Header {
+        namespace,
+        tokens: tokens.to_vec(),
+        geometry: (layers, heads, dim),
+        dtype: format!("{dtype:?}"),
+        stored,
+        rooms: buffers.iter().map(|(k, _)| k.dim(2)).collect(),
+    };
+    let header = serde_json::to_vec(&header)?;
+    let mut preamble = Vec::with_capacity(PREAMBLE + header.len());
+    preamble.extend_from_slice(MAGIC);
+    preamble.extend_from_slice(&VERSION.to_le_bytes());
+    preamble.extend_from_slice(&(header.len() as u32).to_le_bytes());
+    preamble.extend_from_slice(&header);
+    let mut parts = vec![preamble];
+    for (k, v) in buffers {
+        parts.push(k.to_bytes()?);
+        parts.push(v.to_bytes()?);
+    }
+    Ok(Encoded { parts })
+}
+
+/// Whether `bytes` are a whole, uncorrupted KV file of this version.
+pub fn check(bytes: &[u8]) -> Result<(), KvFileError> {
+    let body = body(bytes)?;
+    let crc = &bytes[body.len()..];
+    if crc32fast::hash(body) != u32::from_le_bytes(crc.try_into().expect("4 bytes")) {
+        return Err(KvFileError::Checksum);
+    }
+    Ok(())
+}
+
+/// Everything before the checksum, if the preamble is this version's.
+fn body(bytes: &[u8]) -> Result<&[u8], KvFileError> {
+    let body = &bytes[..bytes.len().checked_sub(4).ok_or(KvFileError::Format)?];
+    if body.len() < PREAMBLE || &body[..MAGIC.len()] != MAGIC || u32_at(body, MAGIC.len()) != VERSION {
+        return Err(KvFileError::Format);
+    }
+    Ok(body)
+}
+
+/// The cache a file that passed [`check`] holds, restored into a cache
+/// shaped like `template`, provided it is of `tokens` computed under
+/// `namespace`.
+pub fn decode(bytes: &[u8], template: &KvCache, namespace: u64, tokens: &[u32]) -> Result<KvCache, KvFileError> {
+    let body = body(bytes)?;
+    let header_end = PREAMBLE.checked_add(u32_at(body, MAGIC.len() + 4) as usize).filter(|&e| e <= body.len()).ok_or(KvFileError::Format)?;
+    let header: Header = serde_json::from_slice(&body[PREAMBLE..header_end])?;
+    let (layers, heads, dim, dtype) = template.geometry();
+    if header.namespace != namespace {
+        return Err(KvFileError::Mismatch("namespace"));
+    }
+    if header.tokens != tokens || header.stored.len != tokens.len() {
+        return Err(KvFileError::Mismatch("tokens"));
+    }
+    if header.geometry != (layers, heads, dim) || header.dtype != format!("{dtype:?}") || header.rooms.len() != layers {
+        return Err(KvFileError::Mismatch("geometry"));
+    }
+    let mut at = header_end;
+    let mut buffers = Vec::with_capacity(layers);
+    for &room in &header.rooms {
+        let shape = [1, heads, room, dim];
+        let n = room.checked_mul(heads * dim * dtype.size()).ok_or(KvFileError::Format)?;
+        let end = at.checked_add(2 * n).filter(|&e| e <= body.len()).ok_or(KvFileError::Format)?;
+        buffers.push((Array::from_bytes(&body[at..at + n], &shape, dtype)?, Array::from_bytes(&body[at + n..end], &shape, dtype)?));
+        at = end;
+    }
+    if at != body.len() {
+        return Err(KvFileError::Format);
+    }
+    Ok(template.emptied().from_stored(&header.stored, buffers)?)
+}
+
+fn u32_at(bytes: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes"))
+}
+
+#[cfg(test)]
+mod tests {
+    use mlx::Dtype;
+
+    use super::*;
+
+    /// A cache of 2 layers (the second a window layer when `window`) holding
+    /// `len` tokens whose values name their position, written in two steps
+    /// (so window layers have dropped old positions).
+    fn filled(len: usize, blocks: bool, window: Option<usize>) -> KvCache {
+        let (heads, dim) = (2, 8);
+        let empty = if blocks { KvCache::with_keys_in_blocks(2, heads, dim, Dtype::F32) } else { KvCache::new(2, heads, dim, Dtype::F32) };
+        let mut cache = empty.with_windows(vec![None, window]);
+        let window_first = window.map_or(0, |w| super::super::kv_cache::window_first(len, w));
+        let layer = |first: usize, salt: f32| {
+            let held = len - first;
+            let data: Vec<f32> = (0..heads * held * dim).map(|i| ((first + (i / dim) % held) as f32) + salt).collect();
+            let a = Array::from_f32(&data, &[1, heads, held, dim]).unwrap();
+            (a.clone(), a.multiply(&Array::scalar(-1.0, Dtype::F32).unwrap()).unwrap())
+        };
+        cache.fill(&[layer(0, 0.25), layer(window_first, 0.5)], len, window_first).unwrap();
+        cache
+    }
+
+    fn contents(cache: &KvCache) -> Vec<Vec<f32>> {
+        (0..2)
+            .flat_map(|l| {
+                let (k, v) = cache.positions(l).unwrap().unwrap();
+                [k.to_vec_f32().unwrap(), v.to_vec_f32().unwrap()]
+            })
+            .collect()
+    }
+
+    fn file(cache: &KvCache, namespace: u64, tokens: &[u32]) -> Vec<u8> {
+        let encoded = encode(cache, namespace, tokens).unwrap();
+        let mut bytes = Vec::new();
+        encoded.write_to(&mut bytes).unwrap();
+        assert_eq!(bytes.len(), encoded.len());
+        bytes
+    }
+
+    #[test]
+    fn round_trip_in_every_layout() {
+        for (blocks, window) in [(false, None), (true, None), (true, Some(40)), (false, Some(40))] {
+            let cache = filled(123, blocks, window);
+            let tokens: Vec<u32> = (0..123).collect();
+            let bytes = file(&cache, 7, &tokens);
+            check(&bytes).unwrap();
+            let mut back = decode(&bytes, &cache.emptied(), 7, &tokens).unwrap();
+            assert_eq!(back.len(), 123);
+            assert_eq!(back.window_first(), cache.window_first());
+            assert_eq!(back.key_layout(), cache.key_layout());
+            assert_eq!(back.nbytes(), cache.nbytes());
+            assert_eq!(contents(&back), contents(&cache), "blocks {blocks}, window {window:?}");
+            // The restored cache goes on: room to grow and append into.
+            back.reserve(300).unwrap();
+            assert_eq!(contents(&back), contents(&cache));
+        }
+    }
+
+    #[test]
+    fn damaged_or_foreign_files_are_errors() {
+        let cache = filled(40, true, None);
+        let tokens: Vec<u32> = (0..40).collect();
+        let bytes = file(&cache, 7, &tokens);
+        let template = cache.emptied();
+        let mut flipped = bytes.clone();
+        flipped[bytes.len() / 2] ^= 1;
+        assert!(matches!(check(&flipped), Err(KvFileError::Checksum)));
+        assert!(matches!(check(&bytes[..bytes.len() - 9]), Err(KvFileError::Checksum)));
+        assert!(matches!(check(&bytes[..3]), Err(KvFileError::Format)));
+        assert!(matches!(decode(&bytes, &template, 8, &tokens), Err(KvFileError::Mismatch("namespace"))));
+        let mut other = tokens.clone();
+        other[5] = 99;
+        assert!(matches!(decode(&bytes, &template, 7, &other), Err(KvFileError::Mismatch("tokens"))));
+        assert!(matches!(decode(&bytes, &template, 7, &tokens[..39]), Err(KvFileError::Mismatch("tokens"))));
+        let bf16 = KvCache::new(2, 2, 8, Dtype::BF16);
+        assert!(matches!(decode(&bytes, &bf16, 7, &tokens), Err(KvFileError::Mismatch("geometry"))));
+        let windowed = KvCache::with_keys_in_blocks(2, 2, 8, Dtype::F32).with_windows(vec![None, Some(16)]);
+        assert!(decode(&bytes, &windowed, 7, &tokens).is_err(), "buffers that do not fit the cache's layers");
+    }
+}

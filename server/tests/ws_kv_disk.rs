@@ -1,0 +1,139 @@
+//! Idle sessions' KV state on disk, over real sockets with the real model:
+//! a server whose RAM budget holds one session's history writes the others'
+//! to its disk tier; a session that comes back reads its own back (its
+//! next turn hits the cache) and continues exactly as it would have had its
+//! state stayed in RAM; other sessions never see it; and when the sessions
+//! close, RAM, the tier and its folder are empty again.
+mod ws_harness;
+
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tether::engine::{DiskTierConfig, EngineConfig, EngineHandle, EngineStats};
+use tether::loaded::LoadedModel;
+use tether::server::ServerConfig;
+use ws_harness::*;
+
+/// One session's two turns: the second sends the whole conversation again.
+const QUESTIONS: [&str; 4] = [
+    "Tell me about the moon in three sentences.",
+    "Name three rivers of Europe and say one thing about each.",
+    "Describe how bread is baked, step by step.",
+    "What makes a good chess opening? Explain briefly.",
+];
+
+fn turn_one(q: &str) -> Value {
+    json!({"messages": [{"role": "user", "content": q}], "max_tokens": 24, "temperature": 0})
+}
+
+fn turn_two(q: &str, answer: &str) -> Value {
+    json!({"messages": [
+        {"role": "user", "content": q},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "Now say it again in one short sentence."},
+    ], "max_tokens": 24, "temperature": 0})
+}
+
+/// (text, cached prompt tokens) of one request on `c`.
+async fn ask(c: &mut Client, id: &str, body: Value) -> (String, u64) {
+    c.generate(id, body).await;
+    let out = c.collect(id).await;
+    (out.text(), u64::from(out.done().usage.cached_tokens))
+}
+
+async fn stats(engine: &EngineHandle) -> EngineStats {
+    engine.stats().await.expect("engine running")
+}
+
+async fn wait_for(engine: &EngineHandle, what: &str, done: impl Fn(&EngineStats) -> bool) -> EngineStats {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = stats(engine).await;
+        if done(&s) {
+            return s;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "waited for {what}: {:?}", s.prefix);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_sessions_go_to_disk_and_come_back_exactly() {
+    let h = harness_for(MODEL, &[]);
+    let folder = std::env::temp_dir().join(format!("tether-ws-kv-disk-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&folder);
+    // One SmolLM2 history (30 layers, 256 positions of capacity) is ~11.8 MB:
+    // 20 MB of RAM holds one, so the others go to disk.
+    let config = EngineConfig {
+        prefix_cache_bytes: 20 << 20,
+        kv_disk: Some(DiskTierConfig { dir: folder.clone(), budget_bytes: 512 << 20 }),
+        ..EngineConfig::default()
+    };
+    let tiered = EngineHandle::start(config, || Ok(LoadedModel::load(MODEL, tether::model::LoadOptions::for_device(mlx::default_device()))?)).unwrap();
+    let tiered_server = h.start_with_engines(ServerConfig::default(), tiered.clone().into()).await;
+    // The same conversations on the harness's engine (1 GiB of RAM): hot.
+    let hot_server = h.start(ServerConfig::default()).await;
+
+    // Every session takes its first turn and detaches (its socket drops):
+    // idle sessions' state is the first to leave RAM.
+    let mut sessions = Vec::new();
+    for (i, q) in QUESTIONS.iter().enumerate() {
+        let mut c = tiered_server.client().await;
+        let ready = c.open().await;
+        let (answer, cached) = ask(&mut c, &format!("t1-{i}"), turn_one(q)).await;
+        assert_eq!(cached, 0);
+        c.drop_connection();
+        sessions.push((ready, answer));
+    }
+    let s = wait_for(&tiered, "the idle sessions' state on disk", |s| s.prefix.disk.entries >= QUESTIONS.len() - 1).await;
+    assert!(s.prefix.bytes <= 20 << 20, "RAM within its budget: {:?}", s.prefix);
+    assert!(s.prefix.disk.bytes > 0 && s.prefix.disk.writes >= 3, "{:?}", s.prefix);
+    let files = || std::fs::read_dir(&folder).unwrap().flat_map(|d| std::fs::read_dir(d.unwrap().path()).unwrap()).count();
+    assert!(files() >= 3, "one file per entry on disk");
+
+    // Isolation across tiers: a new session asking session 0's first turn
+    // finds nothing (its state is private, wherever it is).
+    let mut stranger = tiered_server.client().await;
+    stranger.open().await;
+    let (_, cached) = ask(&mut stranger, "stranger", turn_one(QUESTIONS[0])).await;
+    assert_eq!(cached, 0, "another session's state on disk never serves a stranger");
+    stranger.send(&json!({"type": "session.close"})).await;
+
+    // Each session comes back (in another order) and takes its second turn:
+    // the cache serves its history from disk, and the text is what a server
+    // that kept it in RAM writes.
+    let mut from_disk = 0;
+    for i in [2, 0, 3, 1] {
+        let (ready, answer) = &sessions[i];
+        let before = stats(&tiered).await.prefix.disk.hits;
+        let mut c = tiered_server.client().await;
+        assert!(c.resume(&ready.session_id, &ready.resume_token, json!({})).await.resumed);
+        let (text, cached) = ask(&mut c, &format!("t2-{i}"), turn_two(QUESTIONS[i], answer)).await;
+        assert!(cached >= 16, "session {i}'s second turn hits its own history (cached {cached})");
+        from_disk += usize::from(stats(&tiered).await.prefix.disk.hits > before);
+        c.send(&json!({"type": "session.close"})).await;
+
+        let mut hot = hot_server.client().await;
+        hot.open().await;
+        let (hot_answer, _) = ask(&mut hot, "t1", turn_one(QUESTIONS[i])).await;
+        assert_eq!(&hot_answer, answer);
+        let (hot_text, hot_cached) = ask(&mut hot, "t2", turn_two(QUESTIONS[i], answer)).await;
+        assert_eq!(hot_cached, cached, "the same history is served hot");
+        assert_eq!(text, hot_text, "session {i}: from disk, the same greedy continuation as hot");
+        hot.send(&json!({"type": "session.close"})).await;
+    }
+    let s = stats(&tiered).await.prefix;
+    assert!(from_disk >= 3 && s.disk.failed_reads == 0, "{from_disk} of 4 sessions served from disk: {s:?}");
+
+    // Every session closed: nothing left in RAM, on disk, or in the folder.
+    let s = wait_for(&tiered, "the closed sessions' state to go", |s| s.prefix.entries == 0 && s.prefix.disk.entries == 0).await;
+    assert_eq!((s.prefix.bytes, s.prefix.disk.bytes), (0, 0), "{:?}", s.prefix);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while files() > 0 {
+        assert!(std::time::Instant::now() < deadline, "files left behind");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tiered.shutdown_and_join();
+    assert!(!folder.read_dir().unwrap().any(|_| true), "the tier's folder goes with its engine");
+    let _ = std::fs::remove_dir_all(&folder);
+}
