@@ -32,6 +32,11 @@
 # per setting) against `tether serve` on the random Qwen2.5-0.5B-shaped bf16
 # checkpoint: what the token masks cost when a step takes milliseconds.
 # Needs aiohttp's wheels (for the machine's Python) in $KEEP/aiohttp.
+# MODE=sessions: bench/sessions.py (SESSIONS sessions of a shared prefix
+# plus their own text, detached, then each one more turn in random order)
+# on the random Qwen2.5-1.5B-shaped bf16 checkpoint: `tether serve` with its
+# prefix cache holding every session (hot), with RAM_MIB of it and a disk
+# tier (disk), and without the tier (dropped). Needs aiohttp's wheels.
 # MODE=agent: the 12-turn agent workload of bench/load.py (WORKLOAD=agent in
 # bench/load.sh) on the random Qwen2.5-1.5B-shaped bf16 checkpoint: `tether
 # serve` (session prefix cache on, and off) beside mlx_lm.server (its prompt
@@ -94,10 +99,11 @@ fi
 MODELS=${MODELS:-qwen2.5-0.5b qwen2.5-1.5b}
 case "${MODE:-decode}" in agent|serving|streams|graphs) MODELS=qwen2.5-1.5b ;; esac
 [ "${MODE:-decode}" = structured ] && MODELS=qwen2.5-0.5b
+[ "${MODE:-decode}" = sessions ] && MODELS=qwen2.5-1.5b
 LOAD_ARGS=${LOAD_ARGS:-}
 for m in $MODELS; do
   [ -f /opt/models/$m-bf16/model.safetensors ] || "$PY" "$here/make_random_model.py" /opt/models/$m-bf16 $m "$KEEP"
-  case "${MODE:-decode}" in agent|serving|graphs|structured) continue ;; esac
+  case "${MODE:-decode}" in agent|serving|graphs|structured|sessions) continue ;; esac
   [ -f /opt/models/$m-4bit/config.json ] || "$PY" -m mlx_lm convert --hf-path /opt/models/$m-bf16 --mlx-path /opt/models/$m-4bit -q --q-bits 4 --q-group-size 64 >"$OUT/convert-$m.log" 2>&1
 done
 
@@ -114,6 +120,27 @@ if [ "${MODE:-decode}" = structured ]; then
     stop_server
   done
   "$PY" "$here/../structured.py" --report "$OUT/results.jsonl"
+  exit 0
+fi
+if [ "${MODE:-decode}" = sessions ]; then
+  [ -d /opt/py/aiohttp ] || "$PY" -m pip install -q --no-deps --target /opt/py "$KEEP"/aiohttp/*.whl
+  log() { echo "[sessions] $*" >&2; }
+  source "$here/../lib.sh"
+  sessions=${SESSIONS:-128}
+  for setting in ${SETTINGS:-hot disk dropped}; do
+    case $setting in
+      hot) flags=(--prefix-cache-mib 65536) ;;
+      disk) flags=(--prefix-cache-mib "${RAM_MIB:-2048}" --kv-disk-mib 40960 --kv-dir /tmp/tether-kv) ;;
+      dropped) flags=(--prefix-cache-mib "${RAM_MIB:-2048}") ;;
+    esac
+    start_tether "$TETHER_BIN" "$OUT/tether-serve-$setting.log" --model /opt/models/qwen2.5-1.5b-bf16 --device gpu \
+      --session-ttl-secs 7200 --max-sessions $((sessions + 16)) "${flags[@]}"
+    "$PY" "$here/../sessions.py" --url "http://127.0.0.1:$port" --server-pid "$SERVER_PID" --label "qwen2.5-1.5b-bf16 random (gpu)" \
+      --setting "$setting" --sessions "$sessions" --shared-tokens "${SHARED_TOKENS:-3000}" --own-tokens "${OWN_TOKENS:-1000}" \
+      --out "$OUT/results.jsonl" || echo "sessions $setting failed" >&2
+    stop_server
+  done
+  "$PY" "$here/../sessions.py" --report "$OUT/results.jsonl"
   exit 0
 fi
 if [ "${MODE:-decode}" = agent ] || [ "${MODE:-decode}" = serving ]; then

@@ -63,10 +63,16 @@ impl DiskStats {
         self.failed_reads += o.failed_reads;
         self.evictions += o.evictions;
         self.read_seconds += o.read_seconds;
+        self.read_bytes += o.read_bytes;
+        self.skipped += o.skipped;
     }
 }
 
 type EntryId = u64;
+
+/// What a disk read is taken to cost before this tier has timed one: a
+/// local SSD's order of magnitude, including the checksum and the copy in.
+const ASSUMED_READ_BYTES_PER_SECOND: f64 = 1e9;
 
 struct Entry {
     scope: Scope,
@@ -124,8 +130,12 @@ pub struct DiskStats {
     pub failed_reads: u64,
     /// Entries dropped from the tier under its budget.
     pub evictions: u64,
-    /// Time spent reading and restoring files for hits, in total.
+    /// Time spent reading and restoring files for hits, and their bytes.
     pub read_seconds: f64,
+    pub read_bytes: u64,
+    /// Matches on disk passed over: computing what they add was expected
+    /// to be faster than reading them.
+    pub skipped: u64,
 }
 
 pub struct PrefixCache {
@@ -210,15 +220,21 @@ impl PrefixCache {
     /// The longest cached prefix of `prompt` that a request of `scope` may
     /// reuse: its own scope's entries or the shared ones, leaving at least
     /// one prompt token to run (its logits start generation). Returns a
-    /// copy-on-write snapshot of the KV state and the number of tokens it holds.
-    pub fn lookup(&mut self, scope: &Scope, prompt: &[u32]) -> Option<(KvCache, usize)> {
+    /// copy-on-write snapshot of the KV state and the number of tokens it
+    /// holds. A match on disk is read only when that is expected to be
+    /// faster than computing the tokens it adds over the best match in RAM
+    /// at `recompute_token_seconds` a token (unknown: it is read).
+    pub fn lookup(&mut self, scope: &Scope, prompt: &[u32], recompute_token_seconds: Option<f64>) -> Option<(KvCache, usize)> {
         loop {
-            let own = self.longest_match(scope, prompt);
-            let shared = if *scope == Scope::Shared { None } else { self.longest_match(&Scope::Shared, prompt) };
-            let best = match (own, shared) {
-                (Some(a), Some(b)) => Some(if b.1 > a.1 { b } else { a }),
-                (a, b) => a.or(b),
-            };
+            let mut best = self.best_match(scope, prompt, false);
+            if let Some((id, len)) = best.filter(|(id, _)| !self.is_in_ram(*id)) {
+                let in_ram = self.best_match(scope, prompt, true);
+                let added = len - in_ram.map_or(0, |(_, l)| l);
+                if !self.disk_read_pays(id, added, recompute_token_seconds) {
+                    self.stats.disk.skipped += 1;
+                    best = in_ram;
+                }
+            }
             let Some((id, len)) = best else {
                 self.stats.misses += 1;
                 return None;
@@ -237,13 +253,45 @@ impl PrefixCache {
         }
     }
 
+    /// The longer of `scope`'s own and the shared scope's matches (in RAM
+    /// only, when `ram_only`).
+    fn best_match(&self, scope: &Scope, prompt: &[u32], ram_only: bool) -> Option<(EntryId, usize)> {
+        let own = self.longest_match(scope, prompt, ram_only);
+        let shared = if *scope == Scope::Shared { None } else { self.longest_match(&Scope::Shared, prompt, ram_only) };
+        match (own, shared) {
+            (Some(a), Some(b)) => Some(if b.1 > a.1 { b } else { a }),
+            (a, b) => a.or(b),
+        }
+    }
+
+    fn is_in_ram(&self, id: EntryId) -> bool {
+        self.entries.get(&id).is_some_and(|e| matches!(e.held, Held::Ram(_)))
+    }
+
+    /// Whether reading entry `id`'s file is expected to take less than
+    /// computing `added` prompt tokens at `recompute_token_seconds` each.
+    /// The read rate is what this tier's reads have taken so far (file
+    /// read, check and restore, as a turn waits for them), or
+    /// [`ASSUMED_READ_BYTES_PER_SECOND`] before the first. On a CPU the
+    /// file nearly always wins (a SmolLM2 token takes milliseconds to
+    /// compute); a GPU computes thousands of tokens in the time a large
+    /// file takes to read.
+    fn disk_read_pays(&self, id: EntryId, added: usize, recompute_token_seconds: Option<f64>) -> bool {
+        let (Some(per_token), Some(Held::Disk { bytes, .. })) = (recompute_token_seconds, self.entries.get(&id).map(|e| &e.held)) else {
+            return true;
+        };
+        let d = &self.stats.disk;
+        let rate = if d.read_seconds > 0.0 { d.read_bytes as f64 / d.read_seconds } else { ASSUMED_READ_BYTES_PER_SECOND };
+        *bytes as f64 / rate < added as f64 * per_token
+    }
+
     /// Entry `id`'s state, read back if it is on disk; `None` (and the
     /// entry removed) when its file cannot serve.
     fn state_of(&mut self, id: EntryId) -> Option<KvCache> {
         let entry = self.entries.get(&id)?;
-        let shape = match &entry.held {
+        let (shape, bytes) = match &entry.held {
             Held::Ram(cache) => return Some(cache.clone()),
-            Held::Disk { shape, .. } => shape,
+            Held::Disk { shape, bytes, .. } => (shape, *bytes),
         };
         let started = Instant::now();
         let disk = self.disk.as_mut().expect("entries are on disk only with a disk tier");
@@ -259,6 +307,7 @@ impl PrefixCache {
             }
         };
         self.stats.disk.read_seconds += started.elapsed().as_secs_f64();
+        self.stats.disk.read_bytes += bytes as u64;
         self.stats.disk.hits += 1;
         let entry = self.entries.get_mut(&id).expect("looked up above");
         if entry.scope != Scope::Shared {
@@ -279,8 +328,9 @@ impl PrefixCache {
     }
 
     /// The entry holding the longest block-aligned prefix of `prompt` (all
-    /// but its last token) in `scope`, and that prefix's length.
-    fn longest_match(&self, scope: &Scope, prompt: &[u32]) -> Option<(EntryId, usize)> {
+    /// but its last token) in `scope` (in RAM only, when `ram_only`), and
+    /// that prefix's length.
+    fn longest_match(&self, scope: &Scope, prompt: &[u32], ram_only: bool) -> Option<(EntryId, usize)> {
         let usable = prompt.len().saturating_sub(1);
         let keys = self.block_keys(scope, &prompt[..usable]);
         keys.iter().enumerate().rev().find_map(|(i, key)| {
@@ -290,7 +340,7 @@ impl PrefixCache {
             // A hash collision must never serve the wrong state; and a cache
             // whose sliding-window layers dropped the keys a continuation at
             // `len` would see cannot serve it (a miss, computed afresh).
-            let usable = entry.earliest_truncation <= len;
+            let usable = entry.earliest_truncation <= len && (!ram_only || matches!(entry.held, Held::Ram(_)));
             (usable && entry.scope == *scope && entry.tokens.len() >= len && entry.tokens[..len] == prompt[..len]).then_some((id, len))
         })
     }
@@ -522,7 +572,7 @@ mod tests {
         let mut prompt = history(n);
         prompt.push(1);
         cache.set_scope_live(&session(n), true);
-        let hit = cache.lookup(&session(n), &prompt);
+        let hit = cache.lookup(&session(n), &prompt, None);
         cache.set_scope_live(&session(n), false);
         hit
     }
@@ -561,8 +611,29 @@ mod tests {
         let on_disk = cache.stats().disk.entries;
         let mut prompt = shared.clone();
         prompt.push(1);
-        assert_eq!(first_value(&cache.lookup(&session(3), &prompt).unwrap().0), 5.0);
+        assert_eq!(first_value(&cache.lookup(&session(3), &prompt, None).unwrap().0), 5.0);
         assert_eq!(cache.stats().disk.entries, on_disk - 1, "it came back into RAM");
+    }
+
+    /// A file is read when computing what it adds would take longer, and
+    /// passed over (a miss here: nothing in RAM matches) when computing is
+    /// faster, as on a GPU.
+    #[test]
+    fn a_file_is_read_only_when_reading_beats_computing() {
+        let (_dir, mut cache) = tiered("cost", 1 << 10);
+        for n in 0..3 {
+            store(&mut cache, n, n as f32);
+        }
+        let mut prompt = history(0);
+        prompt.push(1);
+        // 64 tokens at a nanosecond each: far less than reading ~64 KiB.
+        assert!(cache.lookup(&session(0), &prompt, Some(1e-9)).is_none());
+        assert_eq!((cache.stats().disk.skipped, cache.stats().disk.hits), (1, 0));
+        // At a second a token the file wins.
+        assert_eq!(first_value(&cache.lookup(&session(0), &prompt, Some(1.0)).unwrap().0), 0.0);
+        let d = cache.stats().disk;
+        assert_eq!((d.skipped, d.hits), (1, 1));
+        assert!(d.read_bytes > 0 && d.read_seconds > 0.0, "the read rate is measured: {d:?}");
     }
 
     #[test]

@@ -312,6 +312,12 @@ impl Scheduler {
     }
 
     /// The allowance the next mixed step would get (for traces).
+    /// What reading one prompt token has cost (see [`StepCost`]): what
+    /// recomputing a history costs, against reading it from disk.
+    pub fn prefill_token_seconds(&self) -> Option<f64> {
+        self.step_cost.prefill_token_seconds()
+    }
+
     pub fn learned_allowance(&self) -> Option<usize> {
         self.step_cost.prefill_allowance()
     }

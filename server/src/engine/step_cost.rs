@@ -90,6 +90,12 @@ impl StepCost {
         Some((self.inflation - 1.0).max(0.0) * self.decode_s? / self.prefill_only_token_s?)
     }
 
+    /// Seconds a prompt token costs to read, from the latest step that
+    /// read prompts alone (whole step counted); `None` before one ran.
+    pub fn prefill_token_seconds(&self) -> Option<f64> {
+        self.prefill_only_token_s
+    }
+
     /// Prompt tokens the next step with decoding rows may carry (at least
     /// the floor); `None` while nothing has been measured, or when the
     /// inflation is not above 1 (no limit).

@@ -290,7 +290,7 @@ impl Engine {
                 }
             };
             if let Some(scope) = &row.request.cache_scope {
-                if let Some((cache, len)) = self.prefix.lookup(scope, &row.request.prompt) {
+                if let Some((cache, len)) = self.prefix.lookup(scope, &row.request.prompt, self.scheduler.prefill_token_seconds()) {
                     row.resume_from(cache, len);
                 }
             }

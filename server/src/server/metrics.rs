@@ -46,6 +46,7 @@ pub struct Metrics {
     kv_disk_failed_reads: Counter<u64, AtomicU64>,
     kv_disk_evictions: Counter<u64, AtomicU64>,
     kv_disk_read_seconds: Counter<f64, AtomicU64>,
+    kv_disk_skipped: Counter<u64, AtomicU64>,
     spec_drafted: Counter<u64, AtomicU64>,
     spec_accepted: Counter<u64, AtomicU64>,
     spec_forwards: Counter<u64, AtomicU64>,
@@ -95,6 +96,7 @@ impl Metrics {
             kv_disk_failed_reads: Counter::default(),
             kv_disk_evictions: Counter::default(),
             kv_disk_read_seconds: Counter::default(),
+            kv_disk_skipped: Counter::default(),
             spec_drafted: Counter::default(),
             spec_accepted: Counter::default(),
             spec_forwards: Counter::default(),
@@ -132,6 +134,11 @@ impl Metrics {
         registry.register("kv_disk_failed_reads", "KV files that could not serve (missing, damaged, other state): misses", m.kv_disk_failed_reads.clone());
         registry.register("kv_disk_evictions", "KV files dropped under the disk budget", m.kv_disk_evictions.clone());
         registry.register("kv_disk_read_seconds", "Time spent reading KV files back for hits", m.kv_disk_read_seconds.clone());
+        registry.register(
+            "kv_disk_skipped",
+            "Matches on disk passed over: computing their tokens was expected to be faster than reading them",
+            m.kv_disk_skipped.clone(),
+        );
         registry.register("spec_drafted_tokens", "Draft tokens verified", m.spec_drafted.clone());
         registry.register("spec_accepted_tokens", "Draft tokens accepted", m.spec_accepted.clone());
         registry.register("spec_decode_forwards", "Decode forwards of speculating requests (per request row)", m.spec_forwards.clone());
@@ -184,6 +191,7 @@ impl Metrics {
             catch_up(&self.kv_disk_hits, d.hits);
             catch_up(&self.kv_disk_failed_reads, d.failed_reads);
             catch_up(&self.kv_disk_evictions, d.evictions);
+            catch_up(&self.kv_disk_skipped, d.skipped);
             let seen = self.kv_disk_read_seconds.get();
             if d.read_seconds > seen {
                 self.kv_disk_read_seconds.inc_by(d.read_seconds - seen);
