@@ -23,6 +23,10 @@ const GROW: f64 = 1.15;
 /// "Well under": within this share of the margin over a decode step, so
 /// that step-to-step noise around the target does not walk the allowance up.
 const GROW_BELOW: f64 = 0.75;
+/// Prompt tokens a prompt-only step must read for its time to say what a
+/// token costs in bulk: a short step is mostly its fixed cost (on an H200
+/// a 30-token step costs ten times a 512-token chunk's share per token).
+const BULK_PREFILL_TOKENS: usize = 256;
 /// Most a single slow step may shrink the allowance, so one spike does not
 /// throw away what was learned.
 const MOST_SHRINK: f64 = 0.5;
@@ -42,11 +46,14 @@ pub(super) struct StepCost {
     /// Prompt tokens per step with decoding rows, once a mixed step has
     /// been timed.
     allowance: Option<f64>,
+    /// Seconds per prompt token of prompt-only steps of at least
+    /// [`BULK_PREFILL_TOKENS`], decayed: what reading a long history costs.
+    bulk_token_s: Option<f64>,
 }
 
 impl StepCost {
     pub fn new(inflation: f64, floor: usize) -> StepCost {
-        StepCost { inflation, floor, decode_s: None, prefill_only_token_s: None, allowance: None }
+        StepCost { inflation, floor, decode_s: None, prefill_only_token_s: None, allowance: None, bulk_token_s: None }
     }
 
     /// Records a step that ran `decode_rows` decoding rows and
@@ -57,7 +64,13 @@ impl StepCost {
         match (decode_rows, prefill_tokens, self.decode_s) {
             (0, 0, _) => {}
             (_, 0, d) => self.decode_s = Some(d.map_or(seconds, |d| DECAY * d + (1.0 - DECAY) * seconds)),
-            (0, _, _) => self.prefill_only_token_s = Some(seconds / tokens),
+            (0, _, _) => {
+                self.prefill_only_token_s = Some(seconds / tokens);
+                if prefill_tokens >= BULK_PREFILL_TOKENS {
+                    let t = seconds / tokens;
+                    self.bulk_token_s = Some(self.bulk_token_s.map_or(t, |b| DECAY * b + (1.0 - DECAY) * t));
+                }
+            }
             (_, _, Some(decode)) => {
                 let target = self.inflation * decode;
                 let current = self.allowance.or_else(|| self.first_guess()).unwrap_or(tokens);
@@ -90,10 +103,11 @@ impl StepCost {
         Some((self.inflation - 1.0).max(0.0) * self.decode_s? / self.prefill_only_token_s?)
     }
 
-    /// Seconds a prompt token costs to read, from the latest step that
-    /// read prompts alone (whole step counted); `None` before one ran.
+    /// Seconds a prompt token costs to read in bulk, from steps that read
+    /// at least [`BULK_PREFILL_TOKENS`] prompt tokens alone (whole step
+    /// counted); `None` before one ran.
     pub fn prefill_token_seconds(&self) -> Option<f64> {
-        self.prefill_only_token_s
+        self.bulk_token_s
     }
 
     /// Prompt tokens the next step with decoding rows may carry (at least
@@ -144,6 +158,20 @@ mod tests {
     /// The largest allowance of the last few steps.
     fn settled(chosen: &[usize]) -> usize {
         *chosen.iter().rev().take(4).max().unwrap()
+    }
+
+    /// Only long prompt-only steps say what a token costs in bulk: short
+    /// ones are mostly their fixed cost.
+    #[test]
+    fn bulk_token_cost_comes_from_long_prompt_steps() {
+        let mut cost = StepCost::new(1.5, 16);
+        cost.record(0, 30, 0.010);
+        assert_eq!(cost.prefill_token_seconds(), None);
+        cost.record(0, 512, 0.016);
+        assert_eq!(cost.prefill_token_seconds(), Some(0.016 / 512.0));
+        cost.record(0, 30, 0.010);
+        cost.record(4, 0, 0.009);
+        assert_eq!(cost.prefill_token_seconds(), Some(0.016 / 512.0), "short and decode steps leave it");
     }
 
     #[test]
