@@ -94,7 +94,8 @@ struct Entry {
 enum Held {
     Ram(KvCache),
     /// In the disk tier's file of the entry's id: the file's size, when it
-    /// was written (older files are evicted first), and an empty cache of
+    /// was written (the tier's write count then: older files are evicted
+    /// first), and an empty cache of
     /// the state's shape to read it back into.
     Disk {
         bytes: usize,
@@ -153,8 +154,6 @@ pub struct PrefixCache {
     idle: HashSet<Scope>,
     /// Where entries evicted from RAM go, if anywhere.
     disk: Option<DiskTier>,
-    /// Counts the disk tier's writes, to order its files by age.
-    disk_writes: u64,
     /// Counts stores and hits, for `Entry::used`.
     ticks: u64,
     stats: PrefixStats,
@@ -197,7 +196,6 @@ impl PrefixCache {
             next_id: 1,
             idle: HashSet::new(),
             disk,
-            disk_writes: 0,
             ticks: 0,
             stats: PrefixStats::default(),
         })
@@ -449,10 +447,9 @@ impl PrefixCache {
                 return self.remove(id);
             }
         };
-        self.disk_writes += 1;
         self.stats.disk.writes += 1;
         self.stats.disk.written_bytes += file.len() as u64;
-        entry.held = Held::Disk { bytes: file.len(), written: self.disk_writes, shape: cache.emptied() };
+        entry.held = Held::Disk { bytes: file.len(), written: self.stats.disk.writes, shape: cache.emptied() };
         disk.write(id, file);
         self.policy.invalidate(&id);
         self.trim_disk();
