@@ -18,6 +18,8 @@ llama.cpp: its /completion with `json_schema` (turned into a GBNF grammar
 by the server) against the same without; `plain` and `schema` only.
 
 With --rounds N each setting runs N times on new prompts (a row each);
+with --interleave the rounds go outermost (plain, schema, plain, schema...),
+so one server's settings meet the same machine state;
 the report prints medians over rows. Printed per (engine, setting, streams): decode tok/s per stream (median of
 (tokens - 1) / (last token - first token)), aggregate tok/s (all tokens /
 wall time of the run, so prompt reading counts), all-decoding tok/s (tokens
@@ -183,21 +185,27 @@ async def measure(args, setting, streams, offset):
 async def main_async(args):
     rows = []
     for streams in args.streams:
-        for setting in args.settings:
-            for rnd in range(args.rounds):
-                # The same prompts for every setting of one stream count; new ones each round.
-                row = await measure(args, setting, streams, offset=streams * 100 + rnd * streams)
-                row["round"] = rnd
-                print(f"[structured] {args.engine} {setting} x{streams} round {rnd + 1}: {row['decode_tok_s']:.1f} tok/s per stream, "
-                      f"{row['aggregate_tok_s']:.1f} aggregate, valid {row['valid']:.0%}", file=sys.stderr)
-                rows.append(row)
+        if args.interleave:
+            # Round by round, every setting once, each on prompts of its own
+            # (so no setting's prompts are cached by another's).
+            order = [(rnd, setting, (rnd * len(args.settings) + k) * streams) for rnd in range(args.rounds) for k, setting in enumerate(args.settings)]
+        else:
+            # The same prompts for every setting of one stream count; new ones each round.
+            order = [(rnd, setting, rnd * streams) for setting in args.settings for rnd in range(args.rounds)]
+        for rnd, setting, at in order:
+            row = await measure(args, setting, streams, offset=streams * 100 + at)
+            row["round"] = rnd
+            print(f"[structured] {args.engine} {setting} x{streams} round {rnd + 1}: {row['decode_tok_s']:.1f} tok/s per stream, "
+                  f"{row['aggregate_tok_s']:.1f} aggregate, valid {row['valid']:.0%}", file=sys.stderr)
+            rows.append(row)
     with open(args.out, "a") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
 
 
 def report(path):
-    rows = [json.loads(l) for l in open(path)]
+    # (Step-trace rows kept beside the requests have no engine.)
+    rows = [r for r in map(json.loads, open(path)) if "engine" in r]
     key = {}
     for r in rows:
         key.setdefault((r["label"], r["engine"], r["streams"], r["setting"]), []).append(r)
@@ -226,6 +234,27 @@ def report(path):
                   f"{med(mine, 'aggregate_tok_s') / med(rs, 'aggregate_tok_s'):.2f}x aggregate")
 
 
+def steps(path):
+    """Median step time of pure decode steps (no drafts, no prompt tokens)
+    by row count, constrained against plain, from a TETHER_TRACE_STEPS log."""
+    by = {}
+    for line in open(path):
+        if not line.startswith("[step] "):
+            continue
+        f = dict(kv.split("=", 1) for kv in line.split()[1:])
+        if "constrained_rows" not in f or f["draft_tokens"] != "0" or f["prefill_tokens"] != "0":
+            continue
+        rows, constrained = int(f["decode_rows"]), int(f["constrained_rows"])
+        if constrained in (0, rows):
+            by.setdefault((rows, constrained > 0), []).append(float(f["ms"]))
+    print(f"{'decode rows':>12}{'plain ms':>10}{'steps':>7}{'schema ms':>11}{'steps':>7}{'ratio':>8}")
+    for rows in sorted({r for r, _ in by}):
+        plain, schema = by.get((rows, False)), by.get((rows, True))
+        if plain and schema and len(plain) >= 5 and len(schema) >= 5:
+            p, c = statistics.median(plain), statistics.median(schema)
+            print(f"{rows:>12}{p:>10.1f}{len(plain):>7}{c:>11.1f}{len(schema):>7}{c / p:>7.2f}x")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--engine", choices=["tether", "llama.cpp"])
@@ -236,11 +265,15 @@ def main():
     p.add_argument("--max-tokens", type=int, default=160)
     # One request per setting is one sample at one stream: rounds of new prompts, one row each (the report takes medians).
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--interleave", action="store_true", help="rounds outermost: every setting once per round, on one server")
     p.add_argument("--out")
     p.add_argument("--report")
+    p.add_argument("--steps", help="a step-trace log: constrained against plain step times")
     args = p.parse_args()
     if args.report:
         report(args.report)
+    elif args.steps:
+        steps(args.steps)
     else:
         asyncio.run(main_async(args))
 

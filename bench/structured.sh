@@ -12,6 +12,10 @@
 #        REPS=1                        repeat everything (engines interleaved); medians
 #        ROUNDS=1                      requests of new prompts per setting on one server; medians
 #        WITH_LLAMACPP=0               skip llama.cpp's server
+#        SAME_SERVER=1                 instead: what the constraint alone costs: plain and
+#                                      schema requests alternating round by round on one
+#                                      server (no drafts), with the median step time of
+#                                      constrained and plain decode steps from its step trace
 #        OUT=DIR                       results.jsonl and server logs (default: a temp dir)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +34,18 @@ if [ -z "$TETHER_BIN" ]; then
   TETHER_BIN=target/release/tether
 fi
 mkdir -p "$OUT"
+if [ "${SAME_SERVER:-0}" = 1 ]; then
+  for m in $MODELS; do
+    TETHER_TRACE_STEPS=1 start_tether "$TETHER_BIN" "$OUT/tether-$m-steps.log" --model "$m" --device cpu --speculation off
+    "$PY" bench/structured.py --engine tether --url "http://127.0.0.1:$port" --label "$m" --streams "$STREAMS" --settings plain,schema \
+      --rounds "${ROUNDS:-4}" --interleave --out "$OUT/results.jsonl"
+    stop_server
+    "$PY" bench/structured.py --steps "$OUT/tether-$m-steps.log"
+  done
+  "$PY" bench/structured.py --report "$OUT/results.jsonl"
+  log "results: $OUT/results.jsonl"
+  exit 0
+fi
 # A fresh server for every setting: what one run's scheduler learns (the
 # prefill allowance, the draft bar) must not carry into the next.
 for rep in $(seq "$REPS"); do

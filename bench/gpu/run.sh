@@ -31,6 +31,8 @@
 # constrained with grammar-forced drafts; 1 and 32 streams; a fresh server
 # per setting) against `tether serve` on the random Qwen2.5-0.5B-shaped bf16
 # checkpoint: what the token masks cost when a step takes milliseconds.
+# SAME_SERVER=1: plain and schema alternating on one server per build
+# (TETHER_BINS="old new"), step traces compared (bench/structured.sh says more).
 # Needs aiohttp's wheels (for the machine's Python) in $KEEP/aiohttp.
 # MODE=sessions: bench/sessions.py (SESSIONS sessions of a shared prefix
 # plus their own text, detached, then each one more turn in random order)
@@ -112,6 +114,23 @@ if [ "${MODE:-decode}" = structured ]; then
   [ -d /opt/py/aiohttp ] || "$PY" -m pip install -q --no-deps --target /opt/py "$KEEP"/aiohttp/*.whl
   log() { echo "[structured] $*" >&2; }
   source "$here/../lib.sh"
+  if [ "${SAME_SERVER:-0}" = 1 ]; then
+    # What the constraint alone costs: plain and schema rounds alternating on
+    # one server per build, builds interleaved (TETHER_BINS="old new"), with
+    # each server's step trace (constrained against plain decode steps).
+    for rep in 1 2; do
+      for bin in ${TETHER_BINS:-$TETHER_BIN}; do
+        name=$(basename "$bin")-$rep
+        TETHER_TRACE_STEPS=1 start_tether "$bin" "$OUT/tether-steps-$name.log" --model /opt/models/qwen2.5-0.5b-bf16 --device gpu --speculation off
+        "$PY" "$here/../structured.py" --engine tether --url "http://127.0.0.1:$port" --label "$(basename "$bin")" \
+          --streams "${STREAMS:-1,32}" --settings plain,schema --rounds "${ROUNDS:-3}" --interleave --out "$OUT/results.jsonl" || echo "structured $name failed" >&2
+        stop_server
+        echo "== $name" && "$PY" "$here/../structured.py" --steps "$OUT/tether-steps-$name.log"
+      done
+    done
+    "$PY" "$here/../structured.py" --report "$OUT/results.jsonl"
+    exit 0
+  fi
   for setting in plain schema schema+ff; do
     # --speculation off: the constrained rows' only drafts are their forced tokens (schema+ff).
     start_tether "$TETHER_BIN" "$OUT/tether-serve-$setting.log" --model /opt/models/qwen2.5-0.5b-bf16 --device gpu --speculation off

@@ -8,7 +8,7 @@ use super::api::{EngineError, EngineEvent, Finish};
 use super::row::{logprobs_of, Work};
 use super::scheduler::{RowWork, StepTiming};
 use super::speculate::{self, DraftRow, Proposal};
-use super::step_masks::{step_masks, RowMasks};
+use super::step_masks::{cut_forbidden_drafts, mask_jobs, step_masks, RowMasks};
 use super::worker::Engine;
 use crate::model::{BatchedRows, KvBatch, RowInput};
 
@@ -70,19 +70,10 @@ impl Engine {
         }
         let mut work = self.fill_drafts(&plan.work, &mut proposals)?;
         let mut ended: Vec<(usize, End)> = Vec::new();
-        let masks_started = Instant::now();
-        let mut masks: Vec<Option<RowMasks>> = Vec::with_capacity(self.running.len());
-        for (i, made) in step_masks(&mut self.running, &mut work).into_iter().enumerate() {
-            match made {
-                Some(Err(e)) => {
-                    work[i] = None;
-                    ended.push((i, End::Failed(EngineError::Constraint(e))));
-                    masks.push(None);
-                }
-                made => masks.push(made.and_then(Result::ok)),
-            }
+        for (i, e) in cut_forbidden_drafts(&mut self.running, &mut work) {
+            work[i] = None;
+            ended.push((i, End::Failed(EngineError::Constraint(e))));
         }
-        let masks_ms = masks_started.elapsed().as_secs_f64() * 1e3;
         let (mut decode_rows, mut draft_tokens, mut prefill_tokens) = (0, 0, 0);
         for w in work.iter().flatten() {
             match w {
@@ -120,7 +111,7 @@ impl Engine {
                     LogitsAt::Row(inputs.len() - 1)
                 }
             };
-            scheduled.push(Scheduled { row: i, samples, decode, drafts, logits_at, masks: masks[i].take() });
+            scheduled.push(Scheduled { row: i, samples, decode, drafts, logits_at, masks: None });
         }
         let batched = match &mut self.batch {
             Some(kv) if slot_tokens.iter().any(|t| !t.is_empty()) => {
@@ -141,6 +132,50 @@ impl Engine {
                 LogitsAt::Row(k) => row_logits[k].take(),
             })
             .collect();
+
+        // The forward's own outputs: every sampling row's logits, and the KV
+        // of rows that read a prompt chunk without sampling.
+        // (Handles: cloning one shares its array.)
+        let mut forward_outputs: Vec<mlx::Array> = logits.iter().flatten().cloned().collect();
+        for s in &scheduled {
+            if !s.samples {
+                forward_outputs.extend(self.running[s.row].cache.buffers().into_iter().cloned());
+            }
+        }
+        if let (true, Some(kv)) = (ran_batched, &self.batch) {
+            forward_outputs.extend(kv.buffers().into_iter().cloned());
+        }
+        // Constrained rows' masks are made while the forward is evaluated:
+        // the forward does not need them, only the draws after it. They are
+        // made on threads of their own, because handing the forward to MLX
+        // holds this thread (on a GPU it records and launches every kernel;
+        // on the CPU it waits while more than a few operations are queued).
+        let wanted: Vec<(usize, &[u32])> =
+            scheduled.iter().filter(|s| s.samples && self.running[s.row].constraint.is_some()).map(|s| (s.row, &s.drafts[..])).collect();
+        let masks_started = Instant::now();
+        if !wanted.is_empty() {
+            let jobs = mask_jobs(&mut self.running, &wanted);
+            let (made, launched) = std::thread::scope(|scope| {
+                let masks = scope.spawn(|| step_masks(jobs));
+                let launched = mlx::async_eval(&forward_outputs.iter().collect::<Vec<_>>());
+                (masks.join().expect("the mask thread panicked"), launched)
+            });
+            launched?;
+            drop(wanted);
+            let mut made = made.into_iter();
+            for s in scheduled.iter_mut().filter(|s| s.samples && self.running[s.row].constraint.is_some()) {
+                match made.next().expect("one result per wanted row") {
+                    Ok(m) => s.masks = Some(m),
+                    Err(e) => {
+                        // Its forward ran; the row ends here and its state is dropped.
+                        s.samples = false;
+                        ended.push((s.row, End::Failed(EngineError::Constraint(e))));
+                    }
+                }
+            }
+        }
+        let masks_ms = masks_started.elapsed().as_secs_f64() * 1e3;
+        let constrained_rows = scheduled.iter().filter(|s| s.masks.is_some()).count();
 
         // Each sampling row's draws, lazily: one per position it verifies
         // (the pending token's successor, then one after each draft), each
@@ -177,16 +212,13 @@ impl Engine {
             draws.push((k, draw, keep));
         }
         let mut to_eval: Vec<&mlx::Array> = draws.iter().map(|(_, d, _)| d).collect();
-        for s in &scheduled {
-            if !s.samples {
-                to_eval.extend(self.running[s.row].cache.buffers());
-            }
-        }
-        if let (true, Some(kv)) = (ran_batched, &self.batch) {
-            to_eval.extend(kv.buffers());
-        }
+        to_eval.extend(&forward_outputs);
         let built = Instant::now();
         mlx::eval(&to_eval)?;
+        // The handles go before any row's KV is written again: an array
+        // with a second owner cannot be updated in place.
+        drop(to_eval);
+        drop(forward_outputs);
         self.stats.steps += 1;
 
         // One readback for every row's draws, not one per row.
@@ -233,7 +265,7 @@ impl Engine {
             let widened = plan.widened;
             let ms = |from: Instant, to: Instant| to.duration_since(from).as_secs_f64() * 1e3;
             eprintln!(
-                "[step] decode_rows={decode_rows} draft_tokens={draft_tokens} prefill_tokens={prefill_tokens} ms={:.2} masks_ms={masks_ms:.2} build_ms={:.2} eval_ms={:.2} widened={widened} next_allowance={next:?}",
+                "[step] decode_rows={decode_rows} constrained_rows={constrained_rows} draft_tokens={draft_tokens} prefill_tokens={prefill_tokens} ms={:.2} masks_ms={masks_ms:.2} build_ms={:.2} eval_ms={:.2} widened={widened} next_allowance={next:?}",
                 seconds * 1e3,
                 ms(started, built),
                 ms(built, evaluated),

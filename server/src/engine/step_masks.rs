@@ -1,11 +1,15 @@
 //! A step's token masks: for every constrained row that samples this step,
-//! the allowed set at each position it verifies. Rows are independent, so
-//! their masks are made side by side on the host's cores, and they go to
-//! the device as bits (one upload of 4.7k words a position for a 152k-token
-//! vocabulary), where [`MaskExpander`] turns them into the allowed sets the
-//! logits are filtered by. On an H200 at 32 constrained streams, serial
-//! masks with a float bias row each built on the host took 12 ms of a 21 ms
-//! step (docs/performance.md, "Structured outputs").
+//! the allowed set at each position it verifies. They are made while the
+//! step's forward runs (the forward does not need them, only the draws
+//! after it), so on a GPU their host time hides behind the device's; before
+//! the forward, [`cut_forbidden_drafts`] only checks drafts token by token,
+//! which is far cheaper than a mask. Rows are independent, so their masks
+//! are made side by side on the host's cores, and they go to the device as
+//! bits (one upload of 4.7k words a position for a 152k-token vocabulary),
+//! where [`MaskExpander`] turns them into the allowed sets the logits are
+//! filtered by. On an H200 at 32 constrained streams, serial masks with a
+//! float bias row each built on the host took 12 ms of a 21 ms step
+//! (docs/performance.md, "Structured outputs").
 use mlx::{Array, Dtype};
 
 use super::constraint::{TokenConstraint, TokenMask};
@@ -15,46 +19,66 @@ use super::row::{Row, Work};
 /// after each draft.
 pub(super) type RowMasks = Vec<TokenMask>;
 
-/// Masks for every row of `work` that is constrained and samples; `None`
-/// for the others, an error for a row whose matcher failed (that row only).
-/// Drafts the grammar forbids are cut from `work`.
-pub(super) fn step_masks(rows: &mut [Row], work: &mut [Option<Work>]) -> Vec<Option<Result<RowMasks, String>>> {
-    let mut out: Vec<Option<Result<RowMasks, String>>> = (0..rows.len()).map(|_| None).collect();
-    let mut jobs: Vec<(usize, &mut dyn TokenConstraint, &mut Work)> = Vec::new();
+/// Cuts each constrained row's drafts at the first one its grammar forbids
+/// (it could never be accepted, so the forward need not verify it). Returns
+/// the rows whose matcher failed, with why.
+pub(super) fn cut_forbidden_drafts(rows: &mut [Row], work: &mut [Option<Work>]) -> Vec<(usize, String)> {
+    let mut failed = Vec::new();
     for (i, (row, w)) in rows.iter_mut().zip(work.iter_mut()).enumerate() {
-        let Some(w) = w else { continue };
-        // (Before the row takes its input: a prompt chunk samples when it reads the rest.)
-        let samples = match w {
-            Work::Decode { .. } => true,
-            Work::Prefill { tokens } => *tokens == row.prompt_remaining() && !row.is_prewarm(),
-        };
-        if let Some(c) = row.constraint.as_mut().filter(|_| samples) {
-            jobs.push((i, c.as_mut(), w));
+        let (Some(c), Some(Work::Decode { drafts })) = (&mut row.constraint, w) else { continue };
+        if drafts.is_empty() {
+            continue;
+        }
+        match c.valid_prefix(drafts) {
+            Ok(n) => drafts.truncate(n),
+            Err(e) => failed.push((i, e)),
         }
     }
-    let made = side_by_side(jobs, |(i, c, w)| (i, constrain(c, w)));
-    for (i, m) in made {
-        out[i] = Some(m);
+    failed
+}
+
+/// The work of making the masks of the rows in `wanted` (running index,
+/// ascending, and the drafts it verifies; each row is constrained and
+/// samples this step): each row's matcher and drafts, in that order.
+pub(super) fn mask_jobs<'a>(rows: &'a mut [Row], wanted: &[(usize, &'a [u32])]) -> Vec<MaskJob<'a>> {
+    let mut jobs: Vec<MaskJob<'a>> = Vec::with_capacity(wanted.len());
+    let mut next = wanted.iter().peekable();
+    for (i, row) in rows.iter_mut().enumerate() {
+        let Some(&&(_, drafts)) = next.peek().filter(|(r, _)| *r == i) else { continue };
+        next.next();
+        let c = row.constraint.as_mut().expect("a row wanting masks is constrained");
+        jobs.push((c.as_mut(), drafts));
     }
-    out
+    jobs
+}
+
+pub(super) type MaskJob<'a> = (&'a mut dyn TokenConstraint, &'a [u32]);
+
+/// The jobs' masks, in their order; an error for a row whose matcher failed
+/// (that row only).
+pub(super) fn step_masks(jobs: Vec<MaskJob<'_>>) -> Vec<Result<RowMasks, String>> {
+    side_by_side(jobs, |(c, drafts)| constrain(c, drafts))
 }
 
 /// A row's masks: its next token's, then after each draft, walking the
-/// drafts through the matcher and cutting them at the first one the grammar
-/// forbids (it could never be accepted). The matcher is rolled back after,
-/// so it holds emitted tokens only.
-fn constrain(c: &mut dyn TokenConstraint, work: &mut Work) -> Result<Vec<TokenMask>, String> {
+/// drafts through the matcher, which is rolled back after, so it holds
+/// emitted tokens only. Past a draft the masks forbid (the drafts were cut
+/// by [`TokenConstraint::valid_prefix`], so only where it and the mask
+/// disagree), the last mask repeats: that draft is rejected whatever is
+/// drawn after it, so those positions' draws are never used.
+fn constrain(c: &mut dyn TokenConstraint, drafts: &[u32]) -> Result<Vec<TokenMask>, String> {
     let mut masks = vec![c.allowed()?];
-    if let Work::Decode { drafts } = work {
-        let mut walked = 0;
-        while walked < drafts.len() && masks[walked].allows(drafts[walked]) && !c.is_finished() {
-            c.consume(&drafts[walked..walked + 1])?;
+    let mut walked = 0;
+    for &draft in drafts {
+        if walked + 1 == masks.len() && masks[walked].allows(draft) && !c.is_finished() {
+            c.consume(&[draft])?;
             walked += 1;
             masks.push(c.allowed()?);
+        } else {
+            masks.push(masks[masks.len() - 1].clone());
         }
-        drafts.truncate(walked);
-        c.rollback(walked)?;
     }
+    c.rollback(walked)?;
     if masks.iter().any(TokenMask::is_empty) {
         return Err("the grammar allows no token here".into());
     }
@@ -185,5 +209,22 @@ mod tests {
             let out = side_by_side((0..n).collect(), |x: u64| x * x);
             assert_eq!(out, (0..n).map(|x| x * x).collect::<Vec<_>>());
         }
+    }
+
+    /// Positions past a forbidden draft repeat the last mask (their draws
+    /// are never used), and the matcher ends where it began.
+    #[test]
+    fn masks_follow_the_drafts_the_grammar_allows() {
+        use super::super::constraint::{testing::Exactly, ConstraintSpec};
+        use super::constrain;
+        let mut c = Exactly(vec![1, 2, 3]).start().unwrap();
+        let allows_only = |m: &super::TokenMask| (0..32).filter(|&t| m.allows(t)).collect::<Vec<_>>();
+        let masks = constrain(c.as_mut(), &[1, 5, 2]).unwrap();
+        assert_eq!(masks.iter().map(allows_only).collect::<Vec<_>>(), [vec![1], vec![2], vec![2], vec![2]]);
+        assert_eq!(c.forced(), [1, 2, 3]);
+        let masks = constrain(c.as_mut(), &[1, 2]).unwrap();
+        assert_eq!(masks.iter().map(allows_only).collect::<Vec<_>>(), [vec![1], vec![2], vec![3]]);
+        assert_eq!(c.valid_prefix(&[1, 2, 4]).unwrap(), 2);
+        assert_eq!(c.forced(), [1, 2, 3]);
     }
 }

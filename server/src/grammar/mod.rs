@@ -142,12 +142,18 @@ impl std::fmt::Debug for CompiledGrammar {
 
 impl ConstraintSpec for CompiledGrammar {
     fn start(&self) -> Result<Box<dyn TokenConstraint>, String> {
-        Ok(Box::new(GrammarMatcher(Matcher::new(Ok(self.parser.deep_clone())))))
+        let matcher = Matcher::new(Ok(self.parser.deep_clone()));
+        let vocab = matcher.tok_env().map_err(message)?.tok_trie().vocab_size();
+        Ok(Box::new(GrammarMatcher { matcher, vocab }))
     }
 }
 
 /// One request's position in its grammar.
-struct GrammarMatcher(Matcher);
+struct GrammarMatcher {
+    matcher: Matcher,
+    /// The tokenizer's ids: llguidance stops a matcher asked about an id past them.
+    vocab: usize,
+}
 
 fn message(e: impl std::fmt::Display) -> String {
     e.to_string()
@@ -155,23 +161,27 @@ fn message(e: impl std::fmt::Display) -> String {
 
 impl TokenConstraint for GrammarMatcher {
     fn allowed(&mut self) -> Result<TokenMask, String> {
-        let mask = self.0.compute_mask_or_eos().map_err(message)?;
+        let mask = self.matcher.compute_mask_or_eos().map_err(message)?;
         Ok(TokenMask { words: mask.as_slice().to_vec() })
     }
 
+    fn accepts(&mut self, token: u32) -> Result<bool, String> {
+        Ok((token as usize) < self.vocab && self.matcher.validate_tokens(&[token]).map_err(message)? == 1)
+    }
+
     fn consume(&mut self, tokens: &[u32]) -> Result<(), String> {
-        self.0.consume_tokens(tokens).map_err(message)
+        self.matcher.consume_tokens(tokens).map_err(message)
     }
 
     fn rollback(&mut self, n: usize) -> Result<(), String> {
-        self.0.rollback(n).map_err(message)
+        self.matcher.rollback(n).map_err(message)
     }
 
     fn forced(&mut self) -> Vec<u32> {
-        self.0.compute_ff_tokens()
+        self.matcher.compute_ff_tokens()
     }
 
     fn is_finished(&self) -> bool {
-        self.0.is_stopped()
+        self.matcher.is_stopped()
     }
 }

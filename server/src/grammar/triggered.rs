@@ -59,6 +59,13 @@ impl TokenConstraint for TriggeredMatcher {
         }
     }
 
+    fn accepts(&mut self, token: u32) -> Result<bool, String> {
+        match &mut self.call {
+            Some(span) => span.matcher.accepts(token),
+            None => Ok((token as usize) < self.spec.vocab),
+        }
+    }
+
     fn consume(&mut self, tokens: &[u32]) -> Result<(), String> {
         for &t in tokens {
             self.tokens.push(t);
@@ -111,47 +118,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-
-    /// A grammar of one fixed token sequence.
-    #[derive(Debug)]
-    struct Exactly(Vec<u32>);
-
-    struct ExactlyMatcher(Vec<u32>, usize);
-
-    impl ConstraintSpec for Exactly {
-        fn start(&self) -> Result<Box<dyn TokenConstraint>, String> {
-            Ok(Box::new(ExactlyMatcher(self.0.clone(), 0)))
-        }
-    }
-
-    impl TokenConstraint for ExactlyMatcher {
-        fn allowed(&mut self) -> Result<TokenMask, String> {
-            let mut words = vec![0u32; 1];
-            if let Some(&t) = self.0.get(self.1) {
-                words[0] |= 1 << t;
-            }
-            Ok(TokenMask { words })
-        }
-        fn consume(&mut self, tokens: &[u32]) -> Result<(), String> {
-            for &t in tokens {
-                if self.0.get(self.1) != Some(&t) {
-                    return Err(format!("token {t} not allowed"));
-                }
-                self.1 += 1;
-            }
-            Ok(())
-        }
-        fn rollback(&mut self, n: usize) -> Result<(), String> {
-            self.1 = self.1.checked_sub(n).ok_or("too far")?;
-            Ok(())
-        }
-        fn forced(&mut self) -> Vec<u32> {
-            self.0[self.1..].to_vec()
-        }
-        fn is_finished(&self) -> bool {
-            self.1 == self.0.len()
-        }
-    }
+    use crate::engine::constraint::testing::Exactly;
 
     fn matcher() -> Box<dyn TokenConstraint> {
         Triggered { trigger: 9, inner: Arc::new(Exactly(vec![4, 5, 6])), vocab: 32 }.start().unwrap()
@@ -193,5 +160,17 @@ mod tests {
         m.consume(&[6]).unwrap();
         assert!(free(&mut m));
         assert!(m.rollback(99).is_err());
+    }
+
+    #[test]
+    fn valid_prefix_walks_free_text_and_spans_and_moves_nothing() {
+        let mut m = matcher();
+        m.consume(&[1]).unwrap();
+        assert_eq!(m.valid_prefix(&[2, 9, 4, 5, 7, 8]).unwrap(), 4, "the span allows 4, 5, 6 only");
+        assert_eq!(m.valid_prefix(&[9, 4, 5, 6, 3, 40]).unwrap(), 5, "free again after the span; 40 is past the vocabulary");
+        assert!(free(&mut m) && m.forced().is_empty(), "the matcher is where it was");
+        m.consume(&[9]).unwrap();
+        assert_eq!(m.valid_prefix(&[5]).unwrap(), 0);
+        assert_eq!(m.forced(), [4, 5, 6]);
     }
 }
