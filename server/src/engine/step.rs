@@ -8,7 +8,7 @@ use super::api::{EngineError, EngineEvent, Finish};
 use super::row::{logprobs_of, Work};
 use super::scheduler::{RowWork, StepTiming};
 use super::speculate::{self, DraftRow, Proposal};
-use super::step_masks::{cut_forbidden_drafts, mask_jobs, step_masks, RowMasks};
+use super::step_masks::{cut_forbidden_drafts, MasksInFlight, RowMasks};
 use super::worker::Engine;
 use crate::model::{BatchedRows, KvBatch, RowInput};
 
@@ -74,6 +74,9 @@ impl Engine {
             work[i] = None;
             ended.push((i, End::Failed(EngineError::Constraint(e))));
         }
+        // Constrained rows' masks are made while the forward is built and
+        // evaluated: the forward does not need them, only the draws after it.
+        let masks_in_flight = MasksInFlight::start(&mut self.running, &work);
         let (mut decode_rows, mut draft_tokens, mut prefill_tokens) = (0, 0, 0);
         for w in work.iter().flatten() {
             match w {
@@ -145,26 +148,19 @@ impl Engine {
         if let (true, Some(kv)) = (ran_batched, &self.batch) {
             forward_outputs.extend(kv.buffers().into_iter().cloned());
         }
-        // Constrained rows' masks are made while the forward is evaluated:
-        // the forward does not need them, only the draws after it. They are
-        // made on threads of their own, because handing the forward to MLX
-        // holds this thread (on a GPU it records and launches every kernel;
-        // on the CPU it waits while more than a few operations are queued).
-        let wanted: Vec<(usize, &[u32])> =
-            scheduled.iter().filter(|s| s.samples && self.running[s.row].constraint.is_some()).map(|s| (s.row, &s.drafts[..])).collect();
         let masks_started = Instant::now();
-        if !wanted.is_empty() {
-            let jobs = mask_jobs(&mut self.running, &wanted);
-            let (made, launched) = std::thread::scope(|scope| {
-                let masks = scope.spawn(|| step_masks(jobs));
-                let launched = mlx::async_eval(&forward_outputs.iter().collect::<Vec<_>>());
-                (masks.join().expect("the mask thread panicked"), launched)
-            });
-            launched?;
-            drop(wanted);
-            let mut made = made.into_iter();
-            for s in scheduled.iter_mut().filter(|s| s.samples && self.running[s.row].constraint.is_some()) {
-                match made.next().expect("one result per wanted row") {
+        if let Some(in_flight) = masks_in_flight {
+            // Masks not ready yet: the forward goes to MLX first, and they
+            // finish beside its evaluation (handing it over holds this
+            // thread: on a GPU it launches every kernel; on the CPU MLX waits
+            // while more than a few operations are queued). Ready: the draws
+            // join the forward's one evaluation, which saves a round trip.
+            if !in_flight.is_finished() {
+                mlx::async_eval(&forward_outputs.iter().collect::<Vec<_>>())?;
+            }
+            for (row, made) in in_flight.finish(&mut self.running) {
+                let s = scheduled.iter_mut().find(|s| s.row == row).expect("a row with masks is scheduled");
+                match made {
                     Ok(m) => s.masks = Some(m),
                     Err(e) => {
                         // Its forward ran; the row ends here and its state is dropped.

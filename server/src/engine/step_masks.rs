@@ -1,15 +1,16 @@
 //! A step's token masks: for every constrained row that samples this step,
-//! the allowed set at each position it verifies. They are made while the
-//! step's forward runs (the forward does not need them, only the draws
-//! after it), so on a GPU their host time hides behind the device's; before
-//! the forward, [`cut_forbidden_drafts`] only checks drafts token by token,
-//! which is far cheaper than a mask. Rows are independent, so their masks
-//! are made side by side on the host's cores, and they go to the device as
-//! bits (one upload of 4.7k words a position for a 152k-token vocabulary),
-//! where [`MaskExpander`] turns them into the allowed sets the logits are
-//! filtered by. On an H200 at 32 constrained streams, serial masks with a
-//! float bias row each built on the host took 12 ms of a 21 ms step
-//! (docs/performance.md, "Structured outputs").
+//! the allowed set at each position it verifies. They are made on a thread
+//! of their own while the step's forward is built and evaluated (the
+//! forward does not need them, only the draws after it), so their host time
+//! hides behind the forward's; before the forward, [`cut_forbidden_drafts`]
+//! only checks drafts token by token, which is far cheaper than a mask.
+//! Rows are independent, so their masks are made side by side on the host's
+//! cores, and they go to the device as bits (one upload of 4.7k words a
+//! position for a 152k-token vocabulary), where [`MaskExpander`] turns them
+//! into the allowed sets the logits are filtered by. On an H200 at 32
+//! constrained streams, serial masks with a float bias row each built on
+//! the host took 12 ms of a 21 ms step (docs/performance.md, "Structured
+//! outputs").
 use mlx::{Array, Dtype};
 
 use super::constraint::{TokenConstraint, TokenMask};
@@ -37,27 +38,59 @@ pub(super) fn cut_forbidden_drafts(rows: &mut [Row], work: &mut [Option<Work>]) 
     failed
 }
 
-/// The work of making the masks of the rows in `wanted` (running index,
-/// ascending, and the drafts it verifies; each row is constrained and
-/// samples this step): each row's matcher and drafts, in that order.
-pub(super) fn mask_jobs<'a>(rows: &'a mut [Row], wanted: &[(usize, &'a [u32])]) -> Vec<MaskJob<'a>> {
-    let mut jobs: Vec<MaskJob<'a>> = Vec::with_capacity(wanted.len());
-    let mut next = wanted.iter().peekable();
-    for (i, row) in rows.iter_mut().enumerate() {
-        let Some(&&(_, drafts)) = next.peek().filter(|(r, _)| *r == i) else { continue };
-        next.next();
-        let c = row.constraint.as_mut().expect("a row wanting masks is constrained");
-        jobs.push((c.as_mut(), drafts));
-    }
-    jobs
+/// The masks of one step, made on a thread of their own while the step's
+/// forward is built and evaluated. The rows' matchers go with the thread
+/// and come back to their rows in [`MasksInFlight::finish`].
+pub(super) struct MasksInFlight {
+    thread: std::thread::JoinHandle<Vec<MadeMasks>>,
 }
 
-pub(super) type MaskJob<'a> = (&'a mut dyn TokenConstraint, &'a [u32]);
+/// (running row, its matcher, its masks or why its matcher failed)
+type MadeMasks = (usize, Box<dyn TokenConstraint>, Result<RowMasks, String>);
 
-/// The jobs' masks, in their order; an error for a row whose matcher failed
-/// (that row only).
-pub(super) fn step_masks(jobs: Vec<MaskJob<'_>>) -> Vec<Result<RowMasks, String>> {
-    side_by_side(jobs, |(c, drafts)| constrain(c, drafts))
+impl MasksInFlight {
+    /// Starts the masks of every row of `work` that is constrained and
+    /// samples this step (before the rows take their input: a prompt chunk
+    /// samples when it reads the rest); `None` when there is none.
+    pub fn start(rows: &mut [Row], work: &[Option<Work>]) -> Option<MasksInFlight> {
+        let mut jobs = Vec::new();
+        for (i, (row, w)) in rows.iter_mut().zip(work).enumerate() {
+            let drafts = match w {
+                Some(Work::Decode { drafts }) => drafts.clone(),
+                Some(Work::Prefill { tokens }) if *tokens == row.prompt_remaining() && !row.is_prewarm() => Vec::new(),
+                _ => continue,
+            };
+            if let Some(c) = row.constraint.take() {
+                jobs.push((i, c, drafts));
+            }
+        }
+        if jobs.is_empty() {
+            return None;
+        }
+        let thread = std::thread::spawn(move || {
+            side_by_side(jobs, |(i, mut c, drafts)| {
+                let masks = constrain(c.as_mut(), &drafts);
+                (i, c, masks)
+            })
+        });
+        Some(MasksInFlight { thread })
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.thread.is_finished()
+    }
+
+    /// Waits for the masks and gives each matcher back to its row: each
+    /// row's masks, or why its matcher failed (that row only).
+    pub fn finish(self, rows: &mut [Row]) -> Vec<(usize, Result<RowMasks, String>)> {
+        let made = self.thread.join().expect("the mask thread panicked");
+        made.into_iter()
+            .map(|(i, c, masks)| {
+                rows[i].constraint = Some(c);
+                (i, masks)
+            })
+            .collect()
+    }
 }
 
 /// A row's masks: its next token's, then after each draft, walking the
