@@ -40,6 +40,14 @@ enum LogitsAt {
     Row(usize),
 }
 
+/// The KV buffers a step writes that no draw depends on: those of rows that
+/// read a prompt chunk without sampling, and the batched KV when it ran.
+fn written_kv<'a>(scheduled: &[Scheduled], running: &'a [super::row::Row], batch: Option<&'a KvBatch>) -> Vec<&'a mlx::Array> {
+    let mut out: Vec<&mlx::Array> = scheduled.iter().filter(|s| !s.samples).flat_map(|s| running[s.row].cache.buffers()).collect();
+    out.extend(batch.map(KvBatch::buffers).unwrap_or_default());
+    out
+}
+
 impl Engine {
     pub(super) fn step(&mut self) -> mlx::Result<()> {
         if self.running.is_empty() {
@@ -136,18 +144,6 @@ impl Engine {
             })
             .collect();
 
-        // The forward's own outputs: every sampling row's logits, and the KV
-        // of rows that read a prompt chunk without sampling.
-        // (Handles: cloning one shares its array.)
-        let mut forward_outputs: Vec<mlx::Array> = logits.iter().flatten().cloned().collect();
-        for s in &scheduled {
-            if !s.samples {
-                forward_outputs.extend(self.running[s.row].cache.buffers().into_iter().cloned());
-            }
-        }
-        if let (true, Some(kv)) = (ran_batched, &self.batch) {
-            forward_outputs.extend(kv.buffers().into_iter().cloned());
-        }
         let masks_started = Instant::now();
         if let Some(in_flight) = masks_in_flight {
             // Masks not ready yet: the forward goes to MLX first, and they
@@ -156,7 +152,10 @@ impl Engine {
             // while more than a few operations are queued). Ready: the draws
             // join the forward's one evaluation, which saves a round trip.
             if !in_flight.is_finished() {
-                mlx::async_eval(&forward_outputs.iter().collect::<Vec<_>>())?;
+                let batch = self.batch.as_ref().filter(|_| ran_batched);
+                let mut outputs: Vec<&mlx::Array> = logits.iter().flatten().collect();
+                outputs.extend(written_kv(&scheduled, &self.running, batch));
+                mlx::async_eval(&outputs)?;
             }
             for (row, made) in in_flight.finish(&mut self.running) {
                 let s = scheduled.iter_mut().find(|s| s.row == row).expect("a row with masks is scheduled");
@@ -208,13 +207,9 @@ impl Engine {
             draws.push((k, draw, keep));
         }
         let mut to_eval: Vec<&mlx::Array> = draws.iter().map(|(_, d, _)| d).collect();
-        to_eval.extend(&forward_outputs);
+        to_eval.extend(written_kv(&scheduled, &self.running, self.batch.as_ref().filter(|_| ran_batched)));
         let built = Instant::now();
         mlx::eval(&to_eval)?;
-        // The handles go before any row's KV is written again: an array
-        // with a second owner cannot be updated in place.
-        drop(to_eval);
-        drop(forward_outputs);
         self.stats.steps += 1;
 
         // One readback for every row's draws, not one per row.
