@@ -64,7 +64,7 @@ fn compare(label: &str, heads: usize, kv_heads: usize, dim: usize, rows: &[(usiz
     // buffers serve as keys in either layout.)
     let fused = |keys: KeyLayout| {
         let r: Vec<AttentionRow> = rows.iter().zip(&caches).map(|(&(n, kv_len), (k, v))| AttentionRow { keys: k, values: v, n, kv_len, first: 0 }).collect();
-        fast::cpu_attention(&q, &r, keys, None).unwrap()
+        fast::cpu_attention(&q, &r, keys, None, fast::KvCodes::Float).unwrap()
     };
     let mut by_positions = || fused(KeyLayout::Positions);
     let mut in_blocks = || fused(KeyLayout::Blocks);

@@ -21,8 +21,15 @@
 // a block (a decode step: one query per head of the group). Items go to the
 // cores largest first.
 //
-// Invariants: all arrays are float32 and have been checked against each
-// other's shapes when the primitive was built. Strides are read at run time,
+// 8-bit caches (see cpu_attention.h): a block of keys or values is
+// dequantized into scratch (keys transposed, as the score loop reads them)
+// and then scored and accumulated as float32 ones are; the cache holds a
+// quarter of the bytes, which is what a decode step at a long history waits
+// on, and the write quantizes each new position once.
+//
+// Invariants: queries and outputs are float32, caches float32 or uint8
+// (8-bit codes), checked against each other's shapes when the primitive
+// was built; an 8-bit cache's rows are contiguous (its strides checked then). Strides are read at run time,
 // so inputs may be views (slices of the qkv projection, a cache's first
 // positions). The output buffer is allocated (or, for the cache write, taken
 // over by donation) in eval_cpu and filled by the dispatched task, which
@@ -94,8 +101,64 @@ CacheView cache_view(const mx::array& a) {
   return {a.data<float>(), st[1], st[2], st[3]};
 }
 
+// Where, within one head of an 8-bit cache (rows `width` bytes apart),
+// position p's code of feature d and its group's scale and bias lie (see
+// quantized_width in cpu_attention.h). Values are never stored in blocks.
+struct CodeLayout {
+  int dim, group, width;
+  bool in_blocks;
+
+  int64_t block(int p) const { return static_cast<int64_t>(p / kKeyBlock) * kKeyBlock * width; }
+  int64_t code(int p, int d) const {
+    return in_blocks ? block(p) + static_cast<int64_t>(d) * kKeyBlock + p % kKeyBlock : static_cast<int64_t>(p) * width + d;
+  }
+  int64_t scale(int p, int g) const {
+    return in_blocks ? block(p) + static_cast<int64_t>(kKeyBlock) * dim + (2 * g * kKeyBlock + p % kKeyBlock) * 4 : static_cast<int64_t>(p) * width + dim + 8 * g;
+  }
+  int64_t bias(int p, int g) const { return scale(p, g) + (in_blocks ? kKeyBlock * 4 : 4); }
+};
+
+inline float load_f32(const uint8_t* p) {
+  float f;
+  std::memcpy(&f, p, sizeof f);
+  return f;
+}
+
+inline void store_f32(uint8_t* p, float f) { std::memcpy(p, &f, sizeof f); }
+
+// Feature d of position p, dequantized, from one head's bytes.
+inline float code_value(const CodeLayout& l, const uint8_t* head, int p, int d) {
+  const int g = d / l.group;
+  return head[l.code(p, d)] * load_f32(head + l.scale(p, g)) + load_f32(head + l.bias(p, g));
+}
+
+// Quantizes one position's features (`from`, `fd` apart) into one head's bytes.
+void quantize_position(const CodeLayout& l, uint8_t* head, int p, const float* from, int64_t fd) {
+  for (int g = 0; g < l.dim / l.group; ++g) {
+    const float* x = from + static_cast<int64_t>(g) * l.group * fd;
+    float lo = x[0], hi = x[0];
+    for (int d = 1; d < l.group; ++d) {
+      lo = std::min(lo, x[d * fd]);
+      hi = std::max(hi, x[d * fd]);
+    }
+    const float scale = (hi - lo) / 255.f;
+    const float inv = scale > 0.f ? 1.f / scale : 0.f;
+    for (int d = 0; d < l.group; ++d)
+      head[l.code(p, g * l.group + d)] = static_cast<uint8_t>(std::lrint(std::clamp((x[d * fd] - lo) * inv, 0.f, 255.f)));
+    store_f32(head + l.scale(p, g), scale);
+    store_f32(head + l.bias(p, g), lo);
+  }
+}
+
+// One KV head's 8-bit cache; `p` starts at head 0 (null: the row's cache is float32).
+struct CodesView {
+  const uint8_t* p;
+  int64_t head;
+};
+
 struct RowKV {
-  CacheView k, v;
+  CacheView k, v;    // float32 caches
+  CodesView kc, vc;  // or 8-bit ones (kc.p non-null)
   int start, n, kv_len, first;
 };
 
@@ -107,6 +170,7 @@ struct Attention {
   float scale;
   int window;           // keys a query sees, itself included; 0: all before it
   bool keys_in_blocks;  // every row's keys are row-contiguous and stored in blocks
+  CodeLayout key_codes, value_codes;  // for rows whose caches hold 8-bit codes
 };
 
 // The per-block steps, in a portable and an AVX-512 version.
@@ -122,6 +186,11 @@ struct BlockOps {
   float (*softmax_row)(float* s, int lo, int lim, float* max, float* sum);
   // o[m] = alpha[m] * o[m] + sum_{j < kb} p[m][j] * v[j], v rows v_pos apart.
   void (*accumulate)(const float* p, int rows, int kb, const float* v, int64_t v_pos, int dim, const float* alpha, float* o);
+  // 8-bit caches, from one head's bytes: kt as pack_keys fills it, for the
+  // block at j0 (columns kb.. zero or, from a block stored whole, stale);
+  // v[j * dim + d] = feature d of position j0 + j, for j < kb.
+  void (*dequantize_keys)(const CodeLayout& l, const uint8_t* head, int j0, int kb, float* kt);
+  void (*dequantize_values)(const CodeLayout& l, const uint8_t* head, int j0, int kb, float* v);
 };
 
 // ---- portable versions (also the fallback for head sizes not a multiple of 16)
@@ -175,7 +244,20 @@ void accumulate_scalar(const float* p, int rows, int kb, const float* v, int64_t
   }
 }
 
-// ---- AVX-512 versions (head size a multiple of 16)
+void dequantize_keys_scalar(const CodeLayout& l, const uint8_t* head, int j0, int kb, float* kt) {
+  for (int d = 0; d < l.dim; ++d) {
+    float* row = kt + static_cast<size_t>(d) * kKeyBlock;
+    for (int j = 0; j < kb; ++j) row[j] = code_value(l, head, j0 + j, d);
+    std::fill(row + kb, row + kKeyBlock, 0.f);
+  }
+}
+
+void dequantize_values_scalar(const CodeLayout& l, const uint8_t* head, int j0, int kb, float* v) {
+  for (int j = 0; j < kb; ++j)
+    for (int d = 0; d < l.dim; ++d) v[static_cast<size_t>(j) * l.dim + d] = code_value(l, head, j0 + j, d);
+}
+
+// ---- AVX-512 versions (head size and 8-bit groups multiples of 16)
 
 // Transposes the 16x16 block held in r (r[i] = row i) in registers:
 // interleave pairs of rows, then pairs of pairs, then 128-bit lanes.
@@ -354,15 +436,50 @@ void accumulate_avx512(const float* p, int rows, int kb, const float* v, int64_t
   }
 }
 
+// 16 codes as floats.
+__attribute__((target("avx512f")))
+inline __m512 codes16(const uint8_t* c) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
+}
+
+__attribute__((target("avx512f")))
+void dequantize_keys_avx512(const CodeLayout& l, const uint8_t* head, int j0, int kb, float* kt) {
+  // A block stored whole is already [feature][position]: one pass, 16 positions a vector.
+  if (!l.in_blocks) return dequantize_keys_scalar(l, head, j0, kb, kt);
+  const uint8_t* block = head + l.block(j0);
+  for (int d = 0; d < l.dim; ++d) {
+    const uint8_t* scale = head + l.scale(j0, d / l.group);
+    const uint8_t* bias = head + l.bias(j0, d / l.group);
+#pragma GCC unroll 4
+    for (int c = 0; c < kKeyBlock; c += 16) {
+      const __m512 x = codes16(block + static_cast<size_t>(d) * kKeyBlock + c);
+      const __m512 s = _mm512_loadu_ps(reinterpret_cast<const float*>(scale) + c), b = _mm512_loadu_ps(reinterpret_cast<const float*>(bias) + c);
+      _mm512_storeu_ps(kt + static_cast<size_t>(d) * kKeyBlock + c, _mm512_fmadd_ps(x, s, b));
+    }
+  }
+}
+
+__attribute__((target("avx512f")))
+void dequantize_values_avx512(const CodeLayout& l, const uint8_t* head, int j0, int kb, float* v) {
+  for (int j = 0; j < kb; ++j) {
+    const uint8_t* row = head + static_cast<int64_t>(j0 + j) * l.width;
+    float* out = v + static_cast<size_t>(j) * l.dim;
+    for (int g = 0; g < l.dim / l.group; ++g) {
+      const __m512 s = _mm512_set1_ps(load_f32(row + l.dim + 8 * g)), b = _mm512_set1_ps(load_f32(row + l.dim + 8 * g + 4));
+      for (int d = g * l.group; d < (g + 1) * l.group; d += 16) _mm512_storeu_ps(out + d, _mm512_fmadd_ps(codes16(row + d), s, b));
+    }
+  }
+}
+
 bool has_avx512() {
   static const bool yes = __builtin_cpu_supports("avx512f");
   return yes;
 }
 
-const BlockOps& block_ops(int dim) {
-  static const BlockOps portable{pack_keys_scalar, scores_scalar, softmax_row_scalar, accumulate_scalar};
-  static const BlockOps avx512{pack_keys_avx512, scores_avx512, softmax_row_avx512, accumulate_avx512};
-  return has_avx512() && dim % 16 == 0 ? avx512 : portable;
+const BlockOps& block_ops(int dim, int group) {
+  static const BlockOps portable{pack_keys_scalar, scores_scalar, softmax_row_scalar, accumulate_scalar, dequantize_keys_scalar, dequantize_values_scalar};
+  static const BlockOps avx512{pack_keys_avx512, scores_avx512, softmax_row_avx512, accumulate_avx512, dequantize_keys_avx512, dequantize_values_avx512};
+  return has_avx512() && dim % 16 == 0 && group % 16 == 0 ? avx512 : portable;
 }
 
 // ---- the work items
@@ -413,9 +530,9 @@ void attend_item(const Attention& a, const BlockOps& ops, const Item& it) {
   std::fill(s.max.begin(), s.max.begin() + rows, -std::numeric_limits<float>::infinity());
   std::fill(s.sum.begin(), s.sum.begin() + rows, 0.f);
 
-  CacheView k = row.k, v = row.v;
-  k.p += it.group * k.head;
-  v.p += it.group * v.head;
+  CacheView k = row.k, v = row.v;  // (null for 8-bit caches)
+  if (k.p) k.p += it.group * k.head;
+  if (v.p) v.p += it.group * v.head;
   // Keys past the one the item's last query sees are never scored, nor
   // (with a window) blocks wholly before the first one its first query sees.
   // j0 and end are cache indices: position p is at index p - row.first.
@@ -425,10 +542,15 @@ void attend_item(const Attention& a, const BlockOps& ops, const Item& it) {
     const int kb = std::min(kKeyBlock, end - j0);
     // A stored block is whole (capacity is a multiple of the block); its
     // columns past kb are stale or zero, scored, and masked by softmax_row.
-    const float* kt = k.p + static_cast<size_t>(j0) * dim;
-    if (!a.keys_in_blocks) {
+    const float* kt;
+    if (row.kc.p) {
+      ops.dequantize_keys(a.key_codes, row.kc.p + it.group * row.kc.head, j0, kb, s.kt.data());
+      kt = s.kt.data();
+    } else if (!a.keys_in_blocks) {
       ops.pack_keys(k, j0, kb, dim, s.kt.data());
       kt = s.kt.data();
+    } else {
+      kt = k.p + static_cast<size_t>(j0) * dim;
     }
     ops.scores(s.q.data(), rows, dim, kt, s.s.data());
     for (int m = 0; m < rows; ++m) {
@@ -436,13 +558,20 @@ void attend_item(const Attention& a, const BlockOps& ops, const Item& it) {
       const int lo = a.window > 0 ? index - a.window + 1 : 0;
       s.alpha[m] = ops.softmax_row(s.s.data() + static_cast<size_t>(m) * kKeyBlock, std::clamp(lo, 0, kb), std::clamp(index + 1, 0, kb), &s.max[m], &s.sum[m]);
     }
-    const float* vb = v.p + j0 * v.pos;
+    const float* vb;
     int64_t v_pos = v.pos;
-    if (v.d != 1) {  // features not adjacent: gather the block's values first
-      for (int j = 0; j < kb; ++j)
-        for (int d = 0; d < dim; ++d) s.v[static_cast<size_t>(j) * dim + d] = vb[j * v.pos + d * v.d];
+    if (row.vc.p) {
+      ops.dequantize_values(a.value_codes, row.vc.p + it.group * row.vc.head, j0, kb, s.v.data());
       vb = s.v.data();
       v_pos = dim;
+    } else if (v.d != 1) {  // features not adjacent: gather the block's values first
+      const float* from = v.p + j0 * v.pos;
+      for (int j = 0; j < kb; ++j)
+        for (int d = 0; d < dim; ++d) s.v[static_cast<size_t>(j) * dim + d] = from[j * v.pos + d * v.d];
+      vb = s.v.data();
+      v_pos = dim;
+    } else {
+      vb = v.p + j0 * v.pos;
     }
     ops.accumulate(s.s.data(), rows, kb, vb, v_pos, dim, s.alpha.data(), s.o.data());
   }
@@ -458,7 +587,7 @@ void attend_item(const Attention& a, const BlockOps& ops, const Item& it) {
 }
 
 void attend(const Attention& a) {
-  const BlockOps& ops = block_ops(a.dim);
+  const BlockOps& ops = block_ops(a.dim, a.key_codes.group);
   const int group = a.n_heads / a.kv_heads;
   const int block = std::max(1, kItemRows / group);  // query tokens per item
   std::vector<Item> items;
@@ -478,25 +607,50 @@ void attend(const Attention& a) {
   });
 }
 
+// The head size of a cache of `dtype` and last dimension `width`: width
+// itself for float32, or what quantized_width(dim, group) maps to width.
+int head_dim_of(mx::Dtype dtype, int width, int group) {
+  if (dtype == mx::float32) return width;
+  if (dtype != mx::uint8 || group <= 0) return 0;
+  for (int dim = width; dim > 0; --dim)  // (at most a few steps: width is 1.125 dim or so)
+    if (dim % group == 0 && quantized_width(dim, group) == width) return dim;
+    else if (quantized_width(dim, group) < width) return 0;
+  return 0;
+}
+
 class CpuAttention : public mx::UnaryPrimitive {
  public:
-  CpuAttention(mx::Stream s, std::vector<AttentionRow> rows, int window, bool keys_in_blocks)
-      : mx::UnaryPrimitive(s), rows_(std::move(rows)), window_(window), keys_in_blocks_(keys_in_blocks) {}
+  CpuAttention(mx::Stream s, std::vector<AttentionRow> rows, int window, bool keys_in_blocks, int dim, int group)
+      : mx::UnaryPrimitive(s), rows_(std::move(rows)), window_(window), keys_in_blocks_(keys_in_blocks), dim_(dim), group_(group) {}
 
   // in: q, then each row's keys and values.
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     auto& enc = start_cpu_eval(stream(), in, out);
     // Shapes were checked when the primitive was built; data pointers and
     // strides are final now that the inputs are evaluated.
-    const int dim = in[1].shape(3);
+    const int dim = dim_, group = group_ > 0 ? group_ : dim;
+    const int width = quantized_width(dim, group);
     Attention a{token_view(in[0], dim), {}, out.data<float>(), token_shape(in[0], dim, "q").second, in[1].shape(1), dim,
-                1.f / std::sqrt(static_cast<float>(dim)), window_, keys_in_blocks_};
+                1.f / std::sqrt(static_cast<float>(dim)), window_, keys_in_blocks_,
+                CodeLayout{dim, group, width, keys_in_blocks_}, CodeLayout{dim, group, width, false}};
     int start = 0;
     for (size_t r = 0; r < rows_.size(); ++r) {
+      const mx::array &keys = in[1 + 2 * r], &values = in[2 + 2 * r];
       // Blocks are found by offset, so a view of a blocked cache would be misread.
-      if (keys_in_blocks_ && !in[1 + 2 * r].flags().row_contiguous)
+      if (keys_in_blocks_ && !keys.flags().row_contiguous)
         throw std::invalid_argument("cpu_attention: keys stored in blocks must be a whole, row-contiguous cache");
-      a.rows.push_back({cache_view(in[1 + 2 * r]), cache_view(in[2 + 2 * r]), start, rows_[r].n, rows_[r].kv_len, rows_[r].first});
+      RowKV row{{}, {}, {}, {}, start, rows_[r].n, rows_[r].kv_len, rows_[r].first};
+      for (auto [cache, floats, codes] : {std::tuple{&keys, &row.k, &row.kc}, std::tuple{&values, &row.v, &row.vc}}) {
+        if (cache->dtype() == mx::uint8) {
+          // Rows are found by offset too: a position's bytes must be one contiguous row.
+          if (cache->strides()[3] != 1 || cache->strides()[2] != width)
+            throw std::invalid_argument("cpu_attention: an 8-bit cache's positions must be contiguous rows");
+          *codes = {cache->data<uint8_t>(), cache->strides()[1]};
+        } else {
+          *floats = cache_view(*cache);
+        }
+      }
+      a.rows.push_back(row);
       start += rows_[r].n;
     }
     // The task holds the inputs, so the buffers `a` points into outlive it.
@@ -511,7 +665,7 @@ class CpuAttention : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto* o = dynamic_cast<const CpuAttention*>(&other);
-    return o && o->keys_in_blocks_ == keys_in_blocks_ && o->window_ == window_ && o->rows_.size() == rows_.size() &&
+    return o && o->keys_in_blocks_ == keys_in_blocks_ && o->window_ == window_ && o->dim_ == dim_ && o->group_ == group_ && o->rows_.size() == rows_.size() &&
            std::equal(rows_.begin(), rows_.end(), o->rows_.begin(),
                       [](const AttentionRow& x, const AttentionRow& y) { return x.n == y.n && x.kv_len == y.kv_len && x.first == y.first; });
   }
@@ -520,28 +674,49 @@ class CpuAttention : public mx::UnaryPrimitive {
   std::vector<AttentionRow> rows_;
   int window_;
   bool keys_in_blocks_;
+  int dim_, group_;
 };
 
 // ---- cache write
 
-// Copies a [1, H, C, D] array of any strides (a broadcast zero buffer, a view)
-// into a row-contiguous buffer of the same shape.
-void copy_cache(const mx::array& src, float* dst) {
-  const CacheView s = cache_view(src);
-  const int heads = src.shape(1), cap = src.shape(2), dim = src.shape(3);
+// Copies a [1, H, C, W] array of any strides (a broadcast zero buffer, a
+// view) into a row-contiguous buffer of the same shape and element type.
+template <typename T>
+void copy_cache(const mx::array& src, T* dst) {
+  const auto& st = src.strides();
+  const T* base = src.data<T>();
+  const int heads = src.shape(1), cap = src.shape(2), width = src.shape(3);
   for (int h = 0; h < heads; ++h)
     for (int c = 0; c < cap; ++c) {
-      const float* from = s.p + h * s.head + c * s.pos;
-      float* to = dst + (static_cast<size_t>(h) * cap + c) * dim;
-      if (s.d == 1) std::memcpy(to, from, sizeof(float) * dim);
-      else for (int d = 0; d < dim; ++d) to[d] = from[d * s.d];
+      const T* from = base + h * st[1] + c * st[2];
+      T* to = dst + (static_cast<size_t>(h) * cap + c) * width;
+      if (st[3] == 1) std::memcpy(to, from, sizeof(T) * width);
+      else for (int d = 0; d < width; ++d) to[d] = from[d * st[3]];
+    }
+}
+
+// Writes tokens start .. start + n of `fresh` at positions pos .. of a
+// float32 cache's row-contiguous buffer.
+void write_floats(const mx::array& cache, const TokenView& f, int start, int n, int pos, bool in_blocks, float* dst) {
+  const int heads = cache.shape(1), cap = cache.shape(2), dim = cache.shape(3);
+  for (int h = 0; h < heads; ++h)
+    for (int i = 0; i < n; ++i) {
+      const float* from = f.p + (start + i) * f.tok + h * f.head;
+      const int p = pos + i;
+      if (in_blocks) {  // feature d of position p: block p / B, row d, column p % B
+        float* to = dst + static_cast<size_t>(h) * cap * dim + static_cast<size_t>(p / kKeyBlock) * kKeyBlock * dim + p % kKeyBlock;
+        for (int d = 0; d < dim; ++d) to[static_cast<size_t>(d) * kKeyBlock] = from[d * f.d];
+      } else {
+        float* to = dst + (static_cast<size_t>(h) * cap + p) * dim;
+        for (int d = 0; d < dim; ++d) to[d] = from[d * f.d];
+      }
     }
 }
 
 class CpuKvWrite : public mx::UnaryPrimitive {
  public:
-  CpuKvWrite(mx::Stream s, int start, int n, int pos, bool in_blocks)
-      : mx::UnaryPrimitive(s), start_(start), n_(n), pos_(pos), in_blocks_(in_blocks) {}
+  CpuKvWrite(mx::Stream s, int start, int n, int pos, bool in_blocks, int dim, int group)
+      : mx::UnaryPrimitive(s), start_(start), n_(n), pos_(pos), in_blocks_(in_blocks), dim_(dim), group_(group) {}
 
   // in: cache, fresh.
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
@@ -555,23 +730,21 @@ class CpuKvWrite : public mx::UnaryPrimitive {
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : in) enc.set_input_array(a);
     enc.set_output_array(out);
-    enc.dispatch([in, in_place, start = start_, n = n_, pos = pos_, in_blocks = in_blocks_, dst = out.data<float>()]() {
+    enc.dispatch([in, in_place, start = start_, n = n_, pos = pos_, in_blocks = in_blocks_, dim = dim_, group = group_, raw = out.data<uint8_t>()]() {
       const mx::array& cache = in[0];
-      const int heads = cache.shape(1), cap = cache.shape(2), dim = cache.shape(3);
-      if (!in_place) copy_cache(cache, dst);
       const TokenView f = token_view(in[1], dim);
+      if (cache.dtype() == mx::float32) {
+        float* dst = reinterpret_cast<float*>(raw);
+        if (!in_place) copy_cache(cache, dst);
+        return write_floats(cache, f, start, n, pos, in_blocks, dst);
+      }
+      uint8_t* dst = raw;
+      if (!in_place) copy_cache(cache, dst);
+      const CodeLayout l{dim, group, cache.shape(3), in_blocks};
+      const int heads = cache.shape(1);
+      const int64_t head_bytes = static_cast<int64_t>(cache.shape(2)) * l.width;
       for (int h = 0; h < heads; ++h)
-        for (int i = 0; i < n; ++i) {
-          const float* from = f.p + (start + i) * f.tok + h * f.head;
-          const int p = pos + i;
-          if (in_blocks) {  // feature d of position p: block p / B, row d, column p % B
-            float* to = dst + static_cast<size_t>(h) * cap * dim + static_cast<size_t>(p / kKeyBlock) * kKeyBlock * dim + p % kKeyBlock;
-            for (int d = 0; d < dim; ++d) to[static_cast<size_t>(d) * kKeyBlock] = from[d * f.d];
-          } else {
-            float* to = dst + (static_cast<size_t>(h) * cap + p) * dim;
-            for (int d = 0; d < dim; ++d) to[d] = from[d * f.d];
-          }
-        }
+        for (int i = 0; i < n; ++i) quantize_position(l, dst + h * head_bytes, pos + i, f.p + (start + i) * f.tok + h * f.head, f.d);
     });
   }
 
@@ -583,39 +756,82 @@ class CpuKvWrite : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto* o = dynamic_cast<const CpuKvWrite*>(&other);
-    return o && o->start_ == start_ && o->n_ == n_ && o->pos_ == pos_ && o->in_blocks_ == in_blocks_;
+    return o && o->start_ == start_ && o->n_ == n_ && o->pos_ == pos_ && o->in_blocks_ == in_blocks_ && o->dim_ == dim_ && o->group_ == group_;
   }
 
  private:
   int start_, n_, pos_;
   bool in_blocks_;
+  int dim_, group_;
 };
 
-void check_cache(const mx::array& c, const char* what, bool in_blocks) {
-  if (c.dtype() != mx::float32 || c.ndim() != 4 || c.shape(0) != 1)
-    throw std::invalid_argument(std::string("cpu_attention: ") + what + " must be float32 [1, kv_heads, capacity, head_dim]");
+class CpuKvDequantize : public mx::UnaryPrimitive {
+ public:
+  CpuKvDequantize(mx::Stream s, bool in_blocks, int dim, int group) : mx::UnaryPrimitive(s), in_blocks_(in_blocks), dim_(dim), group_(group) {}
+
+  // in: the cache; out: [1, H, len, dim].
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    const mx::array& cache = in[0];
+    // Positions are found by offset: rows must be contiguous, and blocks whole.
+    const bool readable = cache.strides()[3] == 1 && cache.strides()[2] == cache.shape(3) && (!in_blocks_ || cache.flags().row_contiguous);
+    if (!readable) throw std::invalid_argument("cpu_kv_dequantize: the cache must be a whole buffer (or, in position order, a slice of positions)");
+    auto& enc = start_cpu_eval(stream(), in, out);
+    enc.dispatch([in, dst = out.data<float>(), heads = out.shape(1), len = out.shape(2), l = CodeLayout{dim_, group_, in[0].shape(3), in_blocks_}]() mutable {
+      const mx::array& cache = in[0];
+      for (int h = 0; h < heads; ++h) {
+        const uint8_t* head = cache.data<uint8_t>() + h * cache.strides()[1];
+        for (int p = 0; p < len; ++p)
+          for (int d = 0; d < l.dim; ++d) *dst++ = code_value(l, head, p, d);
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("cpu_kv_dequantize runs on the CPU only");
+  }
+
+  const char* name() const override { return "TetherCpuKvDequantize"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const CpuKvDequantize*>(&other);
+    return o && o->in_blocks_ == in_blocks_ && o->dim_ == dim_ && o->group_ == group_;
+  }
+
+ private:
+  bool in_blocks_;
+  int dim_, group_;
+};
+
+// The head size of cache `c`, checking its type and shape; 8-bit caches
+// need `group`, a divisor of the head size.
+int check_cache(const mx::array& c, const char* what, bool in_blocks, int group) {
+  if ((c.dtype() != mx::float32 && c.dtype() != mx::uint8) || c.ndim() != 4 || c.shape(0) != 1)
+    throw std::invalid_argument(std::string("cpu_attention: ") + what + " must be float32 or uint8 (8-bit codes) [1, kv_heads, capacity, width]");
+  const int dim = head_dim_of(c.dtype(), c.shape(3), group);
+  if (dim <= 0)
+    throw std::invalid_argument(std::string("cpu_attention: ") + what + " of 8-bit codes need a group dividing the head size and a width of quantized_width(head_dim, group)");
   if (in_blocks && c.shape(2) % kKeyBlock != 0)
     throw std::invalid_argument(std::string("cpu_attention: ") + what + " stored in blocks need a capacity that is a multiple of " + std::to_string(kKeyBlock));
+  return dim;
 }
 
 }  // namespace
 
-mx::array cpu_step_attention(const mx::array& q, const std::vector<mx::array>& keys, const std::vector<mx::array>& values, const std::vector<AttentionRow>& rows, int window, bool keys_in_blocks) {
+mx::array cpu_step_attention(const mx::array& q, const std::vector<mx::array>& keys, const std::vector<mx::array>& values, const std::vector<AttentionRow>& rows, int window, bool keys_in_blocks, int group) {
   if (window < 0) throw std::invalid_argument("cpu_attention: window must be >= 0");
   if (rows.empty() || keys.size() != rows.size() || values.size() != rows.size())
     throw std::invalid_argument("cpu_attention: need one keys and one values array per row, and at least one row");
   if (q.dtype() != mx::float32) throw std::invalid_argument("cpu_attention: q must be float32");
-  const int kv_heads = keys[0].ndim() == 4 ? keys[0].shape(1) : 0, dim = keys[0].ndim() == 4 ? keys[0].shape(3) : 0;
-  if (dim <= 0) throw std::invalid_argument("cpu_attention: keys must be [1, kv_heads, capacity, head_dim]");
+  const int kv_heads = keys[0].ndim() == 4 ? keys[0].shape(1) : 0;
+  const int dim = check_cache(keys[0], "keys", keys_in_blocks, group);
   const auto [tokens, n_heads] = token_shape(q, dim, "q");
   if (kv_heads <= 0 || n_heads % kv_heads != 0) throw std::invalid_argument("cpu_attention: query heads must be a multiple of KV heads");
   int total = 0;
   std::vector<mx::array> inputs = {q};
   for (size_t r = 0; r < rows.size(); ++r) {
-    check_cache(keys[r], "keys", keys_in_blocks);
-    check_cache(values[r], "values", false);
+    const int key_dim = check_cache(keys[r], "keys", keys_in_blocks, group), value_dim = check_cache(values[r], "values", false, group);
     for (const auto* c : {&keys[r], &values[r]})
-      if (c->shape(1) != kv_heads || c->shape(3) != dim || c->shape(2) < rows[r].kv_len - rows[r].first)
+      if (c->shape(1) != kv_heads || key_dim != dim || value_dim != dim || c->shape(2) < rows[r].kv_len - rows[r].first)
         throw std::invalid_argument("cpu_attention: row " + std::to_string(r) + "'s cache is smaller than kv_len - first or differs in heads or head_dim");
     if (rows[r].n < 1 || rows[r].kv_len < rows[r].n)
       throw std::invalid_argument("cpu_attention: row " + std::to_string(r) + " needs 1 <= n <= kv_len");
@@ -630,18 +846,26 @@ mx::array cpu_step_attention(const mx::array& q, const std::vector<mx::array>& k
   }
   if (total != tokens) throw std::invalid_argument("cpu_attention: rows' token counts must add up to q's tokens");
   auto cpu = mx::default_stream(mx::Device::cpu);
-  return mx::array({1, tokens, n_heads * dim}, mx::float32, std::make_shared<CpuAttention>(cpu, rows, window, keys_in_blocks), std::move(inputs));
+  return mx::array({1, tokens, n_heads * dim}, mx::float32, std::make_shared<CpuAttention>(cpu, rows, window, keys_in_blocks, dim, group), std::move(inputs));
 }
 
-mx::array cpu_cache_write(const mx::array& cache, const mx::array& fresh, int start, int n, int pos, bool in_blocks) {
-  check_cache(cache, "cache", in_blocks);
+mx::array cpu_cache_write(const mx::array& cache, const mx::array& fresh, int start, int n, int pos, bool in_blocks, int group) {
+  const int dim = check_cache(cache, "cache", in_blocks, group);
   if (fresh.dtype() != mx::float32) throw std::invalid_argument("cpu_kv_write: new keys/values must be float32");
-  const auto [tokens, heads] = token_shape(fresh, cache.shape(3), "new keys/values");
+  const auto [tokens, heads] = token_shape(fresh, dim, "new keys/values");
   if (heads != cache.shape(1)) throw std::invalid_argument("cpu_kv_write: new keys/values and cache differ in heads");
   if (n < 1 || start < 0 || start + n > tokens || pos < 0 || pos + n > cache.shape(2))
     throw std::invalid_argument("cpu_kv_write: tokens or positions out of range");
   auto cpu = mx::default_stream(mx::Device::cpu);
-  return mx::array(cache.shape(), mx::float32, std::make_shared<CpuKvWrite>(cpu, start, n, pos, in_blocks), {cache, fresh});
+  return mx::array(cache.shape(), cache.dtype(), std::make_shared<CpuKvWrite>(cpu, start, n, pos, in_blocks, dim, group), {cache, fresh});
+}
+
+mx::array cpu_cache_dequantize(const mx::array& cache, int len, bool in_blocks, int group) {
+  const int dim = check_cache(cache, "cache", in_blocks, group);
+  if (cache.dtype() != mx::uint8) throw std::invalid_argument("cpu_kv_dequantize: the cache must hold 8-bit codes (uint8)");
+  if (len < 0 || len > cache.shape(2)) throw std::invalid_argument("cpu_kv_dequantize: len out of range");
+  auto cpu = mx::default_stream(mx::Device::cpu);
+  return mx::array({1, cache.shape(1), len, dim}, mx::float32, std::make_shared<CpuKvDequantize>(cpu, in_blocks, dim, group), {cache});
 }
 
 }  // namespace tether_mlx

@@ -74,11 +74,44 @@ pub enum KeyLayout {
     Blocks,
 }
 
+/// How a CPU cache stores each position's features.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvCodes {
+    /// As float32: `[1, kv_heads, capacity, head_dim]`.
+    Float,
+    /// As 8-bit affine codes in groups of `group` features (`x ~= code *
+    /// scale + bias` with the group's min as bias and (max - min) / 255 as
+    /// scale), each position's row holding its codes then the groups' scales
+    /// and biases as float32: uint8 `[1, kv_heads, capacity,
+    /// quantized_width(head_dim, group)]`. A quarter of float32's bytes
+    /// and a little more (9/32 at a group of 64).
+    Int8 { group: usize },
+}
+
+impl KvCodes {
+    /// The last dimension of a cache of head size `head_dim`.
+    pub fn width(self, head_dim: usize) -> usize {
+        match self {
+            KvCodes::Float => head_dim,
+            KvCodes::Int8 { group } => head_dim + 8 * (head_dim / group),
+        }
+    }
+
+    /// The group size [`cpu_attention`] and [`cpu_kv_write`] take (0: none).
+    fn group(self) -> usize {
+        match self {
+            KvCodes::Float => 0,
+            KvCodes::Int8 { group } => group,
+        }
+    }
+}
+
 /// One sequence's share of [`cpu_attention`].
 #[derive(Clone, Copy)]
 pub struct AttentionRow<'a> {
     /// `[1, kv_heads, capacity, head_dim]` float32: the row's cache, or a
-    /// view of its first positions.
+    /// view of its first positions; or a uint8 cache of 8-bit codes
+    /// ([`KvCodes::Int8`], the step's `codes`).
     pub keys: &'a Array,
     pub values: &'a Array,
     /// The row's query tokens; they follow the previous rows' tokens in `q`.
@@ -105,15 +138,20 @@ fn to_i32(op: &'static str, v: usize) -> Result<i32> {
 /// [`cpu_kv_write`] (no views). Returns `[1, T, n_heads * head_dim]` float32
 /// (lazy, CPU stream).
 /// `window`: how many positions a query sees, itself included, on a
-/// sliding-window layer (`None`: all before it).
-pub fn cpu_attention(q: &Array, rows: &[AttentionRow<'_>], keys: KeyLayout, window: Option<usize>) -> Result<Array> {
+/// sliding-window layer (`None`: all before it). `codes`: how the rows whose
+/// caches are uint8 hold their 8-bit codes (rows may differ in precision:
+/// float32 caches are read as such).
+pub fn cpu_attention(q: &Array, rows: &[AttentionRow<'_>], keys: KeyLayout, window: Option<usize>, codes: KvCodes) -> Result<Array> {
     const OP: &str = "cpu_attention";
     let kv: Vec<&Array> = rows.iter().flat_map(|r| [r.keys, r.values]).collect();
     let n = rows.iter().map(|r| to_i32(OP, r.n)).collect::<Result<Vec<_>>>()?;
     let kv_len = rows.iter().map(|r| to_i32(OP, r.kv_len)).collect::<Result<Vec<_>>>()?;
     let first = rows.iter().map(|r| to_i32(OP, r.first)).collect::<Result<Vec<_>>>()?;
     let list = make_list(OP, &kv)?;
-    wrap(OP, bridge::cpu_attention(q.raw(), &list, &n, &kv_len, &first, to_i32(OP, window.unwrap_or(0))?, keys == KeyLayout::Blocks))
+    wrap(
+        OP,
+        bridge::cpu_attention(q.raw(), &list, &n, &kv_len, &first, to_i32(OP, window.unwrap_or(0))?, keys == KeyLayout::Blocks, to_i32(OP, codes.group())?),
+    )
 }
 
 /// Writes tokens `start .. start + n` of `fresh` (keys or values of a step,
@@ -123,9 +161,19 @@ pub fn cpu_attention(q: &Array, rows: &[AttentionRow<'_>], keys: KeyLayout, wind
 /// when `cache`'s buffer has no other holder at evaluation, and on a copy
 /// otherwise, so a shared (snapshotted) buffer is never modified. `layout`:
 /// how `cache` stores positions (values always as [`KeyLayout::Positions`]).
-pub fn cpu_kv_write(cache: &Array, fresh: &Array, start: usize, n: usize, pos: usize, layout: KeyLayout) -> Result<Array> {
+/// `codes`: how `cache` holds features; 8-bit codes are quantized here.
+pub fn cpu_kv_write(cache: &Array, fresh: &Array, start: usize, n: usize, pos: usize, layout: KeyLayout, codes: KvCodes) -> Result<Array> {
     const OP: &str = "cpu_kv_write";
-    wrap(OP, bridge::cpu_kv_write(cache.raw(), fresh.raw(), to_i32(OP, start)?, to_i32(OP, n)?, to_i32(OP, pos)?, layout == KeyLayout::Blocks))
+    let blocks = layout == KeyLayout::Blocks;
+    wrap(OP, bridge::cpu_kv_write(cache.raw(), fresh.raw(), to_i32(OP, start)?, to_i32(OP, n)?, to_i32(OP, pos)?, blocks, to_i32(OP, codes.group())?))
+}
+
+/// The first `len` positions of a cache of 8-bit codes ([`KvCodes::Int8`],
+/// stored as `layout` says), dequantized: `[1, kv_heads, len, head_dim]`
+/// float32 (lazy, CPU stream).
+pub fn cpu_kv_dequantize(cache: &Array, len: usize, layout: KeyLayout, codes: KvCodes) -> Result<Array> {
+    const OP: &str = "cpu_kv_dequantize";
+    wrap(OP, bridge::cpu_kv_dequantize(cache.raw(), to_i32(OP, len)?, layout == KeyLayout::Blocks, to_i32(OP, codes.group())?))
 }
 
 /// SwiGLU's activation on the CPU, `silu(gate) * up`, from the fused gate/up

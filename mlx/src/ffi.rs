@@ -103,8 +103,18 @@ pub(crate) mod bridge {
         fn rope_offsets_freqs(x: &Array, dims: i32, traditional: bool, scale: f32, offsets: &Array, freqs: &Array) -> Result<UniquePtr<Array>>;
         fn sdpa(q: &Array, k: &Array, v: &Array, scale: f32, mask_mode: &str) -> Result<UniquePtr<Array>>;
         fn sdpa_masked(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Array) -> Result<UniquePtr<Array>>;
-        fn cpu_attention(q: &Array, kv: &ArrayList, n: &[i32], kv_len: &[i32], first: &[i32], window: i32, keys_in_blocks: bool) -> Result<UniquePtr<Array>>;
-        fn cpu_kv_write(cache: &Array, fresh: &Array, start: i32, n: i32, pos: i32, in_blocks: bool) -> Result<UniquePtr<Array>>;
+        fn cpu_attention(
+            q: &Array,
+            kv: &ArrayList,
+            n: &[i32],
+            kv_len: &[i32],
+            first: &[i32],
+            window: i32,
+            keys_in_blocks: bool,
+            group: i32,
+        ) -> Result<UniquePtr<Array>>;
+        fn cpu_kv_write(cache: &Array, fresh: &Array, start: i32, n: i32, pos: i32, in_blocks: bool, group: i32) -> Result<UniquePtr<Array>>;
+        fn cpu_kv_dequantize(cache: &Array, len: i32, in_blocks: bool, group: i32) -> Result<UniquePtr<Array>>;
         fn cpu_swiglu(gate_up: &Array) -> Result<UniquePtr<Array>>;
 
         fn random_key(seed: u64) -> Result<UniquePtr<Array>>;

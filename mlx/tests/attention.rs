@@ -3,7 +3,7 @@
 //! `slice_update`.
 use std::sync::Mutex;
 
-use mlx::fast::{self, AttentionRow, KeyLayout, Mask, KEY_BLOCK};
+use mlx::fast::{self, AttentionRow, KeyLayout, KvCodes, Mask, KEY_BLOCK};
 use mlx::{Array, Dtype};
 
 /// MLX graph building is per thread and its memory counters are global.
@@ -80,7 +80,7 @@ fn check(case: &Case, seed: u64) {
         start += n;
     }
 
-    let got = fast::cpu_attention(&q, &rows, KeyLayout::Positions, None).unwrap();
+    let got = fast::cpu_attention(&q, &rows, KeyLayout::Positions, None, KvCodes::Float).unwrap();
     assert_eq!(got.shape(), vec![1, total, width]);
     let err = max_error(&got.to_vec_f32().unwrap(), &want);
     assert!(err <= 2e-5, "heads {hq}/{hkv} dim {d} rows {:?}: max error {err}", case.rows);
@@ -89,11 +89,17 @@ fn check(case: &Case, seed: u64) {
     let wide = Array::from_f32(&noise(total * (width + 48), seed + 1, 4.0), &[1, total, width + 48]).unwrap();
     let wide = wide.slice_update(&q, &[0, 0, 8], &[1, total as i32, (8 + width) as i32]).unwrap();
     let view = wide.slice(&[0, 0, 8], &[1, total as i32, (8 + width) as i32]).unwrap();
-    assert!(max_error(&fast::cpu_attention(&view, &rows, KeyLayout::Positions, None).unwrap().to_vec_f32().unwrap(), &want) <= 2e-5, "strided q");
+    assert!(
+        max_error(&fast::cpu_attention(&view, &rows, KeyLayout::Positions, None, KvCodes::Float).unwrap().to_vec_f32().unwrap(), &want) <= 2e-5,
+        "strided q"
+    );
 
     // And in the [T, H, 1, D] layout rope produces.
     let q4 = q.reshape(&[total as i32, hq as i32, 1, d as i32]).unwrap();
-    assert!(max_error(&fast::cpu_attention(&q4, &rows, KeyLayout::Positions, None).unwrap().to_vec_f32().unwrap(), &want) <= 2e-5, "[T, H, 1, D] q");
+    assert!(
+        max_error(&fast::cpu_attention(&q4, &rows, KeyLayout::Positions, None, KvCodes::Float).unwrap().to_vec_f32().unwrap(), &want) <= 2e-5,
+        "[T, H, 1, D] q"
+    );
 
     // Keys stored in blocks give the same output, bit for bit: the same
     // products in the same order. Positions past kv_len hold NaN, as stale
@@ -101,7 +107,7 @@ fn check(case: &Case, seed: u64) {
     let blocked: Vec<Array> = case.rows.iter().zip(&caches).map(|(&(_, kv_len), (k, _))| keys_in_blocks(k, kv_len)).collect();
     let rows: Vec<AttentionRow> =
         case.rows.iter().zip(&caches).zip(&blocked).map(|((&(n, kv_len), (_, v)), k)| AttentionRow { keys: k, values: v, n, kv_len, first: 0 }).collect();
-    let in_blocks = fast::cpu_attention(&q, &rows, KeyLayout::Blocks, None).unwrap().to_vec_f32().unwrap();
+    let in_blocks = fast::cpu_attention(&q, &rows, KeyLayout::Blocks, None, KvCodes::Float).unwrap().to_vec_f32().unwrap();
     assert!(in_blocks == got.to_vec_f32().unwrap(), "heads {hq}/{hkv} dim {d} rows {:?}: keys in blocks differ", case.rows);
 }
 
@@ -129,7 +135,7 @@ fn keys_in_blocks(keys: &Array, len: usize) -> Array {
     let nan = Array::full(&[1, h as usize, cap, d as usize], f32::NAN, Dtype::F32).unwrap();
     // [len, heads, 1, dim]: the token layout the write takes.
     let fresh = keys.slice(&[0, 0, 0, 0], &[1, h, len as i32, d]).unwrap().transpose(&[2, 1, 0, 3]).unwrap();
-    let out = fast::cpu_kv_write(&nan, &fresh, 0, len, 0, KeyLayout::Blocks).unwrap();
+    let out = fast::cpu_kv_write(&nan, &fresh, 0, len, 0, KeyLayout::Blocks, KvCodes::Float).unwrap();
     out.eval().unwrap();
     out
 }
@@ -161,16 +167,16 @@ fn rejects_inconsistent_rows() {
     let q = Array::zeros(&[1, 4, 128], Dtype::F32).unwrap();
     let k = Array::zeros(&[1, 1, 8, 64], Dtype::F32).unwrap();
     let row = |n, kv_len| AttentionRow { keys: &k, values: &k, n, kv_len, first: 0 };
-    assert!(fast::cpu_attention(&q, &[row(4, 8)], KeyLayout::Positions, None).is_ok());
-    assert!(fast::cpu_attention(&q, &[row(3, 8)], KeyLayout::Positions, None).is_err(), "rows must cover q's tokens");
-    assert!(fast::cpu_attention(&q, &[row(4, 9)], KeyLayout::Positions, None).is_err(), "kv_len past the cache");
-    assert!(fast::cpu_attention(&q, &[row(4, 3)], KeyLayout::Positions, None).is_err(), "fewer keys than queries");
+    assert!(fast::cpu_attention(&q, &[row(4, 8)], KeyLayout::Positions, None, KvCodes::Float).is_ok());
+    assert!(fast::cpu_attention(&q, &[row(3, 8)], KeyLayout::Positions, None, KvCodes::Float).is_err(), "rows must cover q's tokens");
+    assert!(fast::cpu_attention(&q, &[row(4, 9)], KeyLayout::Positions, None, KvCodes::Float).is_err(), "kv_len past the cache");
+    assert!(fast::cpu_attention(&q, &[row(4, 3)], KeyLayout::Positions, None, KvCodes::Float).is_err(), "fewer keys than queries");
     let q3 = Array::zeros(&[1, 4, 96], Dtype::F32).unwrap();
-    assert!(fast::cpu_attention(&q3, &[row(4, 8)], KeyLayout::Positions, None).is_err(), "width not a multiple of head_dim");
-    assert!(fast::cpu_attention(&q, &[row(4, 8)], KeyLayout::Blocks, None).is_err(), "keys in blocks need whole blocks");
+    assert!(fast::cpu_attention(&q3, &[row(4, 8)], KeyLayout::Positions, None, KvCodes::Float).is_err(), "width not a multiple of head_dim");
+    assert!(fast::cpu_attention(&q, &[row(4, 8)], KeyLayout::Blocks, None, KvCodes::Float).is_err(), "keys in blocks need whole blocks");
     let late = AttentionRow { keys: &k, values: &k, n: 4, kv_len: 12, first: 4 };
-    assert!(fast::cpu_attention(&q, &[late], KeyLayout::Positions, Some(6)).is_err(), "a query sees position 3, which the cache dropped");
-    assert!(fast::cpu_attention(&q, &[late], KeyLayout::Positions, Some(5)).is_ok());
+    assert!(fast::cpu_attention(&q, &[late], KeyLayout::Positions, Some(6), KvCodes::Float).is_err(), "a query sees position 3, which the cache dropped");
+    assert!(fast::cpu_attention(&q, &[late], KeyLayout::Positions, Some(5), KvCodes::Float).is_ok());
 }
 
 /// Sliding-window rows whose caches start past position 0 (the positions
@@ -209,7 +215,7 @@ fn matches_sdpa_with_a_sliding_window() {
     let attention = |keys: &[Array], layout| {
         let rows: Vec<AttentionRow> =
             rows.iter().zip(keys).zip(&held).map(|((&(n, kv_len, first), k), (_, v, _))| AttentionRow { keys: k, values: v, n, kv_len, first }).collect();
-        fast::cpu_attention(&q, &rows, layout, Some(window)).unwrap().to_vec_f32().unwrap()
+        fast::cpu_attention(&q, &rows, layout, Some(window), KvCodes::Float).unwrap().to_vec_f32().unwrap()
     };
     let in_order = attention(&held.iter().map(|h| h.0.clone()).collect::<Vec<_>>(), KeyLayout::Positions);
     let err = max_error(&in_order, &want);
@@ -233,7 +239,7 @@ fn kv_write_matches_slice_update_and_respects_snapshots() {
 
     // A snapshot shares the buffer: the write must go to a copy.
     let snapshot = base.clone();
-    let written = fast::cpu_kv_write(&base, &fresh, 2, 4, 10, KeyLayout::Positions).unwrap();
+    let written = fast::cpu_kv_write(&base, &fresh, 2, 4, 10, KeyLayout::Positions, KvCodes::Float).unwrap();
     assert_eq!(written.to_vec_f32().unwrap(), want);
     assert_eq!(snapshot.to_vec_f32().unwrap(), before, "a shared buffer was written in place");
 
@@ -242,7 +248,7 @@ fn kv_write_matches_slice_update_and_respects_snapshots() {
     let big = Array::zeros(&[1, heads, 4096, dim], Dtype::F32).unwrap().add(&Array::scalar(1.0, Dtype::F32).unwrap()).unwrap();
     big.eval().unwrap();
     let active = mlx::memory::active();
-    let out = fast::cpu_kv_write(&big, &fresh, 0, tokens, 100, KeyLayout::Positions).unwrap();
+    let out = fast::cpu_kv_write(&big, &fresh, 0, tokens, 100, KeyLayout::Positions, KvCodes::Float).unwrap();
     drop(big);
     out.eval().unwrap();
     let grown = mlx::memory::active().saturating_sub(active);
@@ -253,14 +259,17 @@ fn kv_write_matches_slice_update_and_respects_snapshots() {
 
     // A broadcast zero buffer (a fresh cache) is materialized, then written.
     let zeros = Array::zeros(&[1, heads, 16, dim], Dtype::F32).unwrap();
-    let out = fast::cpu_kv_write(&zeros, &fresh, 6, 1, 15, KeyLayout::Positions).unwrap().to_vec_f32().unwrap();
+    let out = fast::cpu_kv_write(&zeros, &fresh, 6, 1, 15, KeyLayout::Positions, KvCodes::Float).unwrap().to_vec_f32().unwrap();
     assert_eq!(out[(2 * 16 + 15) * dim..(2 * 16 + 16) * dim], fresh.slice(&[0, 6, 2 * dim as i32], &[1, 7, 3 * dim as i32]).unwrap().to_vec_f32().unwrap()[..]);
     assert!(out.chunks(dim).enumerate().filter(|(i, _)| i % 16 != 15).all(|(_, row)| row.iter().all(|&x| x == 0.0)));
 
     // In blocks: tokens 1..7 at positions 60..66 straddle a block boundary;
     // block b of a head holds [feature][position] for positions 64b..64b+63.
     let cap = 2 * KEY_BLOCK;
-    let out = fast::cpu_kv_write(&Array::zeros(&[1, heads, cap, dim], Dtype::F32).unwrap(), &fresh, 1, 6, 60, KeyLayout::Blocks).unwrap().to_vec_f32().unwrap();
+    let out = fast::cpu_kv_write(&Array::zeros(&[1, heads, cap, dim], Dtype::F32).unwrap(), &fresh, 1, 6, 60, KeyLayout::Blocks, KvCodes::Float)
+        .unwrap()
+        .to_vec_f32()
+        .unwrap();
     let fresh_v = fresh.to_vec_f32().unwrap();
     for h in 0..heads {
         for p in 0..cap {
@@ -272,7 +281,7 @@ fn kv_write_matches_slice_update_and_respects_snapshots() {
         }
     }
     let odd = Array::zeros(&[1, heads, KEY_BLOCK + 8, dim], Dtype::F32).unwrap();
-    assert!(fast::cpu_kv_write(&odd, &fresh, 0, 1, 0, KeyLayout::Blocks).is_err(), "a capacity of part blocks");
+    assert!(fast::cpu_kv_write(&odd, &fresh, 0, 1, 0, KeyLayout::Blocks, KvCodes::Float).is_err(), "a capacity of part blocks");
 }
 
 #[test]
@@ -303,4 +312,111 @@ fn rope_with_per_token_offsets_matches_per_row_rope() {
         s += n;
     }
     assert!(max_error(&got, &want) <= 1e-6, "error {}", max_error(&got, &want));
+}
+
+/// The affine 8-bit codes of one group, written independently of the
+/// kernel: (codes, scale, bias) with bias the group's min.
+fn quantize_group(x: &[f32]) -> (Vec<u8>, f32, f32) {
+    let lo = x.iter().copied().fold(f32::INFINITY, f32::min);
+    let hi = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let scale = (hi - lo) / 255.0;
+    let codes = x.iter().map(|&v| if scale > 0.0 { ((v - lo) / scale).round().clamp(0.0, 255.0) as u8 } else { 0 }).collect();
+    (codes, scale, lo)
+}
+
+/// `[1, heads, len, dim]` position-order values written through an 8-bit
+/// cache (`layout`), read back dequantized.
+fn through_codes(values: &Array, layout: KeyLayout, group: usize) -> Array {
+    let (h, len, d) = (values.dim(1), values.dim(2), values.dim(3));
+    let codes = KvCodes::Int8 { group };
+    let cap = len.div_ceil(KEY_BLOCK) * KEY_BLOCK;
+    let empty = Array::zeros(&[1, h, cap, codes.width(d)], Dtype::U8).unwrap();
+    let fresh = values.transpose(&[2, 1, 0, 3]).unwrap(); // [len, heads, 1, dim]
+    let cache = fast::cpu_kv_write(&empty, &fresh, 0, len, 0, layout, codes).unwrap();
+    fast::cpu_kv_dequantize(&cache, len, layout, codes).unwrap()
+}
+
+#[test]
+fn eight_bit_codes_round_trip_like_the_reference_quantizer() {
+    let _s = serial();
+    let (heads, len, dim, group) = (3, 130, 64, 32);
+    let mut data = noise(heads * len * dim, 21, 3.0);
+    data[5] = 40.0; // an outlier widens its group's scale only
+    data[dim..2 * dim].fill(0.5); // a constant group: scale 0, exact
+    let values = Array::from_f32(&data, &[1, heads, len, dim]).unwrap();
+    let want: Vec<f32> = data
+        .chunks(group)
+        .flat_map(|g| {
+            let (codes, scale, bias) = quantize_group(g);
+            codes.into_iter().map(move |c| c as f32 * scale + bias)
+        })
+        .collect();
+    for layout in [KeyLayout::Positions, KeyLayout::Blocks] {
+        let got = through_codes(&values, layout, group).to_vec_f32().unwrap();
+        assert_eq!(got.len(), want.len());
+        let err = got.iter().zip(&want).map(|(g, w)| (g - w).abs()).fold(0.0, f32::max);
+        assert!(err <= 1e-5, "{layout:?}: differs from the reference quantizer by {err}");
+        let step = 6.0 / 255.0;
+        let off = got.iter().zip(&data).enumerate().filter(|(i, _)| i / group != 0).map(|(_, (g, x))| (g - x).abs()).fold(0.0, f32::max);
+        assert!(off <= step / 2.0 + 1e-5, "{layout:?}: rounding error {off} past half a step");
+        assert!(got[dim..2 * dim].iter().all(|&x| x == 0.5));
+    }
+    assert!(
+        fast::cpu_kv_write(
+            &Array::zeros(&[1, 1, 64, 70], Dtype::U8).unwrap(),
+            &values.transpose(&[2, 1, 0, 3]).unwrap(),
+            0,
+            1,
+            0,
+            KeyLayout::Positions,
+            KvCodes::Int8 { group: 32 }
+        )
+        .is_err(),
+        "a width that is no head size's"
+    );
+}
+
+#[test]
+fn attention_over_eight_bit_caches_equals_attention_over_their_values() {
+    let _s = serial();
+    let (hq, hkv, d, group) = (9, 3, 64, 64);
+    let codes = KvCodes::Int8 { group };
+    // (n, kv_len): decode far into a history, a chunk, and a short row.
+    let shape = [(1usize, 700usize), (37, 300), (3, 5)];
+    let total: usize = shape.iter().map(|r| r.0).sum();
+    let q = Array::from_f32(&noise(total * hq * d, 31, 4.0), &[1, total, hq * d]).unwrap();
+    let mut float_caches = Vec::new();
+    let mut code_caches = Vec::new();
+    for (r, &(_, len)) in shape.iter().enumerate() {
+        let cap = len.div_ceil(KEY_BLOCK) * KEY_BLOCK;
+        let k = Array::from_f32(&noise(hkv * len * d, 60 + r as u64, 2.0), &[1, hkv, len, d]).unwrap();
+        let v = Array::from_f32(&noise(hkv * len * d, 70 + r as u64, 2.0), &[1, hkv, len, d]).unwrap();
+        let write = |a: &Array, layout| {
+            let empty = Array::zeros(&[1, hkv, cap, codes.width(d)], Dtype::U8).unwrap();
+            let c = fast::cpu_kv_write(&empty, &a.transpose(&[2, 1, 0, 3]).unwrap(), 0, len, 0, layout, codes).unwrap();
+            c.eval().unwrap();
+            c
+        };
+        code_caches.push((write(&k, KeyLayout::Blocks), write(&v, KeyLayout::Positions)));
+        // The float caches hold what the codes stand for.
+        let (kd, vd) = (through_codes(&k, KeyLayout::Blocks, group), through_codes(&v, KeyLayout::Positions, group));
+        float_caches.push((keys_in_blocks(&kd, len), vd));
+    }
+    let attend = |caches: &[(Array, Array)], mixed: bool| {
+        let rows: Vec<AttentionRow> = shape
+            .iter()
+            .zip(caches)
+            .enumerate()
+            .map(|(r, (&(n, kv_len), (k, v)))| {
+                let (k, v) = if mixed && r == 1 { (&float_caches[r].0, &float_caches[r].1) } else { (k, v) };
+                AttentionRow { keys: k, values: v, n, kv_len, first: 0 }
+            })
+            .collect();
+        fast::cpu_attention(&q, &rows, KeyLayout::Blocks, None, codes).unwrap().to_vec_f32().unwrap()
+    };
+    let want = attend(&float_caches, false);
+    for mixed in [false, true] {
+        let err = max_error(&attend(&code_caches, mixed), &want);
+        assert!(err <= 1e-5, "mixed {mixed}: max error {err}");
+    }
 }

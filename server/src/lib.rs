@@ -3,6 +3,7 @@ pub mod bench;
 pub mod engine;
 pub mod generate;
 pub mod grammar;
+pub mod kv_bench;
 pub mod loaded;
 pub mod model;
 pub mod registry;

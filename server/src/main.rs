@@ -174,6 +174,22 @@ struct BenchArgs {
     /// With --turns: run only the session with the prefix cache on.
     #[arg(long)]
     cached_only: bool,
+    /// Run the 8-bit KV benchmark instead: perplexity of --kv-text and greedy
+    /// agreement on windows of it, then decode speed after a
+    /// --prompt-tokens history, full precision beside 8-bit codes.
+    #[arg(long)]
+    kv_quality: bool,
+    /// The fixed text the 8-bit KV benchmark scores: its first --kv-text-tokens tokens.
+    #[arg(long, default_value = "docs/architecture.md")]
+    kv_text: std::path::PathBuf,
+    #[arg(long, default_value_t = 2560)]
+    kv_text_tokens: usize,
+    /// Reference prompts for the 8-bit KV benchmark's greedy comparison: a
+    /// greedy fixture (`cases[].prompt_ids`) of the same model.
+    #[arg(long, default_value = "tests/fixtures/greedy/smollm2.json")]
+    kv_prompts: std::path::PathBuf,
+    #[command(flatten)]
+    kv: KvArgs,
     /// Where decoding rows keep their KV caches.
     #[arg(long, value_enum, default_value_t = KvLayoutArg::Auto)]
     kv_layout: KvLayoutArg,
@@ -312,15 +328,45 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Generate(args) => run_generate(args),
         Command::Serve(args) => run_serve(args),
         Command::Bench(args) if !args.speculation_streams.is_empty() => {
-            let config = EngineConfig { draft_model: draft_model_spec(&args.model, args.draft_model.as_deref())?, ..bench_engine_config(&args) };
+            let config = EngineConfig { draft_model: draft_model_spec(&args.model, args.draft_model.as_deref())?, ..bench_engine_config(&args)? };
             let mut sources = vec![DraftKind::Echo];
             sources.extend(config.draft_model.is_some().then_some(DraftKind::Model));
             let (engine, tokenizer) = start_engine(&args.model, config)?;
             let fim = tether::server::FimTokens::detect(&tokenizer);
             tether::spec_bench::run_all(&engine, &tokenizer, fim.as_ref(), &args.speculation_streams, &sources, args.max_draft)
         }
+        Command::Bench(args) if args.kv_quality => {
+            let mut model = load_model(&args.model)?;
+            let q = args.kv.quantization()?.unwrap_or(tether::model::KvQuantization { group: args.kv.kv_group_size, start: args.kv.kv_quantized_start });
+            let variants = tether::kv_bench::variants(q.group, q.start);
+            let text = std::fs::read_to_string(&args.kv_text).map_err(|e| anyhow::anyhow!("reading {:?}: {e}", args.kv_text))?;
+            let mut text = model.tokenizer.encode(&text, false)?;
+            anyhow::ensure!(text.len() >= args.kv_text_tokens, "{:?} holds {} tokens, fewer than --kv-text-tokens", args.kv_text, text.len());
+            text.truncate(args.kv_text_tokens);
+            let fixture: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(&args.kv_prompts).map_err(|e| anyhow::anyhow!("reading {:?}: {e}", args.kv_prompts))?)?;
+            let reference_prompts: Vec<Vec<u32>> = serde_json::from_value(
+                fixture["cases"]
+                    .as_array()
+                    .ok_or_else(|| anyhow::anyhow!("{:?} has no cases", args.kv_prompts))?
+                    .iter()
+                    .map(|c| c["prompt_ids"].clone())
+                    .collect::<Vec<_>>()
+                    .into(),
+            )?;
+            // The windows pass the start, so their whole history turns to codes.
+            let windows = tether::kv_bench::text_windows(&text, 20, q.start + 64)?;
+            for row in tether::kv_bench::quality(&mut model, &text, &[("reference", reference_prompts), ("text_windows", windows)], &variants)? {
+                println!("{}", serde_json::to_string(&row)?);
+            }
+            let history = tether::bench::prompt_tokens(&model, args.prompt_tokens)?;
+            for row in tether::kv_bench::speed(&mut model, &history, &variants, args.gen_tokens, 3)? {
+                println!("{}", serde_json::to_string(&row)?);
+            }
+            Ok(())
+        }
         Command::Bench(args) if args.turns > 0 => {
-            let (engine, tokenizer) = start_engine(&args.model, bench_engine_config(&args))?;
+            let (engine, tokenizer) = start_engine(&args.model, bench_engine_config(&args)?)?;
             for cache in [true, false].into_iter().filter(|&c| c || !args.cached_only) {
                 for turn in tether::bench::run_agent_bench(&engine, &tokenizer, args.turns, args.prompt_tokens, args.gen_tokens, cache)? {
                     println!("{}", serde_json::to_string(&turn)?);
@@ -329,7 +375,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Bench(args) if args.streams > 0 => {
-            let (engine, tokenizer) = start_engine(&args.model, bench_engine_config(&args))?;
+            let (engine, tokenizer) = start_engine(&args.model, bench_engine_config(&args)?)?;
             let prompt = tether::bench::prompt_tokens_with(&tokenizer, args.prompt_tokens)?;
             for streams in [1, args.streams] {
                 let r = tether::bench::run_streams_bench(&engine, &args.model.model, prompt.clone(), streams, args.gen_tokens)?;
@@ -348,8 +394,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 
 /// The engine a benchmark runs: the server's defaults but for what the
 /// benchmark's flags set.
-fn bench_engine_config(args: &BenchArgs) -> EngineConfig {
-    EngineConfig { step_draft_budget: args.step_draft_budget, kv_layout: args.kv_layout.layout(), prefill_chunk: args.prefill_chunk, ..EngineConfig::default() }
+fn bench_engine_config(args: &BenchArgs) -> anyhow::Result<EngineConfig> {
+    Ok(EngineConfig {
+        step_draft_budget: args.step_draft_budget,
+        kv_layout: args.kv_layout.layout(),
+        prefill_chunk: args.prefill_chunk,
+        kv_quantization: args.kv.quantization()?,
+        ..EngineConfig::default()
+    })
 }
 
 fn load_options(args: &ModelArgs) -> anyhow::Result<LoadOptions> {
@@ -437,11 +489,42 @@ struct EngineArgs {
     /// Where decoding rows keep their KV caches.
     #[arg(long, value_enum, default_value_t = KvLayoutArg::Auto)]
     kv_layout: KvLayoutArg,
+    #[command(flatten)]
+    kv: KvArgs,
     /// While streams decode, a step carries only as many prompt tokens as
     /// keep it within this multiple of a decode-only step (measured); 1 or
     /// less: prompt chunks are bounded by --prefill-chunk alone.
     #[arg(long, default_value_t = EngineConfig::default().max_itl_inflation)]
     max_itl_inflation: f64,
+}
+
+/// How rows hold their KV state.
+#[derive(Args)]
+struct KvArgs {
+    /// Bits per KV feature: 32 (full precision) or 8 (affine 8-bit codes in
+    /// groups, a little over a quarter of the bytes; the CPU only). A row
+    /// turns to 8 bits once past --kv-quantized-start tokens.
+    #[arg(long, default_value_t = 32)]
+    kv_bits: u32,
+    /// Features per 8-bit group (one scale and bias each); divides the head size.
+    #[arg(long, default_value_t = 64)]
+    kv_group_size: usize,
+    /// Tokens a row keeps in full precision before its KV turns to 8 bits.
+    #[arg(long, default_value_t = 256)]
+    kv_quantized_start: usize,
+}
+
+impl KvArgs {
+    fn quantization(&self) -> anyhow::Result<Option<tether::model::KvQuantization>> {
+        match self.kv_bits {
+            32 => Ok(None),
+            8 => {
+                anyhow::ensure!(self.kv_group_size > 0, "--kv-group-size must be at least 1");
+                Ok(Some(tether::model::KvQuantization { group: self.kv_group_size, start: self.kv_quantized_start }))
+            }
+            b => anyhow::bail!("--kv-bits must be 32 or 8, got {b}"),
+        }
+    }
 }
 
 impl EngineArgs {
@@ -463,6 +546,7 @@ impl EngineArgs {
             }),
             step_draft_budget: self.step_draft_budget,
             kv_layout: self.kv_layout.layout(),
+            kv_quantization: self.kv.quantization()?,
             max_itl_inflation: self.max_itl_inflation,
             ..d
         })

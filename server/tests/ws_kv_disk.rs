@@ -3,7 +3,8 @@
 //! to its disk tier; a session that comes back reads its own back (its
 //! next turn hits the cache) and continues exactly as it would have had its
 //! state stayed in RAM; other sessions never see it; and when the sessions
-//! close, RAM, the tier and its folder are empty again.
+//! close, RAM, the tier and its folder are empty again. In full precision
+//! and in 8-bit codes (whose files hold the codes as the cache does).
 mod ws_harness;
 
 use std::time::Duration;
@@ -11,6 +12,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use tether::engine::{DiskTierConfig, EngineConfig, EngineHandle, EngineStats};
 use tether::loaded::LoadedModel;
+use tether::model::KvQuantization;
 use tether::server::ServerConfig;
 use ws_harness::*;
 
@@ -57,22 +59,40 @@ async fn wait_for(engine: &EngineHandle, what: &str, done: impl Fn(&EngineStats)
     }
 }
 
+fn start_engine(config: EngineConfig) -> EngineHandle {
+    EngineHandle::start(config, || Ok(LoadedModel::load(MODEL, tether::model::LoadOptions::for_device(mlx::default_device()))?)).unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_sessions_go_to_disk_and_come_back_exactly() {
-    let h = harness_for(MODEL, &[]);
-    let folder = std::env::temp_dir().join(format!("tether-ws-kv-disk-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&folder);
     // One SmolLM2 history (30 layers, 256 positions of capacity) is ~11.8 MB:
     // 20 MB of RAM holds one, so the others go to disk.
-    let config = EngineConfig {
-        prefix_cache_bytes: 20 << 20,
+    sessions_go_to_disk_and_come_back_exactly(None, 20 << 20).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_sessions_of_eight_bit_kv_go_to_disk_and_come_back_exactly() {
+    // In 8-bit codes from the first token a history is 72/256 of float32's
+    // (~3.3 MB): 5.6 MB of RAM holds one.
+    sessions_go_to_disk_and_come_back_exactly(Some(KvQuantization { group: 64, start: 0 }), 5_600_000).await;
+}
+
+/// Sessions of a server whose RAM holds `ram_bytes` of history (about one
+/// session's) detach, go to disk and come back, against a server with the
+/// same KV layout that keeps them all hot.
+async fn sessions_go_to_disk_and_come_back_exactly(kv_quantization: Option<KvQuantization>, ram_bytes: usize) {
+    let h = harness_for(MODEL, &[]);
+    let folder = std::env::temp_dir().join(format!("tether-ws-kv-disk-{}-{}", std::process::id(), kv_quantization.is_some()));
+    let _ = std::fs::remove_dir_all(&folder);
+    let tiered = start_engine(EngineConfig {
+        prefix_cache_bytes: ram_bytes,
         kv_disk: Some(DiskTierConfig { dir: folder.clone(), budget_bytes: 512 << 20 }),
+        kv_quantization,
         ..EngineConfig::default()
-    };
-    let tiered = EngineHandle::start(config, || Ok(LoadedModel::load(MODEL, tether::model::LoadOptions::for_device(mlx::default_device()))?)).unwrap();
+    });
     let tiered_server = h.start_with_engines(ServerConfig::default(), tiered.clone().into()).await;
-    // The same conversations on the harness's engine (1 GiB of RAM): hot.
-    let hot_server = h.start(ServerConfig::default()).await;
+    // The same conversations on an engine with 1 GiB of RAM: hot.
+    let hot_server = h.start_with_engines(ServerConfig::default(), start_engine(EngineConfig { kv_quantization, ..EngineConfig::default() }).into()).await;
 
     // Every session takes its first turn and detaches (its socket drops):
     // idle sessions' state is the first to leave RAM.
@@ -86,7 +106,7 @@ async fn idle_sessions_go_to_disk_and_come_back_exactly() {
         sessions.push((ready, answer));
     }
     let s = wait_for(&tiered, "the idle sessions' state on disk", |s| s.prefix.disk.entries >= QUESTIONS.len() - 1).await;
-    assert!(s.prefix.bytes <= 20 << 20, "RAM within its budget: {:?}", s.prefix);
+    assert!(s.prefix.bytes <= ram_bytes, "RAM within its budget: {:?}", s.prefix);
     assert!(s.prefix.disk.bytes > 0 && s.prefix.disk.writes >= 3, "{:?}", s.prefix);
     let files = || std::fs::read_dir(&folder).unwrap().flat_map(|d| std::fs::read_dir(d.unwrap().path()).unwrap()).count();
     assert!(files() >= 3, "one file per entry on disk");

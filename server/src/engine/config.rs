@@ -41,6 +41,8 @@ pub struct EngineConfig {
     pub draft_model: Option<speculate::DraftModelSpec>,
     /// Where running rows keep their KV caches.
     pub kv_layout: KvLayout,
+    /// When rows' KV caches turn to 8-bit codes (`None`: never; the CPU only).
+    pub kv_quantization: Option<crate::model::KvQuantization>,
     /// Batched layout: most attention scores (slots x heads x queries x
     /// capacity) the rows attending together may hold; a prompt chunk that
     /// would take more attends alone (see [`crate::model::BatchedRows`]).
@@ -95,6 +97,7 @@ impl Default for EngineConfig {
             step_draft_budget: 64,
             draft_model: None,
             kv_layout: KvLayout::Auto,
+            kv_quantization: None,
             shared_attention_scores: crate::model::SHARED_ATTENTION_SCORES,
             max_itl_inflation: 1.5,
         }

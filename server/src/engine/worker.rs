@@ -78,7 +78,7 @@ impl Engine {
     where
         F: FnOnce() -> anyhow::Result<LoadedModel>,
     {
-        let model = load()?;
+        let mut model = load()?;
         let draft = config
             .draft_model
             .as_ref()
@@ -86,6 +86,8 @@ impl Engine {
             .transpose()
             .map_err(|e| e.context("loading the draft model"))?;
         let batched = config.kv_layout.batched_on(mlx::default_device());
+        anyhow::ensure!(!batched || config.kv_quantization.is_none(), "8-bit KV is for rows with caches of their own (--kv-layout rows, on the CPU)");
+        model.transformer.set_kv_quantization(config.kv_quantization).map_err(|e| anyhow::anyhow!("--kv-bits 8: {e}"))?;
         if mlx::default_device() == mlx::Device::Gpu {
             super::warmup::warm_up(&model.transformer, &config, batched).map_err(|e| anyhow::anyhow!("warming up the model's kernels failed: {e}"))?;
         }
@@ -101,11 +103,11 @@ impl Engine {
             draft_model: config.draft_model.as_ref().map(|d| d.path.display().to_string()),
         };
         // Separates prefix-cache state computed under different models,
-        // dtypes or weight forms.
+        // dtypes, weight forms or KV quantizations.
         let namespace = {
             use std::hash::{Hash, Hasher};
             let mut h = std::collections::hash_map::DefaultHasher::new();
-            (model.path.display().to_string(), format!("{:?}", model.transformer.dtype), model.transformer.weight_form()).hash(&mut h);
+            (model.path.display().to_string(), format!("{:?}", model.transformer.dtype), model.transformer.weight_form(), config.kv_quantization).hash(&mut h);
             h.finish()
         };
         let engine = Engine {
@@ -230,9 +232,15 @@ impl Engine {
         }
     }
 
-    /// KV bytes a request can grow to (prompt + max_tokens, in cache blocks).
+    /// KV bytes a request can grow to (prompt + max_tokens, in cache blocks),
+    /// in the form its cache ends in: codes once it passes the 8-bit start.
+    /// (The conversion itself briefly holds both forms; a row converts once.)
     fn reserved_bytes(&self, r: &SubmitRequest) -> usize {
-        (r.prompt.len() + r.max_tokens).next_multiple_of(crate::model::KV_CAPACITY_STEP) * self.kv_bytes_per_token
+        let tokens = (r.prompt.len() + r.max_tokens).next_multiple_of(crate::model::KV_CAPACITY_STEP);
+        match self.config.kv_quantization {
+            Some(q) if tokens > q.start => tokens * q.bytes_per_token(&self.model.config),
+            _ => tokens * self.kv_bytes_per_token,
+        }
     }
 
     /// Ends the rows and waiting requests the edge stopped (or whose

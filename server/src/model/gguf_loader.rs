@@ -202,7 +202,7 @@ pub fn load(file: &GgufFile, dtype: Dtype, format: WeightFormat) -> Result<Trans
         }
         None => None,
     };
-    let t = Transformer { config, dtype, embedding, layers, final_norm, lm_head, rope_periods };
+    let t = Transformer { config, dtype, embedding, layers, final_norm, lm_head, rope_periods, kv_quantization: None };
     mlx::eval(&t.embedding.arrays().into_iter().chain([&t.final_norm]).collect::<Vec<_>>())?;
     Ok(t)
 }

@@ -21,7 +21,17 @@
 //! Everything else here handles such keys in whole blocks, and
 //! [`positions`](KvCache::positions) and [`fill`](KvCache::fill) convert
 //! at the edges (moving a cache into a batch slot, or out of one).
-use mlx::fast::{KeyLayout, KEY_BLOCK};
+//!
+//! 8-bit KV (the CPU's fused attention only): a cache given a
+//! [`KvQuantization`] holds float32 until its length would pass the
+//! quantization's start, then turns its buffers into 8-bit codes once
+//! ([`mlx::fast::KvCodes::Int8`]) and writes every later position as codes:
+//! a short exchange stays exact, and a long history takes a little over a
+//! quarter of the bytes (and of the reading a decode step does). Positions
+//! are still rows of the buffers' third axis, so growing, windows,
+//! rollback and storing work on codes as on floats; only the write, the
+//! attention and [`positions`](KvCache::positions) read inside a row.
+use mlx::fast::{KeyLayout, KvCodes, KEY_BLOCK};
 use mlx::{Array, Dtype};
 
 /// Capacity grows in multiples of this many tokens.
@@ -89,6 +99,22 @@ pub(super) fn zeros_keeping(shape: &[usize; 4], dtype: Dtype, old: Option<&Array
     }
 }
 
+/// When a cache turns to 8-bit codes (see the module notes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct KvQuantization {
+    /// Features per group sharing a scale and a bias (divides the head size).
+    pub group: usize,
+    /// Positions a cache holds in full precision before it converts.
+    pub start: usize,
+}
+
+impl KvQuantization {
+    /// Bytes one position holds across all layers once its cache holds codes.
+    pub fn bytes_per_token(&self, config: &super::ModelConfig) -> usize {
+        2 * config.n_layers * config.n_kv_heads * KvCodes::Int8 { group: self.group }.width(config.head_dim)
+    }
+}
+
 /// A cache's bookkeeping beside its buffers, when it is stored as is.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct StoredCache {
@@ -96,6 +122,15 @@ pub struct StoredCache {
     pub capacity: usize,
     pub window_first: usize,
     pub window_capacity: usize,
+    /// The group of 8-bit codes the buffers hold (`None`: full precision).
+    #[serde(default)]
+    pub int8_group: Option<usize>,
+}
+
+impl StoredCache {
+    fn codes(&self) -> KvCodes {
+        self.int8_group.map_or(KvCodes::Float, |group| KvCodes::Int8 { group })
+    }
 }
 
 /// Cloning shares every buffer (MLX arrays are reference-counted values): a
@@ -114,8 +149,12 @@ pub struct KvCache {
     window_capacity: usize,
     kv_heads: usize,
     head_dim: usize,
+    /// Full precision's dtype (buffers of 8-bit codes are uint8).
     dtype: Dtype,
     keys: KeyLayout,
+    /// How the buffers hold features now, and when they turn to codes.
+    codes: KvCodes,
+    quantization: Option<KvQuantization>,
 }
 
 impl KvCache {
@@ -132,6 +171,8 @@ impl KvCache {
             head_dim,
             dtype,
             keys: KeyLayout::Positions,
+            codes: KvCodes::Float,
+            quantization: None,
         }
     }
 
@@ -149,11 +190,59 @@ impl KvCache {
         self
     }
 
+    /// The same cache turning to 8-bit codes as `q` says (`None`: never);
+    /// set before anything is stored. Only for float32 caches with keys in
+    /// blocks (the CPU's fused attention reads codes).
+    pub fn with_quantization(mut self, q: Option<KvQuantization>) -> mlx::Result<KvCache> {
+        assert!(self.is_empty(), "quantization is set on an empty cache");
+        if let Some(q) = q {
+            if self.keys != KeyLayout::Blocks || self.dtype != Dtype::F32 || q.group == 0 || !self.head_dim.is_multiple_of(q.group) {
+                let why = format!("8-bit KV needs the CPU's fused attention (float32, keys in blocks) and a group dividing the head size {}", self.head_dim);
+                return Err(mlx::Error { op: "kv_cache", message: why });
+            }
+        }
+        self.quantization = q;
+        Ok(self)
+    }
+
     /// A cache of the same model and layout (layers, heads, dtype, key
-    /// layout, windows) holding nothing: what [`fill`](Self::fill) restores
-    /// a stored copy into.
+    /// layout, windows, quantization) holding nothing, in full precision:
+    /// what [`fill`](Self::fill) restores a stored copy into.
     pub fn emptied(&self) -> KvCache {
-        KvCache { keys: self.keys, ..KvCache::new(self.layers.len(), self.kv_heads, self.head_dim, self.dtype) }.with_windows(self.windows.clone())
+        let empty = KvCache::new(self.layers.len(), self.kv_heads, self.head_dim, self.dtype);
+        KvCache { keys: self.keys, quantization: self.quantization, ..empty }.with_windows(self.windows.clone())
+    }
+
+    /// How the buffers hold features now.
+    pub fn codes(&self) -> KvCodes {
+        self.codes
+    }
+
+    /// The buffers' last dimension and dtype when they hold `codes`.
+    fn buffer_form(&self, codes: KvCodes) -> (usize, Dtype) {
+        match codes {
+            KvCodes::Float => (self.head_dim, self.dtype),
+            KvCodes::Int8 { .. } => (codes.width(self.head_dim), Dtype::U8),
+        }
+    }
+
+    /// The shape and dtype of each buffer of a stored copy, per layer by its
+    /// room: what reading one back must produce.
+    pub fn stored_form(&self, stored: &StoredCache) -> (usize, Dtype) {
+        self.buffer_form(stored.codes())
+    }
+
+    /// Turns a full-precision cache into 8-bit codes of `group`, once: every
+    /// position held so far is quantized, and later writes quantize theirs.
+    fn quantize_held(&mut self, group: usize) -> mlx::Result<()> {
+        let held = (0..self.layers.len()).map(|l| self.positions(l)).collect::<mlx::Result<Option<Vec<_>>>>()?;
+        let mut codes = KvCache { codes: KvCodes::Int8 { group }, ..self.emptied() };
+        match held {
+            Some(layers) if !self.is_empty() => codes.fill(&layers, self.len, self.window_first)?,
+            _ => {}
+        }
+        *self = codes;
+        Ok(())
     }
 
     /// Its bookkeeping and every layer's whole buffers (spare room
@@ -161,7 +250,11 @@ impl KvCache {
     /// elsewhere as is takes. `None` for a cache with an empty layer.
     pub fn as_stored(&self) -> Option<(StoredCache, Vec<(&Array, &Array)>)> {
         let layers = self.layers.iter().map(|l| l.as_ref().map(|(k, v)| (k, v))).collect::<Option<Vec<_>>>()?;
-        let stored = StoredCache { len: self.len, capacity: self.capacity, window_first: self.window_first, window_capacity: self.window_capacity };
+        let int8_group = match self.codes {
+            KvCodes::Float => None,
+            KvCodes::Int8 { group } => Some(group),
+        };
+        let stored = StoredCache { len: self.len, capacity: self.capacity, window_first: self.window_first, window_capacity: self.window_capacity, int8_group };
         Some((stored, layers))
     }
 
@@ -171,13 +264,21 @@ impl KvCache {
     pub fn from_stored(&self, stored: &StoredCache, layers: Vec<(Array, Array)>) -> mlx::Result<KvCache> {
         let whole_fits = self.windows.iter().all(Option::is_some) || stored.len <= stored.capacity;
         let window_fits = self.widest_window().is_none() || (stored.window_first <= stored.len && stored.len <= stored.window_first + stored.window_capacity);
+        // Codes are read only by the fused attention, and only in this
+        // quantization's groups (a server started with other settings misses).
+        let codes_fit = match stored.codes() {
+            KvCodes::Float => true,
+            KvCodes::Int8 { group } => self.quantization.is_some_and(|q| q.group == group),
+        };
+        let (width, dtype) = self.stored_form(stored);
         let fits = layers.len() == self.layers.len()
+            && codes_fit
             && whole_fits
             && window_fits
             && layers.iter().zip(&self.windows).all(|((k, v), w)| {
                 let room = if w.is_some() { stored.window_capacity } else { stored.capacity };
-                let shape = [1, self.kv_heads, room, self.head_dim];
-                k.shape() == shape && v.shape() == shape && k.dtype() == self.dtype && v.dtype() == self.dtype
+                let shape = [1, self.kv_heads, room, width];
+                k.shape() == shape && v.shape() == shape && k.dtype() == dtype && v.dtype() == dtype
             });
         if !fits || !self.is_empty() {
             return Err(mlx::Error { op: "kv_cache", message: "stored buffers do not fit this cache".into() });
@@ -188,6 +289,7 @@ impl KvCache {
             capacity: stored.capacity,
             window_first: stored.window_first,
             window_capacity: stored.window_capacity,
+            codes: stored.codes(),
             ..self.clone()
         })
     }
@@ -276,14 +378,22 @@ impl KvCache {
     /// Makes room for `extra` more tokens in every layer: whole-history
     /// layers grow together; window layers drop what no query will see
     /// again when they would overflow (see the module notes).
+    /// A cache with a quantization turns to 8-bit codes here, before the
+    /// write that would take it past the start.
     pub fn reserve(&mut self, extra: usize) -> mlx::Result<()> {
         let needed = self.len + extra;
+        if let Some(q) = self.quantization {
+            if self.codes == KvCodes::Float && needed > q.start {
+                self.quantize_held(q.group)?;
+            }
+        }
+        let (width, dtype) = self.buffer_form(self.codes);
         if needed > self.capacity && self.windows.iter().any(Option::is_none) {
             let new_cap = needed.div_ceil(CAPACITY_STEP) * CAPACITY_STEP;
-            let shape = [1, self.kv_heads, new_cap, self.head_dim];
-            let keep = [1, self.kv_heads, self.copied_positions(self.len), self.head_dim];
+            let shape = [1, self.kv_heads, new_cap, width];
+            let keep = [1, self.kv_heads, self.copied_positions(self.len), width];
             for (layer, _) in self.layers.iter_mut().zip(&self.windows).filter(|(_, w)| w.is_none()) {
-                let fresh = |old: Option<&Array>| zeros_keeping(&shape, self.dtype, old, keep);
+                let fresh = |old: Option<&Array>| zeros_keeping(&shape, dtype, old, keep);
                 let (k, v) = match layer.take() {
                     Some((k, v)) => (fresh(Some(&k))?, fresh(Some(&v))?),
                     None => (fresh(None)?, fresh(None)?),
@@ -307,7 +417,8 @@ impl KvCache {
         let first = window_first(self.len, window).max(self.window_first);
         // (An empty cache being filled may start past its length so far.)
         let capacity = (self.len + extra - first + WINDOW_ROOM).div_ceil(KEY_BLOCK) * KEY_BLOCK;
-        let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
+        let (width, dtype) = self.buffer_form(self.codes);
+        let (h, d) = (self.kv_heads as i32, width as i32);
         // Indices in the old buffers: from the new first position to the
         // current length (for keys in blocks, to the end of its block).
         let from = (first - self.window_first) as i32;
@@ -315,9 +426,9 @@ impl KvCache {
         let kept = |to: usize| -> (i32, [i32; 4]) { (to as i32 - from, [1, h, to as i32, d]) };
         let (key_kept, key_stop) = kept(self.copied_positions(held));
         let (value_kept, value_stop) = kept(held);
-        let shape = [1, self.kv_heads, capacity, self.head_dim];
+        let shape = [1, self.kv_heads, capacity, width];
         let move_over = |old: Option<&Array>, kept: i32, stop: [i32; 4]| -> mlx::Result<Array> {
-            let fresh = Array::zeros(&shape, self.dtype)?;
+            let fresh = Array::zeros(&shape, dtype)?;
             match old {
                 Some(old) if kept > 0 => fresh.slice_update(&old.slice(&[0, 0, from, 0], &stop)?, &[0; 4], &[1, h, kept, d]),
                 _ => Ok(fresh),
@@ -346,8 +457,11 @@ impl KvCache {
     /// `first(layer) .. len + n`.
     /// `reserve(n)` must have been called for this step; `advance(n)` commits.
     pub fn append(&mut self, layer: usize, k: &Array, v: &Array) -> mlx::Result<(Array, Array)> {
-        if self.keys == KeyLayout::Blocks {
-            return Err(mlx::Error { op: "kv_cache", message: "append writes keys in position order; a cache with keys in blocks takes write_step".into() });
+        if self.keys == KeyLayout::Blocks || self.codes != KvCodes::Float {
+            return Err(mlx::Error {
+                op: "kv_cache",
+                message: "append writes floats in position order; a cache with keys in blocks or codes takes write_step".into(),
+            });
         }
         let n = k.dim(2);
         let (at, end) = (self.len - self.first(layer), self.len + n - self.first(layer));
@@ -378,7 +492,7 @@ impl KvCache {
             return Err(mlx::Error { op: "kv_cache", message: format!("append of {n} past capacity {}", self.layer_capacity(layer)) });
         }
         let (old_k, old_v) = self.layers[layer].take().ok_or_else(|| mlx::Error { op: "kv_cache", message: "layer not reserved".into() })?;
-        let write = |old: &Array, fresh: &Array, layout| mlx::fast::cpu_kv_write(old, fresh, start, n, at, layout);
+        let write = |old: &Array, fresh: &Array, layout| mlx::fast::cpu_kv_write(old, fresh, start, n, at, layout, self.codes);
         match write(&old_k, keys, self.keys).and_then(|k| Ok((k, write(&old_v, values, KeyLayout::Positions)?))) {
             Ok((new_k, new_v)) => {
                 drop((old_k, old_v)); // the graph now holds the only reference: the write can be in place
@@ -402,6 +516,10 @@ impl KvCache {
         if held == 0 {
             return Ok(None);
         }
+        if self.codes != KvCodes::Float {
+            let read = |a: &Array, layout| mlx::fast::cpu_kv_dequantize(a, held, layout, self.codes);
+            return Ok(Some((read(k, self.keys)?, read(v, KeyLayout::Positions)?)));
+        }
         let stop = [1, self.kv_heads as i32, held as i32, self.head_dim as i32];
         let keys = match self.keys {
             KeyLayout::Positions => k.slice(&[0; 4], &stop)?,
@@ -424,6 +542,9 @@ impl KvCache {
         }
         self.window_first = window_first;
         self.reserve(len)?;
+        if self.codes != KvCodes::Float {
+            return self.fill_codes(layers, len);
+        }
         let keys_in_blocks = self.keys == KeyLayout::Blocks;
         for (layer, (k, v)) in layers.iter().enumerate() {
             let held = len - self.first(layer);
@@ -432,6 +553,24 @@ impl KvCache {
             let (bk, bv) = self.layers[layer].take().expect("reserved above");
             let k = if keys_in_blocks { into_blocks(k, held)? } else { k.clone() };
             self.layers[layer] = Some((bk.slice_update(&k, &[0; 4], &key_stop)?, bv.slice_update(v, &[0; 4], &stop)?));
+        }
+        self.len = len;
+        Ok(())
+    }
+
+    /// [`fill`](Self::fill)'s writes into a reserved cache of 8-bit codes:
+    /// each layer's positions quantized as a step's tokens would be.
+    fn fill_codes(&mut self, layers: &[(Array, Array)], len: usize) -> mlx::Result<()> {
+        let (codes, keys) = (self.codes, self.keys);
+        for (layer, (k, v)) in layers.iter().enumerate() {
+            let held = len - self.first(layer);
+            if held == 0 {
+                continue;
+            }
+            // [1, heads, held, dim] read as a step's tokens, [held, heads, 1, dim].
+            let write = |buffer: &Array, a: &Array, layout| mlx::fast::cpu_kv_write(buffer, &a.transpose(&[2, 1, 0, 3])?, 0, held, 0, layout, codes);
+            let (bk, bv) = self.layers[layer].take().expect("reserved above");
+            self.layers[layer] = Some((write(&bk, k, keys)?, write(&bv, v, KeyLayout::Positions)?));
         }
         self.len = len;
         Ok(())
@@ -582,6 +721,92 @@ mod tests {
         let all = cache.positions(0).unwrap().unwrap().0.to_vec_f32().unwrap();
         assert_eq!(cache.positions(1).unwrap().unwrap().0.to_vec_f32().unwrap(), all[first * 16..].to_vec());
         assert_eq!(all[back * 16], -((back * 1000) as f32), "the rewritten positions are the new keys");
+    }
+
+    /// `steps` written into a cache turning to 8-bit codes (`q`) and into a
+    /// float32 one; both returned.
+    fn written_quantized(q: KvQuantization, windows: Vec<Option<usize>>, steps: &[usize]) -> (KvCache, KvCache) {
+        let (heads, dim, layers) = (2, 32, windows.len());
+        let new = || KvCache::with_keys_in_blocks(layers, heads, dim, Dtype::F32).with_windows(windows.clone());
+        let (mut codes, mut floats) = (new().with_quantization(Some(q)).unwrap(), new());
+        for &n in steps {
+            // Smooth values, so 8-bit steps are small against them.
+            let keys = step_keys(codes.len(), n, heads, dim).multiply(&Array::scalar(1e-3, Dtype::F32).unwrap()).unwrap();
+            for cache in [&mut codes, &mut floats] {
+                cache.reserve(n).unwrap();
+                for layer in 0..layers {
+                    cache.write_step(layer, &keys, &keys, 0, n).unwrap();
+                }
+                cache.advance(n);
+            }
+        }
+        (codes, floats)
+    }
+
+    fn max_difference(a: &KvCache, b: &KvCache, layer: usize) -> f32 {
+        let (ak, av) = a.positions(layer).unwrap().unwrap();
+        let (bk, bv) = b.positions(layer).unwrap().unwrap();
+        let (ak, av, bk, bv) = (ak.to_vec_f32().unwrap(), av.to_vec_f32().unwrap(), bk.to_vec_f32().unwrap(), bv.to_vec_f32().unwrap());
+        assert_eq!((ak.len(), av.len()), (bk.len(), bv.len()));
+        ak.iter().zip(&bk).chain(av.iter().zip(&bv)).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    }
+
+    #[test]
+    fn a_cache_turns_to_eight_bit_codes_once_past_its_start_and_reads_back_close() {
+        let _device = mlx::set_default_device(mlx::Device::Cpu);
+        let q = KvQuantization { group: 16, start: 100 };
+        // Up to 100 tokens it stays float32, exactly.
+        let (mut codes, mut floats) = written_quantized(q, vec![None], &[60, 40]);
+        assert_eq!(codes.codes(), KvCodes::Float);
+        assert_eq!(max_difference(&codes, &floats, 0), 0.0);
+        // The next write turns it (all it held, then the new tokens), past a growth step too.
+        for cache in [&mut codes, &mut floats] {
+            let keys = step_keys(100, 200, 2, 32).multiply(&Array::scalar(1e-3, Dtype::F32).unwrap()).unwrap();
+            cache.reserve(200).unwrap();
+            cache.write_step(0, &keys, &keys, 0, 200).unwrap();
+            cache.advance(200);
+        }
+        assert_eq!(codes.codes(), KvCodes::Int8 { group: 16 });
+        // A group's values span at most 0.016 here (features 0..31 of one
+        // token): half a step of 0.016 / 255 is the rounding bound.
+        let err = max_difference(&codes, &floats, 0);
+        assert!(err > 0.0 && err <= 0.016 / 255.0 / 2.0 + 1e-6, "8-bit error {err}");
+        // 32 codes, 2 groups' scales and biases: 48 bytes a position for 128.
+        assert_eq!(codes.nbytes() * 128, floats.nbytes() * 48);
+
+        // Rolled back and written again, stored and restored: still the same positions.
+        for cache in [&mut codes, &mut floats] {
+            cache.truncate(250);
+            let keys = step_keys(250, 3, 2, 32).multiply(&Array::scalar(-1e-3, Dtype::F32).unwrap()).unwrap();
+            cache.reserve(3).unwrap();
+            cache.write_step(0, &keys, &keys, 0, 3).unwrap();
+            cache.advance(3);
+        }
+        assert!(max_difference(&codes, &floats, 0) <= 0.016 / 255.0 / 2.0 + 1e-6);
+        let (stored, layers) = codes.as_stored().unwrap();
+        assert_eq!(stored.int8_group, Some(16));
+        let layers: Vec<(Array, Array)> = layers.into_iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        let back = codes.emptied().from_stored(&stored, layers.clone()).unwrap();
+        assert_eq!(max_difference(&back, &codes, 0), 0.0);
+        let other_group = KvCache::with_keys_in_blocks(1, 2, 32, Dtype::F32).with_quantization(Some(KvQuantization { group: 32, start: 0 })).unwrap();
+        assert!(other_group.from_stored(&stored, layers).is_err(), "codes of another group");
+    }
+
+    #[test]
+    fn a_window_layer_of_eight_bit_codes_keeps_the_whole_layers_positions() {
+        let _device = mlx::set_default_device(mlx::Device::Cpu);
+        // A 300-token prompt, then decode past the window's moves, turning at 256.
+        let steps: Vec<usize> = std::iter::once(200).chain(std::iter::repeat_n(1, 300)).collect();
+        let (codes, _) = written_quantized(KvQuantization { group: 32, start: 256 }, vec![None, Some(100)], &steps);
+        assert_eq!(codes.codes(), KvCodes::Int8 { group: 32 });
+        let first = codes.first(1);
+        assert!(first > 0);
+        let all = codes.positions(0).unwrap().unwrap().0.to_vec_f32().unwrap();
+        let kept = codes.positions(1).unwrap().unwrap().0.to_vec_f32().unwrap();
+        // Per head: positions first.. of the whole layer's 500.
+        let (len, dim) = (codes.len(), 32);
+        let whole_tail: Vec<f32> = (0..2).flat_map(|h| all[(h * len + first) * dim..(h + 1) * len * dim].to_vec()).collect();
+        assert!(kept == whole_tail, "the window layer's positions differ from the whole layer's");
     }
 
     #[test]

@@ -145,11 +145,13 @@ pub fn decode(bytes: &[u8], template: &KvCache, namespace: u64, tokens: &[u32]) 
     }
     let mut at = header_end;
     let mut buffers = Vec::with_capacity(layers);
+    // Buffers of 8-bit codes are uint8 rows wider than the head.
+    let (width, stored_dtype) = template.stored_form(&header.stored);
     for &room in &header.rooms {
-        let shape = [1, heads, room, dim];
-        let n = room.checked_mul(heads * dim * dtype.size()).ok_or(KvFileError::Format)?;
+        let shape = [1, heads, room, width];
+        let n = room.checked_mul(heads * width * stored_dtype.size()).ok_or(KvFileError::Format)?;
         let end = at.checked_add(2 * n).filter(|&e| e <= body.len()).ok_or(KvFileError::Format)?;
-        buffers.push((Array::from_bytes(&body[at..at + n], &shape, dtype)?, Array::from_bytes(&body[at + n..end], &shape, dtype)?));
+        buffers.push((Array::from_bytes(&body[at..at + n], &shape, stored_dtype)?, Array::from_bytes(&body[at + n..end], &shape, stored_dtype)?));
         at = end;
     }
     if at != body.len() {
@@ -167,14 +169,20 @@ mod tests {
     use mlx::Dtype;
 
     use super::*;
+    use crate::model::KvQuantization;
 
     /// A cache of 2 layers (the second a window layer when `window`) holding
     /// `len` tokens whose values name their position, written in two steps
     /// (so window layers have dropped old positions).
     fn filled(len: usize, blocks: bool, window: Option<usize>) -> KvCache {
+        filled_turning(len, blocks, window, None)
+    }
+
+    /// [`filled`] into a cache with quantization `q`.
+    fn filled_turning(len: usize, blocks: bool, window: Option<usize>, q: Option<KvQuantization>) -> KvCache {
         let (heads, dim) = (2, 8);
         let empty = if blocks { KvCache::with_keys_in_blocks(2, heads, dim, Dtype::F32) } else { KvCache::new(2, heads, dim, Dtype::F32) };
-        let mut cache = empty.with_windows(vec![None, window]);
+        let mut cache = empty.with_windows(vec![None, window]).with_quantization(q).unwrap();
         let window_first = window.map_or(0, |w| super::super::kv_cache::window_first(len, w));
         let layer = |first: usize, salt: f32| {
             let held = len - first;
@@ -220,6 +228,22 @@ mod tests {
             back.reserve(300).unwrap();
             assert_eq!(contents(&back), contents(&cache));
         }
+    }
+
+    #[test]
+    fn eight_bit_codes_round_trip_and_need_their_group() {
+        let q = KvQuantization { group: 8, start: 0 };
+        let cache = filled_turning(123, true, Some(40), Some(q));
+        assert_eq!(cache.codes(), mlx::fast::KvCodes::Int8 { group: 8 });
+        let tokens: Vec<u32> = (0..123).collect();
+        let bytes = file(&cache, 7, &tokens);
+        let back = decode(&bytes, &cache.emptied(), 7, &tokens).unwrap();
+        assert_eq!((back.codes(), back.nbytes()), (cache.codes(), cache.nbytes()));
+        assert_eq!(contents(&back), contents(&cache));
+        // A server reading codes in other groups, or none, misses.
+        let other = KvCache::with_keys_in_blocks(2, 2, 8, Dtype::F32).with_windows(vec![None, Some(40)]);
+        assert!(decode(&bytes, &other, 7, &tokens).is_err());
+        assert!(decode(&bytes, &other.with_quantization(Some(KvQuantization { group: 4, start: 0 })).unwrap(), 7, &tokens).is_err());
     }
 
     #[test]

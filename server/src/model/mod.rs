@@ -20,7 +20,7 @@ pub use batch_step::{queries_per_slot, BatchedRows, GATHERED_ROWS_MULTIPLE, SHAR
 pub use config::{Activation, Architecture, ModelConfig, SlidingWindow};
 pub use embedding::Embedding;
 pub use kv_batch::{capacity_class, capacity_classes, KvBatch};
-pub use kv_cache::{KvCache, StoredCache, CAPACITY_STEP as KV_CAPACITY_STEP};
+pub use kv_cache::{KvCache, KvQuantization, StoredCache, CAPACITY_STEP as KV_CAPACITY_STEP};
 pub use linear::{Linear, Weight};
 pub use transformer::{Layer, RowInput, StepLogits, Transformer};
 pub use weights::WeightFormat;

@@ -182,5 +182,5 @@ pub fn load(dir: &Path, dtype: Dtype) -> Result<Transformer, LoadError> {
         Some(s) => Some(Array::from_f32(&s.periods(config.rope_theta as f64, config.head_dim), &[config.head_dim / 2])?),
         None => None,
     };
-    Ok(Transformer { config, dtype, embedding, layers, final_norm, lm_head, rope_periods })
+    Ok(Transformer { config, dtype, embedding, layers, final_norm, lm_head, rope_periods, kv_quantization: None })
 }

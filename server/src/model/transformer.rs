@@ -6,14 +6,14 @@
 //! their own, whose caches hold only their window.
 use std::sync::OnceLock;
 
-use mlx::fast::{self, AttentionRow, KeyLayout, Mask};
+use mlx::fast::{self, AttentionRow, KeyLayout, KvCodes, Mask};
 use mlx::{Array, Dtype};
 
 use super::batch_step::{BatchStep, BatchedRows};
 use super::config::{Activation, ModelConfig};
 use super::embedding::Embedding;
 use super::kv_batch::KvBatch;
-use super::kv_cache::KvCache;
+use super::kv_cache::{KvCache, KvQuantization};
 use super::linear::{Linear, Weight};
 
 /// The RMS-norm weights (`[head_dim]`) of each head's queries and keys (Qwen3).
@@ -61,6 +61,9 @@ pub struct Transformer {
     /// Each RoPE pair's period (`[head_dim / 2]`) when the model scales its
     /// RoPE (Llama 3.x); `None`: plain RoPE from `config.rope_theta`.
     pub rope_periods: Option<Array>,
+    /// When rows' caches turn to 8-bit codes (set through
+    /// [`set_kv_quantization`](Self::set_kv_quantization), which checks it).
+    pub(crate) kv_quantization: Option<KvQuantization>,
 }
 
 impl Transformer {
@@ -71,7 +74,20 @@ impl Transformer {
             true => KvCache::with_keys_in_blocks(c.n_layers, c.n_kv_heads, c.head_dim, self.dtype),
             false => KvCache::new(c.n_layers, c.n_kv_heads, c.head_dim, self.dtype),
         };
-        cache.with_windows(c.layer_windows())
+        cache.with_windows(c.layer_windows()).with_quantization(self.kv_quantization).expect("checked by set_kv_quantization")
+    }
+
+    /// Rows' caches turn to 8-bit codes as `q` says: only where the CPU's
+    /// fused attention reads them (float32 on the CPU).
+    pub fn set_kv_quantization(&mut self, q: Option<KvQuantization>) -> mlx::Result<()> {
+        let c = &self.config;
+        let probe = KvCache::with_keys_in_blocks(c.n_layers, c.n_kv_heads, c.head_dim, self.dtype);
+        if q.is_some() && !self.use_fused_cpu_kernels() {
+            return Err(mlx::Error { op: "kv_quantization", message: "8-bit KV is read by the CPU's fused attention only; this model runs elsewhere".into() });
+        }
+        probe.with_quantization(q)?;
+        self.kv_quantization = q;
+        Ok(())
     }
 
     /// An empty batch of KV slots for this model's running rows.
@@ -513,7 +529,9 @@ impl Transformer {
         if rows.iter().any(|r| r.cache.key_layout() != keys) {
             return Err(mlx::Error { op: "forward", message: "rows of one step store their keys differently".into() });
         }
-        fast::cpu_attention(&q, &attention_rows, keys, window)
+        // Rows in 8-bit codes (past their quantization's start) beside rows in float32.
+        let codes = self.kv_quantization.map_or(KvCodes::Float, |q| KvCodes::Int8 { group: q.group });
+        fast::cpu_attention(&q, &attention_rows, keys, window, codes)
     }
 }
 

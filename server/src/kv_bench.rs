@@ -1,0 +1,200 @@
+//! `tether bench --kv-quality`: what 8-bit KV costs in quality and buys in
+//! decode speed, beside full precision in one run on one model.
+//!
+//! Quality is measured twice: the perplexity of a fixed text (every
+//! position's log-likelihood of the next token, the text read in chunks as
+//! a long prompt is), and greedy agreement, 64 greedy tokens after windows
+//! of that text long enough to pass the quantization's start, compared
+//! token by token with full precision's. Speed: decode tokens/s after a
+//! long history, the variants alternating so a noisy machine slows both.
+use std::ops::ControlFlow;
+
+use serde::Serialize;
+
+use crate::generate::{generate, prefill, GenerateOptions};
+use crate::loaded::LoadedModel;
+use crate::model::{KvQuantization, Transformer};
+use crate::sample::SamplingParams;
+
+/// One way of holding KV state.
+#[derive(Clone, Copy)]
+pub struct KvVariant {
+    pub name: &'static str,
+    pub quantization: Option<KvQuantization>,
+}
+
+/// The variants a run compares: full precision, 8-bit past `start` (the
+/// server's setting) and 8-bit from the first token (the worst case).
+pub fn variants(group: usize, start: usize) -> Vec<KvVariant> {
+    vec![
+        KvVariant { name: "float32", quantization: None },
+        KvVariant { name: "int8", quantization: Some(KvQuantization { group, start }) },
+        KvVariant { name: "int8-from-0", quantization: Some(KvQuantization { group, start: 0 }) },
+    ]
+}
+
+#[derive(Serialize)]
+pub struct Quality {
+    pub kind: &'static str,
+    pub kv: &'static str,
+    /// The 8-bit codes' group (`None`: full precision).
+    pub kv_group: Option<usize>,
+    pub model: String,
+    /// Which prompts the greedy comparison ran on.
+    pub prompt_set: &'static str,
+    pub text_tokens: usize,
+    pub perplexity: f64,
+    /// Relative to full precision's, in percent.
+    pub perplexity_change_pct: f64,
+    pub prompts: usize,
+    /// Prompts whose greedy continuation equals full precision's, token by token.
+    pub greedy_identical: usize,
+    /// Mean tokens in common before the first difference.
+    pub greedy_mean_common_prefix: f64,
+    /// Where a prompt's tokens first differ: full precision's margin
+    /// between its best and second-best logit there, median over the
+    /// prompts that differ (a near-tie flips on any perturbation).
+    pub median_margin_at_first_difference: Option<f32>,
+}
+
+#[derive(Serialize)]
+pub struct Speed {
+    pub kind: &'static str,
+    pub kv: &'static str,
+    pub model: String,
+    pub history_tokens: usize,
+    pub gen_tokens: usize,
+    /// One per round, in run order.
+    pub decode_tok_s: Vec<f64>,
+    pub kv_bytes: usize,
+}
+
+/// Mean negative log-likelihood per predicted token of `tokens`, read in
+/// chunks of `chunk` into one cache.
+fn mean_nll(model: &Transformer, tokens: &[u32], chunk: usize) -> anyhow::Result<f64> {
+    let mut cache = model.new_cache();
+    let mut total = 0.0;
+    let mut next = 1; // the token the next logits row predicts
+    for part in tokens.chunks(chunk) {
+        let logits = model.forward(part, &mut cache, part.len())?;
+        let vocab = *logits.shape().last().expect("logits have a vocab axis");
+        let rows = logits.to_vec_f32()?;
+        for row in rows.chunks(vocab) {
+            if next >= tokens.len() {
+                break;
+            }
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let log_sum = max + row.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
+            total += log_sum - row[tokens[next] as usize] as f64;
+            next += 1;
+        }
+    }
+    Ok(total / (tokens.len() - 1) as f64)
+}
+
+/// Greedy tokens, each with its logit margin (see [`greedy_with_margins`]).
+type GreedyPath = Vec<(u32, f32)>;
+
+/// `n` greedy tokens of `prompt`, each with the margin between the best
+/// and the second-best logit it was chosen by.
+fn greedy_with_margins(model: &Transformer, prompt: &[u32], n: usize) -> anyhow::Result<GreedyPath> {
+    let mut cache = model.new_cache();
+    let mut logits = prefill(model, &mut cache, prompt, 512)?;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let row = logits.to_vec_f32()?;
+        let (mut best, mut second) = ((0, f32::NEG_INFINITY), f32::NEG_INFINITY);
+        for (i, &x) in row.iter().enumerate() {
+            if x > best.1 {
+                second = best.1;
+                best = (i, x);
+            } else if x > second {
+                second = x;
+            }
+        }
+        out.push((best.0 as u32, best.1 - second));
+        logits = model.forward(&[best.0 as u32], &mut cache, 1)?;
+    }
+    Ok(out)
+}
+
+/// Quality of each variant against the first (full precision): the
+/// perplexity of `text`, and per set of prompts (the caller's: reference
+/// prompts, windows of the text) greedy agreement of 64 tokens after each.
+pub fn quality(model: &mut LoadedModel, text: &[u32], prompt_sets: &[(&'static str, Vec<Vec<u32>>)], variants: &[KvVariant]) -> anyhow::Result<Vec<Quality>> {
+    const GREEDY: usize = 64;
+    let mut out: Vec<Quality> = Vec::new();
+    let mut reference: Option<(f64, Vec<Vec<GreedyPath>>)> = None;
+    for v in variants {
+        model.transformer.set_kv_quantization(v.quantization)?;
+        let perplexity = mean_nll(&model.transformer, text, 128)?.exp();
+        let greedy = prompt_sets
+            .iter()
+            .map(|(_, prompts)| prompts.iter().map(|p| greedy_with_margins(&model.transformer, p, GREEDY)).collect::<anyhow::Result<Vec<_>>>())
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let (base_ppl, base_greedy) = reference.get_or_insert_with(|| (perplexity, greedy.clone()));
+        for (((set, prompts), greedy), base_greedy) in prompt_sets.iter().zip(&greedy).zip(base_greedy.iter()) {
+            let common = |a: &[(u32, f32)], b: &[(u32, f32)]| a.iter().zip(b).take_while(|(x, y)| x.0 == y.0).count();
+            let prefixes: Vec<usize> = greedy.iter().zip(base_greedy).map(|(a, b)| common(a, b)).collect();
+            let mut margins: Vec<f32> = prefixes.iter().zip(base_greedy).filter(|(&n, _)| n < GREEDY).map(|(&n, base)| base[n].1).collect();
+            margins.sort_by(f32::total_cmp);
+            out.push(Quality {
+                kind: "kv_quality",
+                kv: v.name,
+                kv_group: v.quantization.map(|q| q.group),
+                model: model.name.clone(),
+                prompt_set: set,
+                text_tokens: text.len(),
+                perplexity,
+                perplexity_change_pct: (perplexity / *base_ppl - 1.0) * 100.0,
+                prompts: prompts.len(),
+                greedy_identical: prefixes.iter().filter(|&&n| n == GREEDY).count(),
+                greedy_mean_common_prefix: prefixes.iter().sum::<usize>() as f64 / prefixes.len().max(1) as f64,
+                median_margin_at_first_difference: margins.get(margins.len() / 2).copied(),
+            });
+        }
+    }
+    model.transformer.set_kv_quantization(None)?;
+    Ok(out)
+}
+
+/// `count` windows of `len` tokens spread evenly over `text`.
+pub fn text_windows(text: &[u32], count: usize, len: usize) -> anyhow::Result<Vec<Vec<u32>>> {
+    anyhow::ensure!(text.len() >= len, "the text has {} tokens; windows of {len} need more", text.len());
+    let stride = ((text.len() - len) / count.max(1)).max(1);
+    Ok((0..count).map(|i| text[i * stride..i * stride + len].to_vec()).collect())
+}
+
+/// Decode speed of each variant after a `history`-token prompt, `rounds`
+/// rounds with the variants alternating.
+pub fn speed(model: &mut LoadedModel, history: &[u32], variants: &[KvVariant], gen: usize, rounds: usize) -> anyhow::Result<Vec<Speed>> {
+    let opts = GenerateOptions { max_tokens: gen, sampling: SamplingParams::default(), stop_ids: vec![], prefill_chunk: 512 };
+    let mut out: Vec<Speed> = variants
+        .iter()
+        .map(|v| Speed {
+            kind: "kv_decode",
+            kv: v.name,
+            model: model.name.clone(),
+            history_tokens: history.len(),
+            gen_tokens: gen,
+            decode_tok_s: vec![],
+            kv_bytes: 0,
+        })
+        .collect();
+    for _ in 0..rounds {
+        for (v, row) in variants.iter().zip(out.iter_mut()) {
+            model.transformer.set_kv_quantization(v.quantization)?;
+            let stats = generate(&model.transformer, history, &opts, |_| ControlFlow::Continue(()))?;
+            row.decode_tok_s.push(stats.decode_tokens_per_second());
+            if row.kv_bytes == 0 {
+                // What the history itself holds, once (the bytes do not vary by round).
+                let mut cache = model.transformer.new_cache();
+                crate::generate::prefill(&model.transformer, &mut cache, history, 512)?;
+                mlx::eval(&cache.buffers())?;
+                row.kv_bytes = cache.nbytes();
+            }
+        }
+    }
+    model.transformer.set_kv_quantization(None)?;
+    Ok(out)
+}
