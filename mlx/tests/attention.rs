@@ -420,3 +420,49 @@ fn attention_over_eight_bit_caches_equals_attention_over_their_values() {
         assert!(err <= 1e-5, "mixed {mixed}: max error {err}");
     }
 }
+
+/// A float32 array of the numpy oracle's 8-bit KV fixture
+/// (`tests/reference/make_kv_codes_fixture.py`).
+fn kv_codes_fixture(name: &str, shape: &[usize]) -> Array {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/kv_codes").join(format!("{name}.f32"));
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    let data: Vec<f32> = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    Array::from_f32(&data, shape).unwrap()
+}
+
+#[test]
+fn eight_bit_codes_and_attention_over_them_match_the_numpy_oracle() {
+    let _s = serial();
+    // The fixture's geometry (its meta.json).
+    let (hq, hkv, d, len, group) = (6, 2, 64, 96, 32);
+    let rows = [(1usize, 96usize), (8, 70), (3, 3)];
+    let total: usize = rows.iter().map(|r| r.0).sum();
+    let codes = KvCodes::Int8 { group };
+    let kv = |name| kv_codes_fixture(name, &[1, hkv, len, d]);
+    let (keys, values) = (kv("keys"), kv("values"));
+    let close = |got: &[f32], want: &[f32], what: &str| {
+        assert_eq!(got.len(), want.len(), "{what}");
+        // Codes must agree exactly: one code apart is a whole step (~0.1 here).
+        let err = got.iter().zip(want).map(|(g, w)| (g - w).abs() / (1.0 + w.abs())).fold(0.0, f32::max);
+        assert!(err <= 2e-6, "{what}: differs from numpy by {err}");
+    };
+    for (values_in, want, layout) in [(&keys, "keys_dequantized", KeyLayout::Blocks), (&values, "values_dequantized", KeyLayout::Positions)] {
+        for l in [layout, KeyLayout::Positions] {
+            close(&through_codes(values_in, l, group).to_vec_f32().unwrap(), &kv(want).to_vec_f32().unwrap(), &format!("{want} ({l:?})"));
+        }
+    }
+    let cap = len.div_ceil(KEY_BLOCK) * KEY_BLOCK;
+    let write = |a: &Array, layout| {
+        let empty = Array::zeros(&[1, hkv, cap, codes.width(d)], Dtype::U8).unwrap();
+        let c = fast::cpu_kv_write(&empty, &a.transpose(&[2, 1, 0, 3]).unwrap(), 0, len, 0, layout, codes).unwrap();
+        c.eval().unwrap();
+        c
+    };
+    let (k, v) = (write(&keys, KeyLayout::Blocks), write(&values, KeyLayout::Positions));
+    let q = kv_codes_fixture("queries", &[1, total, hq * d]);
+    let attention_rows: Vec<AttentionRow> = rows.iter().map(|&(n, kv_len)| AttentionRow { keys: &k, values: &v, n, kv_len, first: 0 }).collect();
+    let got = fast::cpu_attention(&q, &attention_rows, KeyLayout::Blocks, None, codes).unwrap().to_vec_f32().unwrap();
+    let want = kv_codes_fixture("attention", &[total, hq, d]).to_vec_f32().unwrap();
+    let err = max_error(&got, &want);
+    assert!(err <= 1e-5, "attention over the codes differs from numpy's by {err}");
+}
