@@ -3,14 +3,15 @@
 //! a batched decode step of 32 sequences (MLX: one sdpa per sequence, with
 //! the slicing and transposes a batched step needs around it), and the fused
 //! kernel over keys stored in blocks (a Tether CPU cache's layout) beside the
-//! same kernel transposing each block of position-order keys.
+//! same kernel transposing each block of position-order keys; then the
+//! kernel over caches of 8- and 4-bit codes beside float32 ones.
 //! Best of N, interleaved, since the machine is shared.
 //! Run: cargo run --release -p tether-mlx --example attention_bench
 mod common;
 
 use common::best_ms;
-use mlx::fast::{self, AttentionRow, KeyLayout, Mask};
-use mlx::Array;
+use mlx::fast::{self, AttentionRow, KeyLayout, KvCodes, Mask};
+use mlx::{Array, Dtype};
 
 fn noise(n: usize, seed: u64) -> Vec<f32> {
     let mut x = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -81,6 +82,50 @@ fn compare(label: &str, heads: usize, kv_heads: usize, dim: usize, rows: &[(usiz
     println!("{label:<44} mlx sdpa {a:>8.2} ms   fused {b:>7.2} ms (x{:.1})   keys in blocks {c:>7.2} ms (x{:.2} fused)", a / b, b / c);
 }
 
+/// A cache of `codes` holding `floats` (`[1, kv_heads, cap, dim]`), keys in
+/// `layout`, written by the kernel's own write.
+fn written(floats: &Array, layout: KeyLayout, codes: KvCodes) -> Array {
+    let (kv_heads, cap, dim) = (floats.dim(1), floats.dim(2), floats.dim(3));
+    let empty = Array::zeros(&[1, kv_heads, cap, codes.width(dim)], if codes == KvCodes::Float { Dtype::F32 } else { Dtype::U8 }).unwrap();
+    let c = fast::cpu_kv_write(&empty, &floats.transpose(&[2, 1, 0, 3]).unwrap(), 0, cap, 0, layout, codes).unwrap();
+    c.eval().unwrap();
+    c
+}
+
+/// `rows` of (n, kv_len) over caches of float32, 8-bit and 4-bit codes
+/// (keys in blocks, group 64), alternating; prints each and the ratios.
+fn compare_codes(label: &str, heads: usize, kv_heads: usize, dim: usize, rows: &[(usize, usize)], iters: usize) {
+    let total: usize = rows.iter().map(|r| r.0).sum();
+    let q = random(&[1, total, heads * dim], 1);
+    let forms = [KvCodes::Float, KvCodes::Affine { bits: 8, group: 64 }, KvCodes::Affine { bits: 4, group: 64 }];
+    let caches: Vec<Vec<(Array, Array)>> = forms
+        .iter()
+        .map(|&codes| {
+            rows.iter()
+                .enumerate()
+                .map(|(r, &(_, len))| {
+                    let shape = [1, kv_heads, len.next_multiple_of(256), dim];
+                    (written(&random(&shape, 2 + r as u64), KeyLayout::Blocks, codes), written(&random(&shape, 900 + r as u64), KeyLayout::Positions, codes))
+                })
+                .collect()
+        })
+        .collect();
+    let step = |form: usize| {
+        let r: Vec<AttentionRow> =
+            rows.iter().zip(&caches[form]).map(|(&(n, kv_len), (k, v))| AttentionRow { keys: k, values: v, n, kv_len, first: 0 }).collect();
+        fast::cpu_attention(&q, &r, KeyLayout::Blocks, None, forms[form]).unwrap()
+    };
+    let mut best = [f64::INFINITY; 3];
+    for _ in 0..3 {
+        for (form, b) in best.iter_mut().enumerate() {
+            step(form).eval().unwrap();
+            *b = b.min(best_ms(iters, &mut || step(form)));
+        }
+    }
+    let [f, e, h] = best;
+    println!("{label:<44} float32 {f:>7.2} ms   8-bit {e:>7.2} ms (x{:.2})   4-bit {h:>7.2} ms (x{:.2})", f / e, f / h);
+}
+
 fn main() {
     mlx::set_default_device(mlx::Device::Cpu).unwrap();
     for (name, heads, kv_heads) in [("smollm2 (9/3 heads)", 9, 3), ("qwen2.5-0.5b (14/2 heads)", 14, 2)] {
@@ -92,5 +137,12 @@ fn main() {
         compare("decode, 32 rows at ~700", heads, kv_heads, 64, &decode32, 10);
         let verify: Vec<(usize, usize)> = (0..8).map(|i| (5, 900 + 31 * i)).collect();
         compare("draft verification, 8 rows of 5 at ~1,000", heads, kv_heads, 64, &verify, 10);
+    }
+    for (name, heads, kv_heads) in [("smollm2 (9/3 heads)", 9, 3), ("qwen2.5-0.5b (14/2 heads)", 14, 2)] {
+        println!("-- {name}, head_dim 64, one layer, keys in blocks: float32 against codes (ratios: float32 time / codes time)");
+        compare_codes("decode, 1 row at 4,000", heads, kv_heads, 64, &[(1, 4000)], 20);
+        let decode32: Vec<(usize, usize)> = (0..32).map(|i| (1, 600 + 7 * i)).collect();
+        compare_codes("decode, 32 rows at ~700", heads, kv_heads, 64, &decode32, 10);
+        compare_codes("300 new tokens over 3,600 cached", heads, kv_heads, 64, &[(300, 3900)], 2);
     }
 }

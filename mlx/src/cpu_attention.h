@@ -16,17 +16,22 @@ namespace tether_mlx {
 // and only these two primitives know where a position's features are.
 inline constexpr int kCacheKeyBlock = 64;
 
-// A cache may hold 8-bit codes instead of float32 (a uint8 cache, of shape
-// [1, kv_heads, capacity, quantized_width(head_dim, group)]): each
-// position's features of one head are quantized in groups of `group`
-// features, affinely: feature x is stored as code c in 0..255 with
-// x ~= c * scale + bias, scale = (max - min) / 255 and bias = min of its
-// group. A position's row holds its head_dim codes, then per group its
-// scale and bias as float32. Stored in blocks, a block of B positions holds
-// its codes [feature][position] (as float32 keys are), then per group the B
-// scales and the B biases: the same bytes as B rows, so to everything but
-// these primitives a block is still B whole positions.
-inline constexpr int quantized_width(int head_dim, int group) { return head_dim + 8 * (head_dim / group); }
+// A cache may hold 8- or 4-bit codes instead of float32 (a uint8 cache, of
+// shape [1, kv_heads, capacity, quantized_width(head_dim, group, bits)]):
+// each position's features of one head (keys, stored in blocks, rotated
+// first when head_dim is a power of two: x <- H x / sqrt(head_dim), H the
+// Hadamard matrix in Sylvester's order; attention rotates queries to match,
+// and cpu_cache_dequantize rotates back) are quantized in groups of `group`
+// features, affinely: feature x is stored as code c in 0..L (L = 2^bits - 1)
+// with x ~= c * scale + bias, scale = (max - min) / L and bias = min of its
+// group. A position's row holds its head_dim codes (4-bit: byte d holds
+// feature d in its low nibble and feature d + head_dim/2 in its high one),
+// then per group its scale and bias as float32. Stored in blocks, a block of
+// B positions holds its codes [feature][position] (as float32 keys are;
+// 4-bit: byte j of a feature's stripe holds positions j and j + B/2), then
+// per group the B scales and the B biases: the same bytes as B rows, so to
+// everything but these primitives a block is still B whole positions.
+inline constexpr int quantized_width(int head_dim, int group, int bits) { return head_dim * bits / 8 + 8 * (head_dim / group); }
 
 // One sequence's share of an attention step: its `n` query tokens follow the
 // previous rows' tokens in the flattened step, and sit at positions
@@ -43,8 +48,8 @@ struct AttentionRow {
 //   q: the step's roped queries, [1, T, n_heads * head_dim] or
 //      [T, n_heads, 1, head_dim], any strides.
 //   keys[r], values[r]: row r's cache, [1, kv_heads, capacity >= kv_len, head_dim]
-//      float32, or 8-bit codes in groups of `group` (a uint8 cache, above);
-//      rows may differ in this.
+//      float32, or `bits`-bit codes in groups of `group` (a uint8 cache,
+//      above); rows may differ in this.
 // Row r's query i, at position p = kv_len - n + i, attends the keys at
 // positions max(first, p - window + 1) ..= p (window 0: no window) with
 // scale 1/sqrt(head_dim).
@@ -58,7 +63,8 @@ mlx::core::array cpu_step_attention(
     const std::vector<AttentionRow>& rows,
     int window,
     bool keys_in_blocks,
-    int group);
+    int group,
+    int bits);
 
 // Writes tokens start .. start + n of `fresh` (laid out like q above, with
 // kv_heads heads) into `cache` ([1, kv_heads, capacity, head_dim]) at
@@ -67,11 +73,11 @@ mlx::core::array cpu_step_attention(
 // slice_update does; otherwise the buffer is copied first, so a shared
 // buffer (a copy-on-write snapshot) is never changed. in_blocks: the cache
 // stores its positions in blocks (keys for cpu_step_attention). A uint8
-// cache stores the tokens as 8-bit codes in groups of `group` features.
-mlx::core::array cpu_cache_write(const mlx::core::array& cache, const mlx::core::array& fresh, int start, int n, int pos, bool in_blocks, int group);
+// cache stores the tokens as `bits`-bit codes in groups of `group` features.
+mlx::core::array cpu_cache_write(const mlx::core::array& cache, const mlx::core::array& fresh, int start, int n, int pos, bool in_blocks, int group, int bits);
 
-// The first `len` positions of a uint8 cache of 8-bit codes in groups of
-// `group` (stored in blocks or not), as float32 [1, kv_heads, len, head_dim].
-mlx::core::array cpu_cache_dequantize(const mlx::core::array& cache, int len, bool in_blocks, int group);
+// The first `len` positions of a uint8 cache of `bits`-bit codes in groups
+// of `group` (stored in blocks or not), as float32 [1, kv_heads, len, head_dim].
+mlx::core::array cpu_cache_dequantize(const mlx::core::array& cache, int len, bool in_blocks, int group, int bits);
 
 }  // namespace tether_mlx

@@ -79,13 +79,13 @@ pub enum KeyLayout {
 pub enum KvCodes {
     /// As float32: `[1, kv_heads, capacity, head_dim]`.
     Float,
-    /// As 8-bit affine codes in groups of `group` features (`x ~= code *
-    /// scale + bias` with the group's min as bias and (max - min) / 255 as
-    /// scale), each position's row holding its codes then the groups' scales
-    /// and biases as float32: uint8 `[1, kv_heads, capacity,
-    /// quantized_width(head_dim, group)]`. A quarter of float32's bytes
-    /// and a little more (9/32 at a group of 64).
-    Int8 { group: usize },
+    /// As `bits`-bit (8 or 4) affine codes in groups of `group` features
+    /// (`x ~= code * scale + bias` with the group's min as bias and
+    /// (max - min) / (2^bits - 1) as scale), each position's row holding its
+    /// codes (4-bit: two a byte) then the groups' scales and biases as
+    /// float32: uint8 `[1, kv_heads, capacity, width(head_dim)]`. At a group
+    /// of 64, 9/32 of float32's bytes in 8 bits, 5/32 in 4.
+    Affine { bits: u8, group: usize },
 }
 
 impl KvCodes {
@@ -93,15 +93,16 @@ impl KvCodes {
     pub fn width(self, head_dim: usize) -> usize {
         match self {
             KvCodes::Float => head_dim,
-            KvCodes::Int8 { group } => head_dim + 8 * (head_dim / group),
+            KvCodes::Affine { bits, group } => head_dim * bits as usize / 8 + 8 * (head_dim / group),
         }
     }
 
-    /// The group size [`cpu_attention`] and [`cpu_kv_write`] take (0: none).
-    fn group(self) -> usize {
+    /// The group size and bits [`cpu_attention`] and [`cpu_kv_write`] take
+    /// (group 0: float32).
+    fn group_and_bits(self) -> (usize, usize) {
         match self {
-            KvCodes::Float => 0,
-            KvCodes::Int8 { group } => group,
+            KvCodes::Float => (0, 8),
+            KvCodes::Affine { bits, group } => (group, bits as usize),
         }
     }
 }
@@ -110,8 +111,8 @@ impl KvCodes {
 #[derive(Clone, Copy)]
 pub struct AttentionRow<'a> {
     /// `[1, kv_heads, capacity, head_dim]` float32: the row's cache, or a
-    /// view of its first positions; or a uint8 cache of 8-bit codes
-    /// ([`KvCodes::Int8`], the step's `codes`).
+    /// view of its first positions; or a uint8 cache of codes
+    /// ([`KvCodes::Affine`], the step's `codes`).
     pub keys: &'a Array,
     pub values: &'a Array,
     /// The row's query tokens; they follow the previous rows' tokens in `q`.
@@ -139,7 +140,7 @@ fn to_i32(op: &'static str, v: usize) -> Result<i32> {
 /// (lazy, CPU stream).
 /// `window`: how many positions a query sees, itself included, on a
 /// sliding-window layer (`None`: all before it). `codes`: how the rows whose
-/// caches are uint8 hold their 8-bit codes (rows may differ in precision:
+/// caches are uint8 hold their codes (rows may differ in precision:
 /// float32 caches are read as such).
 pub fn cpu_attention(q: &Array, rows: &[AttentionRow<'_>], keys: KeyLayout, window: Option<usize>, codes: KvCodes) -> Result<Array> {
     const OP: &str = "cpu_attention";
@@ -148,10 +149,9 @@ pub fn cpu_attention(q: &Array, rows: &[AttentionRow<'_>], keys: KeyLayout, wind
     let kv_len = rows.iter().map(|r| to_i32(OP, r.kv_len)).collect::<Result<Vec<_>>>()?;
     let first = rows.iter().map(|r| to_i32(OP, r.first)).collect::<Result<Vec<_>>>()?;
     let list = make_list(OP, &kv)?;
-    wrap(
-        OP,
-        bridge::cpu_attention(q.raw(), &list, &n, &kv_len, &first, to_i32(OP, window.unwrap_or(0))?, keys == KeyLayout::Blocks, to_i32(OP, codes.group())?),
-    )
+    let (group, bits) = codes.group_and_bits();
+    let window = to_i32(OP, window.unwrap_or(0))?;
+    wrap(OP, bridge::cpu_attention(q.raw(), &list, &n, &kv_len, &first, window, keys == KeyLayout::Blocks, to_i32(OP, group)?, to_i32(OP, bits)?))
 }
 
 /// Writes tokens `start .. start + n` of `fresh` (keys or values of a step,
@@ -161,19 +161,24 @@ pub fn cpu_attention(q: &Array, rows: &[AttentionRow<'_>], keys: KeyLayout, wind
 /// when `cache`'s buffer has no other holder at evaluation, and on a copy
 /// otherwise, so a shared (snapshotted) buffer is never modified. `layout`:
 /// how `cache` stores positions (values always as [`KeyLayout::Positions`]).
-/// `codes`: how `cache` holds features; 8-bit codes are quantized here.
+/// `codes`: how `cache` holds features; codes are quantized here.
 pub fn cpu_kv_write(cache: &Array, fresh: &Array, start: usize, n: usize, pos: usize, layout: KeyLayout, codes: KvCodes) -> Result<Array> {
     const OP: &str = "cpu_kv_write";
     let blocks = layout == KeyLayout::Blocks;
-    wrap(OP, bridge::cpu_kv_write(cache.raw(), fresh.raw(), to_i32(OP, start)?, to_i32(OP, n)?, to_i32(OP, pos)?, blocks, to_i32(OP, codes.group())?))
+    let (group, bits) = codes.group_and_bits();
+    wrap(
+        OP,
+        bridge::cpu_kv_write(cache.raw(), fresh.raw(), to_i32(OP, start)?, to_i32(OP, n)?, to_i32(OP, pos)?, blocks, to_i32(OP, group)?, to_i32(OP, bits)?),
+    )
 }
 
-/// The first `len` positions of a cache of 8-bit codes ([`KvCodes::Int8`],
+/// The first `len` positions of a cache of codes ([`KvCodes::Affine`],
 /// stored as `layout` says), dequantized: `[1, kv_heads, len, head_dim]`
 /// float32 (lazy, CPU stream).
 pub fn cpu_kv_dequantize(cache: &Array, len: usize, layout: KeyLayout, codes: KvCodes) -> Result<Array> {
     const OP: &str = "cpu_kv_dequantize";
-    wrap(OP, bridge::cpu_kv_dequantize(cache.raw(), to_i32(OP, len)?, layout == KeyLayout::Blocks, to_i32(OP, codes.group())?))
+    let (group, bits) = codes.group_and_bits();
+    wrap(OP, bridge::cpu_kv_dequantize(cache.raw(), to_i32(OP, len)?, layout == KeyLayout::Blocks, to_i32(OP, group)?, to_i32(OP, bits)?))
 }
 
 /// SwiGLU's activation on the CPU, `silu(gate) * up`, from the fused gate/up

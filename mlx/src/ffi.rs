@@ -112,9 +112,10 @@ pub(crate) mod bridge {
             window: i32,
             keys_in_blocks: bool,
             group: i32,
+            bits: i32,
         ) -> Result<UniquePtr<Array>>;
-        fn cpu_kv_write(cache: &Array, fresh: &Array, start: i32, n: i32, pos: i32, in_blocks: bool, group: i32) -> Result<UniquePtr<Array>>;
-        fn cpu_kv_dequantize(cache: &Array, len: i32, in_blocks: bool, group: i32) -> Result<UniquePtr<Array>>;
+        fn cpu_kv_write(cache: &Array, fresh: &Array, start: i32, n: i32, pos: i32, in_blocks: bool, group: i32, bits: i32) -> Result<UniquePtr<Array>>;
+        fn cpu_kv_dequantize(cache: &Array, len: i32, in_blocks: bool, group: i32, bits: i32) -> Result<UniquePtr<Array>>;
         fn cpu_swiglu(gate_up: &Array) -> Result<UniquePtr<Array>>;
 
         fn random_key(seed: u64) -> Result<UniquePtr<Array>>;

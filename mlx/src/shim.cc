@@ -265,7 +265,7 @@ std::unique_ptr<Array> sdpa(const Array& q, const Array& k, const Array& v, floa
 std::unique_ptr<Array> sdpa_masked(const Array& q, const Array& k, const Array& v, float scale, const Array& mask) {
   return boxed(mx::fast::scaled_dot_product_attention(q, k, v, scale, "", mask));
 }
-std::unique_ptr<Array> cpu_attention(const Array& q, const ArrayList& kv, rust::Slice<const int32_t> n, rust::Slice<const int32_t> kv_len, rust::Slice<const int32_t> first, int32_t window, bool keys_in_blocks, int32_t group) {
+std::unique_ptr<Array> cpu_attention(const Array& q, const ArrayList& kv, rust::Slice<const int32_t> n, rust::Slice<const int32_t> kv_len, rust::Slice<const int32_t> first, int32_t window, bool keys_in_blocks, int32_t group, int32_t bits) {
   if (n.size() != kv_len.size() || first.size() != n.size() || kv.items.size() != 2 * n.size())
     throw std::invalid_argument("cpu_attention: need keys, values, n, kv_len and first for every row");
   std::vector<mx::array> keys, values;
@@ -275,13 +275,13 @@ std::unique_ptr<Array> cpu_attention(const Array& q, const ArrayList& kv, rust::
     values.push_back(kv.items[2 * r + 1]);
     rows.push_back({n[r], kv_len[r], first[r]});
   }
-  return boxed(cpu_step_attention(q, keys, values, rows, window, keys_in_blocks, group));
+  return boxed(cpu_step_attention(q, keys, values, rows, window, keys_in_blocks, group, bits));
 }
-std::unique_ptr<Array> cpu_kv_write(const Array& cache, const Array& fresh, int32_t start, int32_t n, int32_t pos, bool in_blocks, int32_t group) {
-  return boxed(cpu_cache_write(cache, fresh, start, n, pos, in_blocks, group));
+std::unique_ptr<Array> cpu_kv_write(const Array& cache, const Array& fresh, int32_t start, int32_t n, int32_t pos, bool in_blocks, int32_t group, int32_t bits) {
+  return boxed(cpu_cache_write(cache, fresh, start, n, pos, in_blocks, group, bits));
 }
-std::unique_ptr<Array> cpu_kv_dequantize(const Array& cache, int32_t len, bool in_blocks, int32_t group) {
-  return boxed(cpu_cache_dequantize(cache, len, in_blocks, group));
+std::unique_ptr<Array> cpu_kv_dequantize(const Array& cache, int32_t len, bool in_blocks, int32_t group, int32_t bits) {
+  return boxed(cpu_cache_dequantize(cache, len, in_blocks, group, bits));
 }
 std::unique_ptr<Array> cpu_swiglu(const Array& gate_up) { return boxed(tether_mlx::swiglu_activation(gate_up)); }
 

@@ -314,21 +314,40 @@ fn rope_with_per_token_offsets_matches_per_row_rope() {
     assert!(max_error(&got, &want) <= 1e-6, "error {}", max_error(&got, &want));
 }
 
-/// The affine 8-bit codes of one group, written independently of the
+/// The affine `bits`-bit codes of one group, written independently of the
 /// kernel: (codes, scale, bias) with bias the group's min.
-fn quantize_group(x: &[f32]) -> (Vec<u8>, f32, f32) {
+fn quantize_group(x: &[f32], bits: u8) -> (Vec<u8>, f32, f32) {
+    let levels = ((1u32 << bits) - 1) as f32;
     let lo = x.iter().copied().fold(f32::INFINITY, f32::min);
     let hi = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let scale = (hi - lo) / 255.0;
-    let codes = x.iter().map(|&v| if scale > 0.0 { ((v - lo) / scale).round().clamp(0.0, 255.0) as u8 } else { 0 }).collect();
+    let scale = (hi - lo) / levels;
+    let codes = x.iter().map(|&v| if scale > 0.0 { ((v - lo) / scale).round().clamp(0.0, levels) as u8 } else { 0 }).collect();
     (codes, scale, lo)
 }
 
-/// `[1, heads, len, dim]` position-order values written through an 8-bit
-/// cache (`layout`), read back dequantized.
-fn through_codes(values: &Array, layout: KeyLayout, group: usize) -> Array {
+/// `x <- H x / sqrt(n)` (H: Hadamard, Sylvester's order) by float32
+/// butterflies, as the kernel rotates a head vector before quantizing it.
+fn rotate(x: &mut [f32]) {
+    let n = x.len();
+    let mut h = 1;
+    while h < n {
+        for i in (0..n).step_by(2 * h) {
+            for j in i..i + h {
+                let (a, b) = (x[j], x[j + h]);
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+        }
+        h *= 2;
+    }
+    let norm = (1.0 / (n as f64).sqrt()) as f32;
+    x.iter_mut().for_each(|v| *v *= norm);
+}
+
+/// `[1, heads, len, dim]` position-order values written through a cache of
+/// `codes` (`layout`), read back dequantized.
+fn through_codes(values: &Array, layout: KeyLayout, codes: KvCodes) -> Array {
     let (h, len, d) = (values.dim(1), values.dim(2), values.dim(3));
-    let codes = KvCodes::Int8 { group };
     let cap = len.div_ceil(KEY_BLOCK) * KEY_BLOCK;
     let empty = Array::zeros(&[1, h, cap, codes.width(d)], Dtype::U8).unwrap();
     let fresh = values.transpose(&[2, 1, 0, 3]).unwrap(); // [len, heads, 1, dim]
@@ -337,50 +356,87 @@ fn through_codes(values: &Array, layout: KeyLayout, group: usize) -> Array {
 }
 
 #[test]
-fn eight_bit_codes_round_trip_like_the_reference_quantizer() {
+fn codes_round_trip_like_the_reference_quantizer() {
     let _s = serial();
     let (heads, len, dim, group) = (3, 130, 64, 32);
     let mut data = noise(heads * len * dim, 21, 3.0);
-    data[5] = 40.0; // an outlier widens its group's scale only
-    data[dim..2 * dim].fill(0.5); // a constant group: scale 0, exact
+    data[5] = 40.0; // an outlier widens its group's scale (rotated, its position's groups') only
+    data[dim..2 * dim].fill(0.5); // a constant position
     let values = Array::from_f32(&data, &[1, heads, len, dim]).unwrap();
-    let want: Vec<f32> = data
-        .chunks(group)
-        .flat_map(|g| {
-            let (codes, scale, bias) = quantize_group(g);
-            codes.into_iter().map(move |c| c as f32 * scale + bias)
-        })
-        .collect();
-    for layout in [KeyLayout::Positions, KeyLayout::Blocks] {
-        let got = through_codes(&values, layout, group).to_vec_f32().unwrap();
-        assert_eq!(got.len(), want.len());
-        let err = got.iter().zip(&want).map(|(g, w)| (g - w).abs()).fold(0.0, f32::max);
-        assert!(err <= 1e-5, "{layout:?}: differs from the reference quantizer by {err}");
-        let step = 6.0 / 255.0;
-        let off = got.iter().zip(&data).enumerate().filter(|(i, _)| i / group != 0).map(|(_, (g, x))| (g - x).abs()).fold(0.0, f32::max);
-        assert!(off <= step / 2.0 + 1e-5, "{layout:?}: rounding error {off} past half a step");
-        assert!(got[dim..2 * dim].iter().all(|&x| x == 0.5));
+    for bits in [8u8, 4] {
+        let codes = KvCodes::Affine { bits, group };
+        // Each head vector (64 features, a power of two) of keys (stored in
+        // blocks) rotated, quantized in groups, dequantized and rotated back;
+        // values only quantized.
+        let want = |rotated: bool| -> Vec<f32> {
+            data.chunks(dim)
+                .flat_map(|position| {
+                    let mut x = position.to_vec();
+                    if rotated {
+                        rotate(&mut x);
+                    }
+                    let mut back: Vec<f32> = x
+                        .chunks(group)
+                        .flat_map(|g| {
+                            let (codes, scale, bias) = quantize_group(g, bits);
+                            codes.into_iter().map(move |c| c as f32 * scale + bias)
+                        })
+                        .collect();
+                    if rotated {
+                        rotate(&mut back);
+                    }
+                    back
+                })
+                .collect()
+        };
+        for layout in [KeyLayout::Positions, KeyLayout::Blocks] {
+            let want = want(layout == KeyLayout::Blocks);
+            let got = through_codes(&values, layout, codes).to_vec_f32().unwrap();
+            assert_eq!(got.len(), want.len());
+            let err = got.iter().zip(&want).map(|(g, w)| (g - w).abs()).fold(0.0, f32::max);
+            assert!(err <= 1e-5, "{bits} bits, {layout:?}: differs from the reference quantizer by {err}");
+            // A position's error is at most half a step per feature, in length
+            // (which the rotation keeps; rotated features of noise in [-3, 3)
+            // span less than 6 here), the outlier's position aside.
+            let step = 6.0 / ((1u32 << bits) - 1) as f32;
+            for (p, (g, x)) in got.chunks(dim).zip(data.chunks(dim)).enumerate().skip(1) {
+                let err = g.iter().zip(x).map(|(g, x)| (g - x).powi(2)).sum::<f32>().sqrt();
+                assert!(err <= (dim as f32).sqrt() * step / 2.0, "{bits} bits, {layout:?}: position {p}'s error {err} past half a step a feature");
+            }
+            // A constant position is exact (rotated, it is one nonzero feature).
+            assert!(got[dim..2 * dim].iter().all(|&x| x == 0.5), "{bits} bits, {layout:?}: a constant position");
+
+            // Written a few positions at a time (4-bit positions share bytes
+            // with their neighbours), the cache reads back the same.
+            let cap = len.div_ceil(KEY_BLOCK) * KEY_BLOCK;
+            let fresh = values.transpose(&[2, 1, 0, 3]).unwrap();
+            let mut cache = Array::zeros(&[1, heads, cap, codes.width(dim)], Dtype::U8).unwrap();
+            for pos in (0..len).step_by(7).rev() {
+                let n = 7.min(len - pos);
+                cache = fast::cpu_kv_write(&cache, &fresh, pos, n, pos, layout, codes).unwrap();
+                cache.eval().unwrap();
+            }
+            let piecewise = fast::cpu_kv_dequantize(&cache, len, layout, codes).unwrap().to_vec_f32().unwrap();
+            assert!(piecewise == got, "{bits} bits, {layout:?}: written piecewise, read back differently");
+        }
     }
-    assert!(
-        fast::cpu_kv_write(
-            &Array::zeros(&[1, 1, 64, 70], Dtype::U8).unwrap(),
-            &values.transpose(&[2, 1, 0, 3]).unwrap(),
-            0,
-            1,
-            0,
-            KeyLayout::Positions,
-            KvCodes::Int8 { group: 32 }
-        )
-        .is_err(),
-        "a width that is no head size's"
-    );
+    for (width, bits) in [(70, 8), (40, 4), (72, 3)] {
+        let odd = Array::zeros(&[1, 1, 64, width], Dtype::U8).unwrap();
+        let write = fast::cpu_kv_write(&odd, &values.transpose(&[2, 1, 0, 3]).unwrap(), 0, 1, 0, KeyLayout::Positions, KvCodes::Affine { bits, group: 32 });
+        assert!(write.is_err(), "width {width} at {bits} bits is no head size's");
+    }
 }
 
 #[test]
-fn attention_over_eight_bit_caches_equals_attention_over_their_values() {
+fn attention_over_caches_of_codes_equals_attention_over_their_values() {
     let _s = serial();
-    let (hq, hkv, d, group) = (9, 3, 64, 64);
-    let codes = KvCodes::Int8 { group };
+    for bits in [8, 4] {
+        attention_over_codes_equals_attention_over_their_values(KvCodes::Affine { bits, group: 64 });
+    }
+}
+
+fn attention_over_codes_equals_attention_over_their_values(codes: KvCodes) {
+    let (hq, hkv, d) = (9, 3, 64);
     // (n, kv_len): decode far into a history, a chunk, and a short row.
     let shape = [(1usize, 700usize), (37, 300), (3, 5)];
     let total: usize = shape.iter().map(|r| r.0).sum();
@@ -399,7 +455,7 @@ fn attention_over_eight_bit_caches_equals_attention_over_their_values() {
         };
         code_caches.push((write(&k, KeyLayout::Blocks), write(&v, KeyLayout::Positions)));
         // The float caches hold what the codes stand for.
-        let (kd, vd) = (through_codes(&k, KeyLayout::Blocks, group), through_codes(&v, KeyLayout::Positions, group));
+        let (kd, vd) = (through_codes(&k, KeyLayout::Blocks, codes), through_codes(&v, KeyLayout::Positions, codes));
         float_caches.push((keys_in_blocks(&kd, len), vd));
     }
     let attend = |caches: &[(Array, Array)], mixed: bool| {
@@ -417,11 +473,11 @@ fn attention_over_eight_bit_caches_equals_attention_over_their_values() {
     let want = attend(&float_caches, false);
     for mixed in [false, true] {
         let err = max_error(&attend(&code_caches, mixed), &want);
-        assert!(err <= 1e-5, "mixed {mixed}: max error {err}");
+        assert!(err <= 1e-5, "{codes:?}, mixed {mixed}: max error {err}");
     }
 }
 
-/// A float32 array of the numpy oracle's 8-bit KV fixture
+/// A float32 array of the numpy oracle's KV codes fixture
 /// (`tests/reference/make_kv_codes_fixture.py`).
 fn kv_codes_fixture(name: &str, shape: &[usize]) -> Array {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/kv_codes").join(format!("{name}.f32"));
@@ -431,14 +487,20 @@ fn kv_codes_fixture(name: &str, shape: &[usize]) -> Array {
 }
 
 #[test]
-fn eight_bit_codes_and_attention_over_them_match_the_numpy_oracle() {
+fn codes_and_attention_over_them_match_the_numpy_oracle() {
     let _s = serial();
+    for bits in [8, 4] {
+        codes_and_attention_over_them_match_the_numpy_oracle_at(bits);
+    }
+}
+
+fn codes_and_attention_over_them_match_the_numpy_oracle_at(bits: u8) {
     // The fixture's geometry (its meta.json).
     let (hq, hkv, d, len, group) = (6, 2, 64, 96, 32);
     let rows = [(1usize, 96usize), (8, 70), (3, 3)];
     let total: usize = rows.iter().map(|r| r.0).sum();
-    let codes = KvCodes::Int8 { group };
-    let kv = |name| kv_codes_fixture(name, &[1, hkv, len, d]);
+    let codes = KvCodes::Affine { bits, group };
+    let kv = |name: &str| kv_codes_fixture(name, &[1, hkv, len, d]);
     let (keys, values) = (kv("keys"), kv("values"));
     let close = |got: &[f32], want: &[f32], what: &str| {
         assert_eq!(got.len(), want.len(), "{what}");
@@ -446,10 +508,10 @@ fn eight_bit_codes_and_attention_over_them_match_the_numpy_oracle() {
         let err = got.iter().zip(want).map(|(g, w)| (g - w).abs() / (1.0 + w.abs())).fold(0.0, f32::max);
         assert!(err <= 2e-6, "{what}: differs from numpy by {err}");
     };
-    for (values_in, want, layout) in [(&keys, "keys_dequantized", KeyLayout::Blocks), (&values, "values_dequantized", KeyLayout::Positions)] {
-        for l in [layout, KeyLayout::Positions] {
-            close(&through_codes(values_in, l, group).to_vec_f32().unwrap(), &kv(want).to_vec_f32().unwrap(), &format!("{want} ({l:?})"));
-        }
+    // Keys (in blocks) are quantized rotated, values (by position) as they are.
+    for (values_in, kind, layout) in [(&keys, "keys", KeyLayout::Blocks), (&values, "values", KeyLayout::Positions)] {
+        let want = format!("{kind}_dequantized_{bits}bit");
+        close(&through_codes(values_in, layout, codes).to_vec_f32().unwrap(), &kv(&want).to_vec_f32().unwrap(), &want);
     }
     let cap = len.div_ceil(KEY_BLOCK) * KEY_BLOCK;
     let write = |a: &Array, layout| {
@@ -462,7 +524,7 @@ fn eight_bit_codes_and_attention_over_them_match_the_numpy_oracle() {
     let q = kv_codes_fixture("queries", &[1, total, hq * d]);
     let attention_rows: Vec<AttentionRow> = rows.iter().map(|&(n, kv_len)| AttentionRow { keys: &k, values: &v, n, kv_len, first: 0 }).collect();
     let got = fast::cpu_attention(&q, &attention_rows, KeyLayout::Blocks, None, codes).unwrap().to_vec_f32().unwrap();
-    let want = kv_codes_fixture("attention", &[total, hq, d]).to_vec_f32().unwrap();
+    let want = kv_codes_fixture(&format!("attention_{bits}bit"), &[total, hq, d]).to_vec_f32().unwrap();
     let err = max_error(&got, &want);
-    assert!(err <= 1e-5, "attention over the codes differs from numpy's by {err}");
+    assert!(err <= 1e-5, "attention over {bits}-bit codes differs from numpy's by {err}");
 }

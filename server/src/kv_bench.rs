@@ -1,4 +1,4 @@
-//! `tether bench --kv-quality`: what 8-bit KV costs in quality and buys in
+//! `tether bench --kv-quality`: what 8- and 4-bit KV cost in quality and buy in
 //! decode speed, beside full precision in one run on one model.
 //!
 //! Quality is measured twice: the perplexity of a fixed text (every
@@ -23,21 +23,24 @@ pub struct KvVariant {
     pub quantization: Option<KvQuantization>,
 }
 
-/// The variants a run compares: full precision, 8-bit past `start` (the
-/// server's setting) and 8-bit from the first token (the worst case).
-pub fn variants(group: usize, start: usize) -> Vec<KvVariant> {
-    vec![
-        KvVariant { name: "float32", quantization: None },
-        KvVariant { name: "int8", quantization: Some(KvQuantization { group, start }) },
-        KvVariant { name: "int8-from-0", quantization: Some(KvQuantization { group, start: 0 }) },
-    ]
+/// The variants a run compares: full precision, then codes of each of
+/// `bits` past `start` (the server's setting) and from the first token (the
+/// worst case).
+pub fn variants(bits: &[u8], group: usize, start: usize) -> Vec<KvVariant> {
+    const NAMES: [(u8, &str, &str); 2] = [(8, "int8", "int8-from-0"), (4, "int4", "int4-from-0")];
+    let mut out = vec![KvVariant { name: "float32", quantization: None }];
+    for &(b, past_start, from_0) in NAMES.iter().filter(|(b, ..)| bits.contains(b)) {
+        out.push(KvVariant { name: past_start, quantization: Some(KvQuantization { bits: b, group, start }) });
+        out.push(KvVariant { name: from_0, quantization: Some(KvQuantization { bits: b, group, start: 0 }) });
+    }
+    out
 }
 
 #[derive(Serialize)]
 pub struct Quality {
     pub kind: &'static str,
     pub kv: &'static str,
-    /// The 8-bit codes' group (`None`: full precision).
+    /// The codes' group (`None`: full precision).
     pub kv_group: Option<usize>,
     pub model: String,
     /// Which prompts the greedy comparison ran on.

@@ -174,17 +174,18 @@ struct BenchArgs {
     /// With --turns: run only the session with the prefix cache on.
     #[arg(long)]
     cached_only: bool,
-    /// Run the 8-bit KV benchmark instead: perplexity of --kv-text and greedy
-    /// agreement on windows of it, then decode speed after a
-    /// --prompt-tokens history, full precision beside 8-bit codes.
+    /// Run the quantized KV benchmark instead: perplexity of --kv-text and
+    /// greedy agreement on windows of it, then decode speed after a
+    /// --prompt-tokens history, full precision beside 8- and 4-bit codes
+    /// (or the codes --kv-bits names).
     #[arg(long)]
     kv_quality: bool,
-    /// The fixed text the 8-bit KV benchmark scores: its first --kv-text-tokens tokens.
+    /// The fixed text the quantized KV benchmark scores: its first --kv-text-tokens tokens.
     #[arg(long, default_value = "docs/architecture.md")]
     kv_text: std::path::PathBuf,
     #[arg(long, default_value_t = 2560)]
     kv_text_tokens: usize,
-    /// Reference prompts for the 8-bit KV benchmark's greedy comparison: a
+    /// Reference prompts for the quantized KV benchmark's greedy comparison: a
     /// greedy fixture (`cases[].prompt_ids`) of the same model.
     #[arg(long, default_value = "tests/fixtures/greedy/smollm2.json")]
     kv_prompts: std::path::PathBuf,
@@ -337,8 +338,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Bench(args) if args.kv_quality => {
             let mut model = load_model(&args.model)?;
-            let q = args.kv.quantization()?.unwrap_or(tether::model::KvQuantization { group: args.kv.kv_group_size, start: args.kv.kv_quantized_start });
-            let variants = tether::kv_bench::variants(q.group, q.start);
+            let (group, start) = (args.kv.kv_group_size, args.kv.kv_quantized_start);
+            // Both code widths unless --kv-bits names one.
+            let bits = args.kv.quantization()?.map_or(vec![8, 4], |q| vec![q.bits]);
+            let variants = tether::kv_bench::variants(&bits, group, start);
             let text = std::fs::read_to_string(&args.kv_text).map_err(|e| anyhow::anyhow!("reading {:?}: {e}", args.kv_text))?;
             let mut text = model.tokenizer.encode(&text, false)?;
             anyhow::ensure!(text.len() >= args.kv_text_tokens, "{:?} holds {} tokens, fewer than --kv-text-tokens", args.kv_text, text.len());
@@ -355,12 +358,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     .into(),
             )?;
             // The windows pass the start, so their whole history turns to codes.
-            let windows = tether::kv_bench::text_windows(&text, 20, q.start + 64)?;
+            let windows = tether::kv_bench::text_windows(&text, 20, start + 64)?;
             for row in tether::kv_bench::quality(&mut model, &text, &[("reference", reference_prompts), ("text_windows", windows)], &variants)? {
                 println!("{}", serde_json::to_string(&row)?);
             }
             let history = tether::bench::prompt_tokens(&model, args.prompt_tokens)?;
-            for row in tether::kv_bench::speed(&mut model, &history, &variants, args.gen_tokens, 3)? {
+            // At a long history the from-0 variants hold what the others do.
+            let speed_variants: Vec<_> = variants.iter().copied().filter(|v| v.quantization.is_none_or(|q| q.start == start)).collect();
+            for row in tether::kv_bench::speed(&mut model, &history, &speed_variants, args.gen_tokens, 3)? {
                 println!("{}", serde_json::to_string(&row)?);
             }
             Ok(())
@@ -501,29 +506,29 @@ struct EngineArgs {
 /// How rows hold their KV state.
 #[derive(Args)]
 struct KvArgs {
-    /// Bits per KV feature: 32 (full precision) or 8 (affine 8-bit codes in
-    /// groups, a little over a quarter of the bytes; the CPU only). A row
-    /// turns to 8 bits once past --kv-quantized-start tokens.
+    /// Bits per KV feature: 32 (full precision), 8 or 4 (affine codes in
+    /// groups: a little over a quarter, or an eighth, of the bytes; the CPU
+    /// only). A row turns to codes once past --kv-quantized-start tokens.
     #[arg(long, default_value_t = 32)]
     kv_bits: u32,
-    /// Features per 8-bit group (one scale and bias each); divides the head size.
+    /// Features per group of codes (one scale and bias each); divides the head size.
     #[arg(long, default_value_t = 64)]
     kv_group_size: usize,
-    /// Tokens a row keeps in full precision before its KV turns to 8 bits.
+    /// Tokens a row keeps in full precision before its KV turns to codes.
     #[arg(long, default_value_t = 256)]
     kv_quantized_start: usize,
 }
 
 impl KvArgs {
     fn quantization(&self) -> anyhow::Result<Option<tether::model::KvQuantization>> {
-        match self.kv_bits {
-            32 => Ok(None),
-            8 => {
-                anyhow::ensure!(self.kv_group_size > 0, "--kv-group-size must be at least 1");
-                Ok(Some(tether::model::KvQuantization { group: self.kv_group_size, start: self.kv_quantized_start }))
-            }
-            b => anyhow::bail!("--kv-bits must be 32 or 8, got {b}"),
-        }
+        let bits = match self.kv_bits {
+            32 => return Ok(None),
+            8 => 8,
+            4 => 4,
+            b => anyhow::bail!("--kv-bits must be 32, 8 or 4, got {b}"),
+        };
+        anyhow::ensure!(self.kv_group_size > 0, "--kv-group-size must be at least 1");
+        Ok(Some(tether::model::KvQuantization { bits, group: self.kv_group_size, start: self.kv_quantized_start }))
     }
 }
 

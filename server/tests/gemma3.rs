@@ -159,14 +159,8 @@ fn a_session_four_windows_long_keeps_a_window_and_matches_a_recompute() {
 /// take the same path from there.
 fn greedy_after(model: &tether::model::Transformer, cache: &mut tether::model::KvCache, last: u32, n: usize) -> Vec<u32> {
     cache.truncate(cache.len() - 1);
-    let mut logits = model.forward(&[last], cache, 1).unwrap();
-    let mut out = Vec::new();
-    for _ in 0..n {
-        let next = logits.argmax(-1, false).unwrap().to_vec_i32().unwrap()[0] as u32;
-        out.push(next);
-        logits = model.forward(&[next], cache, 1).unwrap();
-    }
-    out
+    let logits = model.forward(&[last], cache, 1).unwrap();
+    greedy_from(model, cache, logits, n)
 }
 
 /// The same over the engine, 8 turns of 300 tokens and 8 of reply: each turn of a session continues from its

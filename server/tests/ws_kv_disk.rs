@@ -74,7 +74,7 @@ async fn idle_sessions_go_to_disk_and_come_back_exactly() {
 async fn idle_sessions_of_eight_bit_kv_go_to_disk_and_come_back_exactly() {
     // In 8-bit codes from the first token a history is 72/256 of float32's
     // (~3.3 MB): 5.6 MB of RAM holds one.
-    sessions_go_to_disk_and_come_back_exactly(Some(KvQuantization { group: 64, start: 0 }), 5_600_000).await;
+    sessions_go_to_disk_and_come_back_exactly(Some(KvQuantization { bits: 8, group: 64, start: 0 }), 5_600_000).await;
 }
 
 /// Sessions of a server whose RAM holds `ram_bytes` of history (about one

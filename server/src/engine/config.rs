@@ -41,7 +41,7 @@ pub struct EngineConfig {
     pub draft_model: Option<speculate::DraftModelSpec>,
     /// Where running rows keep their KV caches.
     pub kv_layout: KvLayout,
-    /// When rows' KV caches turn to 8-bit codes (`None`: never; the CPU only).
+    /// When rows' KV caches turn to codes (`None`: never; the CPU only).
     pub kv_quantization: Option<crate::model::KvQuantization>,
     /// Batched layout: most attention scores (slots x heads x queries x
     /// capacity) the rows attending together may hold; a prompt chunk that

@@ -86,7 +86,7 @@ impl Engine {
             .transpose()
             .map_err(|e| e.context("loading the draft model"))?;
         let batched = config.kv_layout.batched_on(mlx::default_device());
-        anyhow::ensure!(!batched || config.kv_quantization.is_none(), "8-bit KV is for rows with caches of their own (--kv-layout rows, on the CPU)");
+        anyhow::ensure!(!batched || config.kv_quantization.is_none(), "quantized KV is for rows with caches of their own (--kv-layout rows, on the CPU)");
         model.transformer.set_kv_quantization(config.kv_quantization).map_err(|e| anyhow::anyhow!("--kv-bits 8: {e}"))?;
         if mlx::default_device() == mlx::Device::Gpu {
             super::warmup::warm_up(&model.transformer, &config, batched).map_err(|e| anyhow::anyhow!("warming up the model's kernels failed: {e}"))?;
@@ -233,7 +233,7 @@ impl Engine {
     }
 
     /// KV bytes a request can grow to (prompt + max_tokens, in cache blocks),
-    /// in the form its cache ends in: codes once it passes the 8-bit start.
+    /// in the form its cache ends in: codes once it passes the quantization's start.
     /// (The conversion itself briefly holds both forms; a row converts once.)
     fn reserved_bytes(&self, r: &SubmitRequest) -> usize {
         let tokens = (r.prompt.len() + r.max_tokens).next_multiple_of(crate::model::KV_CAPACITY_STEP);

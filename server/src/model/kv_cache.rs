@@ -22,12 +22,12 @@
 //! [`positions`](KvCache::positions) and [`fill`](KvCache::fill) convert
 //! at the edges (moving a cache into a batch slot, or out of one).
 //!
-//! 8-bit KV (the CPU's fused attention only): a cache given a
+//! 8- and 4-bit KV (the CPU's fused attention only): a cache given a
 //! [`KvQuantization`] holds float32 until its length would pass the
-//! quantization's start, then turns its buffers into 8-bit codes once
-//! ([`mlx::fast::KvCodes::Int8`]) and writes every later position as codes:
+//! quantization's start, then turns its buffers into codes once
+//! ([`mlx::fast::KvCodes::Affine`]) and writes every later position as codes:
 //! a short exchange stays exact, and a long history takes a little over a
-//! quarter of the bytes (and of the reading a decode step does). Positions
+//! quarter (an eighth) of the bytes, and of the reading a decode step does. Positions
 //! are still rows of the buffers' third axis, so growing, windows,
 //! rollback and storing work on codes as on floats; only the write, the
 //! attention and [`positions`](KvCache::positions) read inside a row.
@@ -99,9 +99,11 @@ pub(super) fn zeros_keeping(shape: &[usize; 4], dtype: Dtype, old: Option<&Array
     }
 }
 
-/// When a cache turns to 8-bit codes (see the module notes).
+/// When and into what codes a cache turns (see the module notes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct KvQuantization {
+    /// Bits per code: 8 or 4.
+    pub bits: u8,
     /// Features per group sharing a scale and a bias (divides the head size).
     pub group: usize,
     /// Positions a cache holds in full precision before it converts.
@@ -109,9 +111,14 @@ pub struct KvQuantization {
 }
 
 impl KvQuantization {
+    /// The codes a cache of this quantization turns into.
+    pub fn codes(&self) -> KvCodes {
+        KvCodes::Affine { bits: self.bits, group: self.group }
+    }
+
     /// Bytes one position holds across all layers once its cache holds codes.
     pub fn bytes_per_token(&self, config: &super::ModelConfig) -> usize {
-        2 * config.n_layers * config.n_kv_heads * KvCodes::Int8 { group: self.group }.width(config.head_dim)
+        2 * config.n_layers * config.n_kv_heads * self.codes().width(config.head_dim)
     }
 }
 
@@ -122,14 +129,14 @@ pub struct StoredCache {
     pub capacity: usize,
     pub window_first: usize,
     pub window_capacity: usize,
-    /// The group of 8-bit codes the buffers hold (`None`: full precision).
+    /// The (bits, group) of the codes the buffers hold (`None`: full precision).
     #[serde(default)]
-    pub int8_group: Option<usize>,
+    pub codes: Option<(u8, usize)>,
 }
 
 impl StoredCache {
     fn codes(&self) -> KvCodes {
-        self.int8_group.map_or(KvCodes::Float, |group| KvCodes::Int8 { group })
+        self.codes.map_or(KvCodes::Float, |(bits, group)| KvCodes::Affine { bits, group })
     }
 }
 
@@ -196,8 +203,12 @@ impl KvCache {
     pub fn with_quantization(mut self, q: Option<KvQuantization>) -> mlx::Result<KvCache> {
         assert!(self.is_empty(), "quantization is set on an empty cache");
         if let Some(q) = q {
-            if self.keys != KeyLayout::Blocks || self.dtype != Dtype::F32 || q.group == 0 || !self.head_dim.is_multiple_of(q.group) {
-                let why = format!("8-bit KV needs the CPU's fused attention (float32, keys in blocks) and a group dividing the head size {}", self.head_dim);
+            let fits = q.group > 0 && self.head_dim.is_multiple_of(q.group) && (q.bits == 8 || (q.bits == 4 && self.head_dim.is_multiple_of(2)));
+            if self.keys != KeyLayout::Blocks || self.dtype != Dtype::F32 || !fits {
+                let why = format!(
+                    "8- or 4-bit KV needs the CPU's fused attention (float32, keys in blocks), 8 or 4 bits and a group dividing the head size {}",
+                    self.head_dim
+                );
                 return Err(mlx::Error { op: "kv_cache", message: why });
             }
         }
@@ -222,7 +233,7 @@ impl KvCache {
     fn buffer_form(&self, codes: KvCodes) -> (usize, Dtype) {
         match codes {
             KvCodes::Float => (self.head_dim, self.dtype),
-            KvCodes::Int8 { .. } => (codes.width(self.head_dim), Dtype::U8),
+            KvCodes::Affine { .. } => (codes.width(self.head_dim), Dtype::U8),
         }
     }
 
@@ -232,11 +243,11 @@ impl KvCache {
         self.buffer_form(stored.codes())
     }
 
-    /// Turns a full-precision cache into 8-bit codes of `group`, once: every
-    /// position held so far is quantized, and later writes quantize theirs.
-    fn quantize_held(&mut self, group: usize) -> mlx::Result<()> {
+    /// Turns a full-precision cache into `codes`, once: every position held
+    /// so far is quantized, and later writes quantize theirs.
+    fn quantize_held(&mut self, codes: KvCodes) -> mlx::Result<()> {
         let held = (0..self.layers.len()).map(|l| self.positions(l)).collect::<mlx::Result<Option<Vec<_>>>>()?;
-        let mut codes = KvCache { codes: KvCodes::Int8 { group }, ..self.emptied() };
+        let mut codes = KvCache { codes, ..self.emptied() };
         match held {
             Some(layers) if !self.is_empty() => codes.fill(&layers, self.len, self.window_first)?,
             _ => {}
@@ -250,11 +261,11 @@ impl KvCache {
     /// elsewhere as is takes. `None` for a cache with an empty layer.
     pub fn as_stored(&self) -> Option<(StoredCache, Vec<(&Array, &Array)>)> {
         let layers = self.layers.iter().map(|l| l.as_ref().map(|(k, v)| (k, v))).collect::<Option<Vec<_>>>()?;
-        let int8_group = match self.codes {
+        let codes = match self.codes {
             KvCodes::Float => None,
-            KvCodes::Int8 { group } => Some(group),
+            KvCodes::Affine { bits, group } => Some((bits, group)),
         };
-        let stored = StoredCache { len: self.len, capacity: self.capacity, window_first: self.window_first, window_capacity: self.window_capacity, int8_group };
+        let stored = StoredCache { len: self.len, capacity: self.capacity, window_first: self.window_first, window_capacity: self.window_capacity, codes };
         Some((stored, layers))
     }
 
@@ -265,10 +276,10 @@ impl KvCache {
         let whole_fits = self.windows.iter().all(Option::is_some) || stored.len <= stored.capacity;
         let window_fits = self.widest_window().is_none() || (stored.window_first <= stored.len && stored.len <= stored.window_first + stored.window_capacity);
         // Codes are read only by the fused attention, and only in this
-        // quantization's groups (a server started with other settings misses).
+        // quantization's bits and groups (a server started with other settings misses).
         let codes_fit = match stored.codes() {
             KvCodes::Float => true,
-            KvCodes::Int8 { group } => self.quantization.is_some_and(|q| q.group == group),
+            codes => self.quantization.is_some_and(|q| q.codes() == codes),
         };
         let (width, dtype) = self.stored_form(stored);
         let fits = layers.len() == self.layers.len()
@@ -378,13 +389,13 @@ impl KvCache {
     /// Makes room for `extra` more tokens in every layer: whole-history
     /// layers grow together; window layers drop what no query will see
     /// again when they would overflow (see the module notes).
-    /// A cache with a quantization turns to 8-bit codes here, before the
+    /// A cache with a quantization turns to codes here, before the
     /// write that would take it past the start.
     pub fn reserve(&mut self, extra: usize) -> mlx::Result<()> {
         let needed = self.len + extra;
         if let Some(q) = self.quantization {
             if self.codes == KvCodes::Float && needed > q.start {
-                self.quantize_held(q.group)?;
+                self.quantize_held(q.codes())?;
             }
         }
         let (width, dtype) = self.buffer_form(self.codes);
@@ -723,15 +734,21 @@ mod tests {
         assert_eq!(all[back * 16], -((back * 1000) as f32), "the rewritten positions are the new keys");
     }
 
-    /// `steps` written into a cache turning to 8-bit codes (`q`) and into a
+    /// Zero-mean values of amplitude 0.01 (as real keys and values roughly
+    /// are), smooth across positions and features.
+    fn smooth_keys(first: usize, tokens: usize, heads: usize, dim: usize) -> Array {
+        let data: Vec<f32> = (0..tokens * heads * dim).map(|i| 0.01 * (((first + i / (heads * dim)) * 7 + i % (heads * dim)) as f32 * 0.1).sin()).collect();
+        Array::from_f32(&data, &[tokens, heads, 1, dim]).unwrap()
+    }
+
+    /// `steps` written into a cache turning to codes (`q`) and into a
     /// float32 one; both returned.
     fn written_quantized(q: KvQuantization, windows: Vec<Option<usize>>, steps: &[usize]) -> (KvCache, KvCache) {
         let (heads, dim, layers) = (2, 32, windows.len());
         let new = || KvCache::with_keys_in_blocks(layers, heads, dim, Dtype::F32).with_windows(windows.clone());
         let (mut codes, mut floats) = (new().with_quantization(Some(q)).unwrap(), new());
         for &n in steps {
-            // Smooth values, so 8-bit steps are small against them.
-            let keys = step_keys(codes.len(), n, heads, dim).multiply(&Array::scalar(1e-3, Dtype::F32).unwrap()).unwrap();
+            let keys = smooth_keys(codes.len(), n, heads, dim);
             for cache in [&mut codes, &mut floats] {
                 cache.reserve(n).unwrap();
                 for layer in 0..layers {
@@ -752,53 +769,65 @@ mod tests {
     }
 
     #[test]
-    fn a_cache_turns_to_eight_bit_codes_once_past_its_start_and_reads_back_close() {
+    fn a_cache_turns_to_codes_once_past_its_start_and_reads_back_close() {
         let _device = mlx::set_default_device(mlx::Device::Cpu);
-        let q = KvQuantization { group: 16, start: 100 };
+        for bits in [8, 4] {
+            turns_to_codes_once_past_its_start(bits);
+        }
+    }
+
+    fn turns_to_codes_once_past_its_start(bits: u8) {
+        let q = KvQuantization { bits, group: 16, start: 100 };
+        // Keys are quantized rotated (mlx/src/cpu_attention.cc): a head
+        // vector of 32 features within 0.01 has length at most 0.01 * 32^0.5,
+        // so do its rotated features, whose groups then span at most twice
+        // that; half a step of that per feature, in length (which the
+        // rotation back keeps), bounds any one feature's error.
+        let bound = 32.0 * 0.01 / ((1u32 << bits) - 1) as f32;
         // Up to 100 tokens it stays float32, exactly.
         let (mut codes, mut floats) = written_quantized(q, vec![None], &[60, 40]);
         assert_eq!(codes.codes(), KvCodes::Float);
         assert_eq!(max_difference(&codes, &floats, 0), 0.0);
         // The next write turns it (all it held, then the new tokens), past a growth step too.
         for cache in [&mut codes, &mut floats] {
-            let keys = step_keys(100, 200, 2, 32).multiply(&Array::scalar(1e-3, Dtype::F32).unwrap()).unwrap();
+            let keys = smooth_keys(100, 200, 2, 32);
             cache.reserve(200).unwrap();
             cache.write_step(0, &keys, &keys, 0, 200).unwrap();
             cache.advance(200);
         }
-        assert_eq!(codes.codes(), KvCodes::Int8 { group: 16 });
-        // A group's values span at most 0.016 here (features 0..31 of one
-        // token): half a step of 0.016 / 255 is the rounding bound.
+        assert_eq!(codes.codes(), q.codes());
         let err = max_difference(&codes, &floats, 0);
-        assert!(err > 0.0 && err <= 0.016 / 255.0 / 2.0 + 1e-6, "8-bit error {err}");
-        // 32 codes, 2 groups' scales and biases: 48 bytes a position for 128.
-        assert_eq!(codes.nbytes() * 128, floats.nbytes() * 48);
+        assert!(err > 0.0 && err <= bound, "{bits}-bit error {err}");
+        // 32 codes (8 or 4 bits each), 2 groups' scales and biases: 48 or 32 bytes a position for 128.
+        assert_eq!(codes.nbytes() * 128, floats.nbytes() * (32 * bits as usize / 8 + 16));
 
         // Rolled back and written again, stored and restored: still the same positions.
         for cache in [&mut codes, &mut floats] {
             cache.truncate(250);
-            let keys = step_keys(250, 3, 2, 32).multiply(&Array::scalar(-1e-3, Dtype::F32).unwrap()).unwrap();
+            let keys = smooth_keys(250, 3, 2, 32).multiply(&Array::scalar(-1.0, Dtype::F32).unwrap()).unwrap();
             cache.reserve(3).unwrap();
             cache.write_step(0, &keys, &keys, 0, 3).unwrap();
             cache.advance(3);
         }
-        assert!(max_difference(&codes, &floats, 0) <= 0.016 / 255.0 / 2.0 + 1e-6);
+        assert!(max_difference(&codes, &floats, 0) <= bound);
         let (stored, layers) = codes.as_stored().unwrap();
-        assert_eq!(stored.int8_group, Some(16));
+        assert_eq!(stored.codes, Some((bits, 16)));
         let layers: Vec<(Array, Array)> = layers.into_iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         let back = codes.emptied().from_stored(&stored, layers.clone()).unwrap();
         assert_eq!(max_difference(&back, &codes, 0), 0.0);
-        let other_group = KvCache::with_keys_in_blocks(1, 2, 32, Dtype::F32).with_quantization(Some(KvQuantization { group: 32, start: 0 })).unwrap();
-        assert!(other_group.from_stored(&stored, layers).is_err(), "codes of another group");
+        let other = |bits, group| KvCache::with_keys_in_blocks(1, 2, 32, Dtype::F32).with_quantization(Some(KvQuantization { bits, group, start: 0 })).unwrap();
+        assert!(other(bits, 32).from_stored(&stored, layers.clone()).is_err(), "codes of another group");
+        assert!(other(12 - bits, 16).from_stored(&stored, layers).is_err(), "codes of other bits");
     }
 
     #[test]
-    fn a_window_layer_of_eight_bit_codes_keeps_the_whole_layers_positions() {
+    fn a_window_layer_of_codes_keeps_the_whole_layers_positions() {
         let _device = mlx::set_default_device(mlx::Device::Cpu);
         // A 300-token prompt, then decode past the window's moves, turning at 256.
         let steps: Vec<usize> = std::iter::once(200).chain(std::iter::repeat_n(1, 300)).collect();
-        let (codes, _) = written_quantized(KvQuantization { group: 32, start: 256 }, vec![None, Some(100)], &steps);
-        assert_eq!(codes.codes(), KvCodes::Int8 { group: 32 });
+        let q = KvQuantization { bits: 4, group: 32, start: 256 };
+        let (codes, _) = written_quantized(q, vec![None, Some(100)], &steps);
+        assert_eq!(codes.codes(), q.codes());
         let first = codes.first(1);
         assert!(first > 0);
         let all = codes.positions(0).unwrap().unwrap().0.to_vec_f32().unwrap();

@@ -231,19 +231,24 @@ mod tests {
     }
 
     #[test]
-    fn eight_bit_codes_round_trip_and_need_their_group() {
-        let q = KvQuantization { group: 8, start: 0 };
-        let cache = filled_turning(123, true, Some(40), Some(q));
-        assert_eq!(cache.codes(), mlx::fast::KvCodes::Int8 { group: 8 });
-        let tokens: Vec<u32> = (0..123).collect();
-        let bytes = file(&cache, 7, &tokens);
-        let back = decode(&bytes, &cache.emptied(), 7, &tokens).unwrap();
-        assert_eq!((back.codes(), back.nbytes()), (cache.codes(), cache.nbytes()));
-        assert_eq!(contents(&back), contents(&cache));
-        // A server reading codes in other groups, or none, misses.
-        let other = KvCache::with_keys_in_blocks(2, 2, 8, Dtype::F32).with_windows(vec![None, Some(40)]);
-        assert!(decode(&bytes, &other, 7, &tokens).is_err());
-        assert!(decode(&bytes, &other.with_quantization(Some(KvQuantization { group: 4, start: 0 })).unwrap(), 7, &tokens).is_err());
+    fn codes_round_trip_and_need_their_bits_and_group() {
+        for bits in [8, 4] {
+            let q = KvQuantization { bits, group: 8, start: 0 };
+            let cache = filled_turning(123, true, Some(40), Some(q));
+            assert_eq!(cache.codes(), q.codes());
+            let tokens: Vec<u32> = (0..123).collect();
+            let bytes = file(&cache, 7, &tokens);
+            let back = decode(&bytes, &cache.emptied(), 7, &tokens).unwrap();
+            assert_eq!((back.codes(), back.nbytes()), (cache.codes(), cache.nbytes()));
+            assert_eq!(contents(&back), contents(&cache));
+            // A server reading codes in other groups or bits, or none, misses.
+            let other = KvCache::with_keys_in_blocks(2, 2, 8, Dtype::F32).with_windows(vec![None, Some(40)]);
+            assert!(decode(&bytes, &other, 7, &tokens).is_err());
+            for (bits, group) in [(bits, 4), (12 - bits, 8)] {
+                let other = other.clone().with_quantization(Some(KvQuantization { bits, group, start: 0 })).unwrap();
+                assert!(decode(&bytes, &other, 7, &tokens).is_err(), "{bits} bits, group {group}");
+            }
+        }
     }
 
     #[test]

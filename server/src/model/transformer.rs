@@ -61,7 +61,7 @@ pub struct Transformer {
     /// Each RoPE pair's period (`[head_dim / 2]`) when the model scales its
     /// RoPE (Llama 3.x); `None`: plain RoPE from `config.rope_theta`.
     pub rope_periods: Option<Array>,
-    /// When rows' caches turn to 8-bit codes (set through
+    /// When and into what codes rows' caches turn (set through
     /// [`set_kv_quantization`](Self::set_kv_quantization), which checks it).
     pub(crate) kv_quantization: Option<KvQuantization>,
 }
@@ -77,13 +77,16 @@ impl Transformer {
         cache.with_windows(c.layer_windows()).with_quantization(self.kv_quantization).expect("checked by set_kv_quantization")
     }
 
-    /// Rows' caches turn to 8-bit codes as `q` says: only where the CPU's
+    /// Rows' caches turn to codes as `q` says: only where the CPU's
     /// fused attention reads them (float32 on the CPU).
     pub fn set_kv_quantization(&mut self, q: Option<KvQuantization>) -> mlx::Result<()> {
         let c = &self.config;
         let probe = KvCache::with_keys_in_blocks(c.n_layers, c.n_kv_heads, c.head_dim, self.dtype);
         if q.is_some() && !self.use_fused_cpu_kernels() {
-            return Err(mlx::Error { op: "kv_quantization", message: "8-bit KV is read by the CPU's fused attention only; this model runs elsewhere".into() });
+            return Err(mlx::Error {
+                op: "kv_quantization",
+                message: "quantized KV is read by the CPU's fused attention only; this model runs elsewhere".into(),
+            });
         }
         probe.with_quantization(q)?;
         self.kv_quantization = q;
@@ -529,8 +532,8 @@ impl Transformer {
         if rows.iter().any(|r| r.cache.key_layout() != keys) {
             return Err(mlx::Error { op: "forward", message: "rows of one step store their keys differently".into() });
         }
-        // Rows in 8-bit codes (past their quantization's start) beside rows in float32.
-        let codes = self.kv_quantization.map_or(KvCodes::Float, |q| KvCodes::Int8 { group: q.group });
+        // Rows in codes (past their quantization's start) beside rows in float32.
+        let codes = self.kv_quantization.map_or(KvCodes::Float, |q| q.codes());
         fast::cpu_attention(&q, &attention_rows, keys, window, codes)
     }
 }

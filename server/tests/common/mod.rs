@@ -110,3 +110,15 @@ pub async fn run_request(engine: &tether::engine::EngineHandle, req: tether::eng
     }
     panic!("the engine dropped the request without a final event");
 }
+
+/// `n` greedy tokens from `logits` (the last position's) on, each fed back
+/// through `cache`.
+pub fn greedy_from(model: &tether::model::Transformer, cache: &mut tether::model::KvCache, mut logits: mlx::Array, n: usize) -> Vec<u32> {
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let next = logits.argmax(-1, false).unwrap().to_vec_i32().unwrap()[0] as u32;
+        out.push(next);
+        logits = model.forward(&[next], cache, 1).unwrap();
+    }
+    out
+}
