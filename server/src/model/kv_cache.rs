@@ -156,7 +156,7 @@ pub struct KvCache {
     window_capacity: usize,
     kv_heads: usize,
     head_dim: usize,
-    /// Full precision's dtype (buffers of 8-bit codes are uint8).
+    /// Full precision's dtype (buffers of codes are uint8).
     dtype: Dtype,
     keys: KeyLayout,
     /// How the buffers hold features now, and when they turn to codes.
@@ -197,7 +197,7 @@ impl KvCache {
         self
     }
 
-    /// The same cache turning to 8-bit codes as `q` says (`None`: never);
+    /// The same cache turning to codes as `q` says (`None`: never);
     /// set before anything is stored. Only for float32 caches with keys in
     /// blocks (the CPU's fused attention reads codes).
     pub fn with_quantization(mut self, q: Option<KvQuantization>) -> mlx::Result<KvCache> {
@@ -569,7 +569,7 @@ impl KvCache {
         Ok(())
     }
 
-    /// [`fill`](Self::fill)'s writes into a reserved cache of 8-bit codes:
+    /// [`fill`](Self::fill)'s writes into a reserved cache of codes:
     /// each layer's positions quantized as a step's tokens would be.
     fn fill_codes(&mut self, layers: &[(Array, Array)], len: usize) -> mlx::Result<()> {
         let (codes, keys) = (self.codes, self.keys);

@@ -145,7 +145,7 @@ pub fn decode(bytes: &[u8], template: &KvCache, namespace: u64, tokens: &[u32]) 
     }
     let mut at = header_end;
     let mut buffers = Vec::with_capacity(layers);
-    // Buffers of 8-bit codes are uint8 rows wider than the head.
+    // Buffers of codes are uint8 rows of their own width.
     let (width, stored_dtype) = template.stored_form(&header.stored);
     for &room in &header.rooms {
         let shape = [1, heads, room, width];
