@@ -17,6 +17,8 @@
 #        DISK_MIB=65536      the disk tier's budget
 #        KV_DIR=DIR          where its files go (default: under the cache directory)
 #        SETTINGS="hot disk dropped"
+#        KV_BITS=32          the KV layout of every server (8 or 4: codes past
+#                            --kv-quantized-start, KV_START=256)
 #        OUT=DIR             results.jsonl and server logs (default: a temp dir)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +31,8 @@ OWN_TOKENS=${OWN_TOKENS:-1000}
 RAM_MIB=${RAM_MIB:-1024}
 DISK_MIB=${DISK_MIB:-65536}
 SETTINGS=${SETTINGS:-hot disk dropped}
+KV_BITS=${KV_BITS:-32}
+KV_START=${KV_START:-256}
 OUT=${OUT:-$(mktemp -d /tmp/tether-sessions.XXXXXX)}
 PEER="${TETHER_CACHE:-$HOME/.cache/tether}/peer"
 bench/peer/setup.sh >/dev/null
@@ -40,7 +44,8 @@ if [ -z "$TETHER_BIN" ]; then
 fi
 mkdir -p "$OUT"
 # Sessions wait for their next turn for the whole run.
-common=(--model "$MODEL" --device cpu --session-ttl-secs 7200 --max-sessions $((SESSIONS + 16)))
+common=(--model "$MODEL" --device cpu --session-ttl-secs 7200 --max-sessions $((SESSIONS + 16))
+  --kv-bits "$KV_BITS" --kv-quantized-start "$KV_START")
 mem_mib=$(( $(sed -n 's/MemTotal: *\([0-9]*\) kB/\1/p' /proc/meminfo) / 1024 ))
 for setting in $SETTINGS; do
   case $setting in
@@ -50,7 +55,7 @@ for setting in $SETTINGS; do
     *) log "unknown setting $setting"; exit 2 ;;
   esac
   start_tether "$TETHER_BIN" "$OUT/tether-$setting.log" "${common[@]}" "${flags[@]}"
-  "$PY" bench/sessions.py --url "http://127.0.0.1:$port" --server-pid "$SERVER_PID" --label "$MODEL" --setting "$setting" \
+  "$PY" bench/sessions.py --url "http://127.0.0.1:$port" --server-pid "$SERVER_PID" --label "$MODEL kv$KV_BITS" --setting "$setting" \
     --sessions "$SESSIONS" --shared-tokens "$SHARED_TOKENS" --own-tokens "$OWN_TOKENS" --out "$OUT/results.jsonl"
   stop_server
 done

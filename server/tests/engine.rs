@@ -290,3 +290,48 @@ async fn a_turn_ended_on_a_stop_string_is_cached_and_a_cancelled_one_is_not() {
         assert_eq!(cached_after, vec![48, 0], "{kv_layout:?}: tokens cached after a stopped and after a cancelled turn");
     }
 }
+
+/// A session's next turn is lent its own history (no copy: it leaves the
+/// prefix cache while the turn runs). When that turn is cancelled, the
+/// history goes back as it was lent, and a later turn continues from it as
+/// the cancelled one did; what the cancelled turn computed is not kept.
+/// Requests of one session that run together are never lent the entry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_turn_gives_back_the_history_it_was_lent() {
+    let engine = start(EngineConfig { kv_layout: KvLayout::Rows, ..Default::default() });
+    let scoped = |prompt: Vec<u32>, max_tokens| SubmitRequest { cache_scope: Some(Scope::Session("s".into())), ..request(prompt, max_tokens) };
+    let lent = || async { engine.stats().await.expect("the engine runs").prefix.lent };
+    let first: Vec<u32> = prompts()[0].iter().cycle().take(40).copied().collect();
+    let (answer, _) = run_request(&engine, scoped(first.clone(), 8)).await;
+    // The stored history is 47 tokens (the last answer token is not fed
+    // back): two whole 16-token blocks match.
+    let second: Vec<u32> = first.iter().chain(&answer).chain(prompts()[1].iter().cycle().take(24)).copied().collect();
+    let turn = engine.submit(scoped(second.clone(), 1000)).unwrap();
+    let mut rx = turn.events;
+    let mut cancelled_tokens = Vec::new();
+    while cancelled_tokens.len() < 4 {
+        match rx.recv().await {
+            Some(EngineEvent::Tokens { ids, .. }) => cancelled_tokens.extend(ids),
+            Some(EngineEvent::Started { .. }) => {}
+            other => panic!("the turn ended early: {other:?}"),
+        }
+    }
+    assert_eq!(lent().await, 1, "the second turn was lent the session's history");
+    turn.stop.stop(StopReason::Cancel);
+    assert_eq!(collect(rx).await.1, Some(Finish::Cancelled));
+    let (again, info) = run_request(&engine, scoped(second.clone(), 4)).await;
+    assert_eq!(info.cached_tokens, 32, "the lent 32 tokens came back; the cancelled turn's own 40 prompt tokens did not");
+    assert_eq!(again, cancelled_tokens[..4], "the history that came back continues as the cancelled turn did");
+    assert_eq!(lent().await, 2);
+    // While another request of the session runs, a turn reads the history
+    // as a snapshot: the entry stays for the others.
+    let other = engine.submit(scoped(prompts()[2].clone(), 1000)).unwrap();
+    let mut rx = other.events;
+    while !matches!(rx.recv().await, Some(EngineEvent::Tokens { .. })) {}
+    let third: Vec<u32> = second.iter().chain(&again).chain(&first[..8]).copied().collect();
+    let (_, info) = run_request(&engine, scoped(third.clone(), 2)).await;
+    assert_eq!(info.cached_tokens, 64);
+    assert_eq!(lent().await, 2, "not lent beside another request of the session");
+    other.stop.stop(StopReason::Cancel);
+    assert_eq!(collect(rx).await.1, Some(Finish::Cancelled));
+}

@@ -69,6 +69,7 @@ impl EnginePool {
                     t.prompt_tokens += s.prompt_tokens;
                     t.kv_bytes += s.kv_bytes;
                     t.prefix.hits += s.prefix.hits;
+                    t.prefix.lent += s.prefix.lent;
                     t.prefix.misses += s.prefix.misses;
                     t.prefix.hit_tokens += s.prefix.hit_tokens;
                     t.prefix.evictions += s.prefix.evictions;

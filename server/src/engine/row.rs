@@ -1,6 +1,7 @@
 //! One request inside the engine: its KV cache, sampler and progress.
 use super::api::{EngineEvent, Finish, FinishInfo, RequestId, StopHandle, StopReason, SubmitRequest, TokenLogprob};
 use super::constraint::TokenConstraint;
+use super::prefix::Hit;
 use super::scheduler::{DraftView, RowView};
 use super::speculate::{DraftState, Proposal};
 use crate::model::{KvCache, Transformer};
@@ -30,6 +31,9 @@ pub(super) struct Row {
     pub tokens: Vec<u32>,
     /// Prompt tokens that came from the prefix cache.
     pub cached_tokens: usize,
+    /// Set when those tokens' state was the session's own entry, lent whole
+    /// (it left the cache): a cancelled turn gives that history back.
+    pub lent_history: bool,
     /// Draft source and counters of a speculating row (every constrained
     /// row speculates: the grammar's forced tokens are its drafts).
     pub draft: Option<DraftState>,
@@ -75,6 +79,7 @@ impl Row {
             pending_token: None,
             tokens,
             cached_tokens: 0,
+            lent_history: false,
             draft,
             constraint,
         })
@@ -131,10 +136,28 @@ impl Row {
     }
 
     /// Starts this row from a prefix-cache hit of `len` prompt tokens.
-    pub fn resume_from(&mut self, cache: KvCache, len: usize) {
+    pub fn resume_from(&mut self, hit: Hit) {
+        let (cache, len, lent) = hit.into_parts();
         self.cache = cache;
         self.prefilled = len;
         self.cached_tokens = len;
+        self.lent_history = lent;
+    }
+
+    /// The history a cancelled turn was lent, to go back to the prefix
+    /// cache: its tokens and state as they were before the turn (what the
+    /// turn computed is freed, as for any cancelled turn). `None` when
+    /// nothing was lent, or when a sliding-window cache has already dropped
+    /// positions a continuation of that history needs.
+    pub fn into_lent_history(self) -> Option<(Vec<u32>, KvCache)> {
+        let len = self.cached_tokens;
+        let (mut tokens, mut cache) = (self.tokens, self.cache);
+        if !self.lent_history || cache.len() < len || cache.earliest_truncation() > len {
+            return None;
+        }
+        tokens.truncate(len);
+        cache.truncate(len);
+        Some((tokens, cache))
     }
 
     /// The tokens whose keys and values the cache holds, with the cache.

@@ -9,7 +9,7 @@ use std::time::Duration;
 use super::api::{EngineError, EngineEvent, EngineModelInfo, EngineStats, Finish, FinishInfo, StopReason, SubmitRequest};
 use super::config::EngineConfig;
 use super::handle::{Command, Submission};
-use super::prefix::PrefixCache;
+use super::prefix::{PrefixCache, Scope};
 use super::row::{Admitted, Row};
 use super::scheduler::{Scheduler, SchedulerConfig, WaitingView};
 use super::speculate::DraftModel;
@@ -298,8 +298,13 @@ impl Engine {
                 }
             };
             if let Some(scope) = &row.request.cache_scope {
-                if let Some((cache, len)) = self.prefix.lookup(scope, &row.request.prompt, self.scheduler.prefill_token_seconds()) {
-                    row.resume_from(cache, len);
+                // The session's own entry is lent (no copy of its history)
+                // only to a row that keeps its own cache (a batched slot
+                // copies the hit in anyway) and when no other request of the
+                // session would look for it meanwhile.
+                let lend = self.batch.is_none() && !self.has_request_of(scope);
+                if let Some(hit) = self.prefix.lookup(scope, &row.request.prompt, self.scheduler.prefill_token_seconds(), lend) {
+                    row.resume_from(hit);
                 }
             }
             if let Err(e) = self.seat(&mut row) {
@@ -309,6 +314,12 @@ impl Engine {
             let _ = row.events.try_send(EngineEvent::Started { queue_ms });
             self.running.push(row);
         }
+    }
+
+    /// Whether a request of cache scope `scope` waits or runs.
+    fn has_request_of(&self, scope: &Scope) -> bool {
+        let of_scope = |r: &SubmitRequest| r.cache_scope.as_ref() == Some(scope);
+        self.waiting.iter().any(|w| of_scope(&w.request)) || self.running.iter().any(|r| of_scope(&r.request))
     }
 
     /// Gives a new row its slot when caches are batched: it reads its prompt
@@ -346,17 +357,24 @@ impl Engine {
     /// Ends running row `i` with `reason` and tells its consumer. A turn
     /// that ended normally (an end token, a stop string, its length or time
     /// limit) leaves its KV state in the prefix cache for the session's next
-    /// turn; a cancelled one is freed, as the client asked.
+    /// turn; what a cancelled one computed is freed, as the client asked
+    /// (the history it was lent goes back).
     pub(super) fn finish(&mut self, i: usize, reason: Finish) {
-        let scope = self.running[i].request.cache_scope.clone().filter(|_| reason != Finish::Cancelled);
+        let cancelled = reason == Finish::Cancelled;
+        let scope = self.running[i].request.cache_scope.clone().filter(|_| !cancelled || self.running[i].lent_history);
         let row = self.take_row(i, scope.is_some());
         let event = row.final_event(reason);
         let events = row.events.clone();
-        if let Some(scope) = scope {
-            let (tokens, cache) = row.into_cached_state();
+        let state = match scope {
+            Some(scope) if cancelled => row.into_lent_history().map(|state| (scope, state)),
+            Some(scope) => Some((scope, row.into_cached_state())),
+            None => {
+                drop(row); // frees the KV cache before the consumer hears about it
+                None
+            }
+        };
+        if let Some((scope, (tokens, cache))) = state {
             self.prefix.insert(scope, tokens, cache);
-        } else {
-            drop(row); // frees the KV cache before the consumer hears about it
         }
         self.deliver_final(events, event);
     }

@@ -33,6 +33,7 @@ pub struct Metrics {
     engine_cache_memory: Gauge,
     engine_steps: Counter<u64, AtomicU64>,
     prefix_hits: Counter<u64, AtomicU64>,
+    prefix_lent: Counter<u64, AtomicU64>,
     prefix_misses: Counter<u64, AtomicU64>,
     prefix_hit_tokens: Counter<u64, AtomicU64>,
     prefix_evictions: Counter<u64, AtomicU64>,
@@ -83,6 +84,7 @@ impl Metrics {
             engine_cache_memory: Gauge::default(),
             engine_steps: Counter::default(),
             prefix_hits: Counter::default(),
+            prefix_lent: Counter::default(),
             prefix_misses: Counter::default(),
             prefix_hit_tokens: Counter::default(),
             prefix_evictions: Counter::default(),
@@ -121,6 +123,11 @@ impl Metrics {
         registry.register("engine_cache_memory_bytes", "MLX free-buffer cache bytes", m.engine_cache_memory.clone());
         registry.register("engine_steps", "Engine steps run", m.engine_steps.clone());
         registry.register("prefix_cache_hits", "Requests that resumed from a cached prefix", m.prefix_hits.clone());
+        registry.register(
+            "prefix_cache_lent",
+            "Hits that handed a session's own cached history to its turn (no copy; it leaves the cache until the turn ends)",
+            m.prefix_lent.clone(),
+        );
         registry.register("prefix_cache_misses", "Requests with a cache scope that found no cached prefix", m.prefix_misses.clone());
         registry.register("prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", m.prefix_hit_tokens.clone());
         registry.register("prefix_cache_evictions", "Prefix-cache entries evicted under the byte budget", m.prefix_evictions.clone());
@@ -178,6 +185,7 @@ impl Metrics {
             self.engine_cache_memory.set(s.cache_memory as i64);
             catch_up(&self.engine_steps, s.steps);
             catch_up(&self.prefix_hits, s.prefix.hits);
+            catch_up(&self.prefix_lent, s.prefix.lent);
             catch_up(&self.prefix_misses, s.prefix.misses);
             catch_up(&self.prefix_hit_tokens, s.prefix.hit_tokens);
             catch_up(&self.prefix_evictions, s.prefix.evictions);
