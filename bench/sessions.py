@@ -18,6 +18,9 @@ One run on one `tether serve` (protocol v1 over WebSocket):
      the tier that served the history: `disk` when the server's
      tether_kv_disk_hits counter rose during that turn, else `ram` when
      cached tokens covered the history, else `recomputed`.
+With --cold-files DIR, the KV files under DIR are flushed and dropped from
+the operating system's page cache after building (posix_fadvise), so a
+`disk` turn reads the device, not RAM the kernel kept.
 Printed and written (one JSON line): build time, the server's RSS and
 KV bytes in RAM and on disk after building, next-turn TTFT p50/p99 per tier,
 and cached tokens.
@@ -64,6 +67,27 @@ def metric(url, name):
         body = r.read().decode()
     m = re.search(rf"^tether_{name}(?:_total)? ([0-9.e+]+)$", body, re.M)
     return float(m.group(1)) if m else 0.0
+
+
+def drop_from_page_cache(folder):
+    """Flushes every file under `folder` and asks the kernel to drop its
+    cached pages; returns the bytes asked about."""
+    import os
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:  # removed meanwhile (superseded or evicted)
+                continue
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                total += os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+    return total
 
 
 def rss_bytes(pid):
@@ -117,6 +141,9 @@ async def run(args):
         rss = rss_bytes(args.server_pid) if args.server_pid else None
         ram_bytes = metric(args.url, "prefix_cache_bytes")
         disk_bytes = metric(args.url, "kv_disk_bytes")
+        if args.cold_files:
+            dropped = drop_from_page_cache(args.cold_files)
+            log(f"dropped {dropped / 2**30:.2f} GiB of KV files from the page cache")
         log(f"built in {build_s:.0f} s; RSS {rss / 2**30 if rss else 0:.2f} GiB, KV in RAM {ram_bytes / 2**30:.2f} GiB, on disk {disk_bytes / 2**30:.2f} GiB")
 
         order = list(range(args.sessions))
@@ -143,7 +170,7 @@ async def run(args):
         row = {
             "label": args.label, "setting": args.setting, "sessions": args.sessions,
             "history_tokens": statistics.median(s["history_tokens"] for s in sessions),
-            "build_s": build_s, "rss_bytes": rss, "kv_ram_bytes": ram_bytes, "kv_disk_bytes": disk_bytes,
+            "build_s": build_s, "cold_files": bool(args.cold_files), "rss_bytes": rss, "kv_ram_bytes": ram_bytes, "kv_disk_bytes": disk_bytes,
             "cached_tokens_p50": statistics.median(cached),
             "tiers": {t: {"turns": len(v), "ttft_p50_s": pct(v, 50), "ttft_p99_s": pct(v, 99)} for t, v in by_tier.items()},
         }
@@ -165,6 +192,11 @@ def report(path):
         tiers = "  ".join(f"{t}: {v['ttft_p50_s'] * 1e3:.0f} / {v['ttft_p99_s'] * 1e3:.0f} ({v['turns']})" for t, v in sorted(r["tiers"].items()))
         rss = (r["rss_bytes"] or 0) / 2**30
         print(f"{r['setting']:<10} {r['sessions']:>8} {r['history_tokens']:>8.0f} {r['build_s']:>8.0f} {rss:>8.2f} {r['kv_ram_bytes'] / 2**30:>8.2f} {r['kv_disk_bytes'] / 2**30:>8.2f}  {tiers}")
+    for r in rows:
+        per_session = (r["kv_ram_bytes"] + r["kv_disk_bytes"]) / r["sessions"]
+        rss = (r["rss_bytes"] or 0) / 2**30
+        print(f"  {r['setting']}: {per_session / 2**20:.1f} MiB of KV a session (RAM and disk); "
+              f"{r['sessions'] / rss if rss else 0:.0f} sessions per GiB of server RSS")
     if hot:
         for r in rows:
             for t, v in sorted(r["tiers"].items()):
@@ -181,6 +213,7 @@ def main():
     ap.add_argument("--shared-tokens", type=int, default=3000)
     ap.add_argument("--own-tokens", type=int, default=1000)
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--cold-files", help="drop the KV files under this folder from the page cache before the turns")
     ap.add_argument("--out")
     ap.add_argument("--report")
     args = ap.parse_args()

@@ -15,7 +15,9 @@
 # env:   MODEL=smollm2-135m  SESSIONS=32  SHARED_TOKENS=3000  OWN_TOKENS=1000
 #        RAM_MIB=1024        RAM budget of the disk and dropped servers
 #        DISK_MIB=65536      the disk tier's budget
-#        KV_DIR=DIR          where its files go (default: under the cache directory)
+#        KV_DIR=DIR          where its files go (default: kv under the cache
+#                            directory); dropped from the page cache before
+#                            the sessions come back, so disk turns read the disk
 #        SETTINGS="hot disk dropped"
 #        KV_BITS=32          the KV layout of every server (8 or 4: codes past
 #                            --kv-quantized-start, KV_START=256)
@@ -34,6 +36,7 @@ SETTINGS=${SETTINGS:-hot disk dropped}
 KV_BITS=${KV_BITS:-32}
 KV_START=${KV_START:-256}
 OUT=${OUT:-$(mktemp -d /tmp/tether-sessions.XXXXXX)}
+KV_DIR=${KV_DIR:-${TETHER_CACHE:-$HOME/.cache/tether}/kv}
 PEER="${TETHER_CACHE:-$HOME/.cache/tether}/peer"
 bench/peer/setup.sh >/dev/null
 PY="$PEER/venv/bin/python"
@@ -50,13 +53,13 @@ mem_mib=$(( $(sed -n 's/MemTotal: *\([0-9]*\) kB/\1/p' /proc/meminfo) / 1024 ))
 for setting in $SETTINGS; do
   case $setting in
     hot) flags=(--prefix-cache-mib $((mem_mib / 2))) ;;
-    disk) flags=(--prefix-cache-mib "$RAM_MIB" --kv-disk-mib "$DISK_MIB" ${KV_DIR:+--kv-dir "$KV_DIR"}) ;;
+    disk) flags=(--prefix-cache-mib "$RAM_MIB" --kv-disk-mib "$DISK_MIB" --kv-dir "$KV_DIR") ;;
     dropped) flags=(--prefix-cache-mib "$RAM_MIB") ;;
     *) log "unknown setting $setting"; exit 2 ;;
   esac
   start_tether "$TETHER_BIN" "$OUT/tether-$setting.log" "${common[@]}" "${flags[@]}"
   "$PY" bench/sessions.py --url "http://127.0.0.1:$port" --server-pid "$SERVER_PID" --label "$MODEL kv$KV_BITS" --setting "$setting" \
-    --sessions "$SESSIONS" --shared-tokens "$SHARED_TOKENS" --own-tokens "$OWN_TOKENS" --out "$OUT/results.jsonl"
+    --sessions "$SESSIONS" --shared-tokens "$SHARED_TOKENS" --own-tokens "$OWN_TOKENS" --cold-files "$KV_DIR" --out "$OUT/results.jsonl"
   stop_server
 done
 "$PY" bench/sessions.py --report "$OUT/results.jsonl"

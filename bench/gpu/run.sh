@@ -39,6 +39,8 @@
 # on the random Qwen2.5-1.5B-shaped bf16 checkpoint: `tether serve` with its
 # prefix cache holding every session (hot), with RAM_MIB of it and a disk
 # tier (disk), and without the tier (dropped). Needs aiohttp's wheels.
+# HOT_MIB: the hot server's prefix-cache budget in device memory (64 GiB;
+# what it cannot hold a returning session computes again).
 # MODE=agent: the 12-turn agent workload of bench/load.py (WORKLOAD=agent in
 # bench/load.sh) on the random Qwen2.5-1.5B-shaped bf16 checkpoint: `tether
 # serve` (session prefix cache on, and off) beside mlx_lm.server (its prompt
@@ -148,7 +150,7 @@ if [ "${MODE:-decode}" = sessions ]; then
   sessions=${SESSIONS:-128}
   for setting in ${SETTINGS:-hot disk dropped}; do
     case $setting in
-      hot) flags=(--prefix-cache-mib 65536) ;;
+      hot) flags=(--prefix-cache-mib "${HOT_MIB:-65536}") ;;
       disk) flags=(--prefix-cache-mib "${RAM_MIB:-2048}" --kv-disk-mib 40960 --kv-dir /tmp/tether-kv) ;;
       dropped) flags=(--prefix-cache-mib "${RAM_MIB:-2048}") ;;
     esac

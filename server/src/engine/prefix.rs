@@ -386,7 +386,13 @@ impl PrefixCache {
     }
 
     /// Stores the KV state of `tokens` (exactly the tokens `cache` holds).
-    /// Entries of the same scope that this one extends are replaced.
+    /// Entries of the same scope whose every whole block this one holds are
+    /// replaced: matches are block-aligned and the index now points those
+    /// blocks here, so they could serve nothing this one cannot. That covers
+    /// a turn that extends its history and one that forks off its last
+    /// partial block (a regenerated answer; a next prompt that carries the
+    /// answer re-rendered, or leaves it out), which would otherwise hold a
+    /// second copy of the whole history until evicted.
     pub fn insert(&mut self, scope: Scope, tokens: Vec<u32>, cache: KvCache) {
         debug_assert_eq!(tokens.len(), cache.len());
         let keys = self.block_keys(&scope, &tokens);
@@ -396,7 +402,7 @@ impl PrefixCache {
         let superseded: Vec<EntryId> = keys
             .iter()
             .filter_map(|k| self.index.get(k).copied())
-            .filter(|id| self.entries.get(id).is_some_and(|e| e.scope == scope && tokens.starts_with(&e.tokens)))
+            .filter(|id| self.entries.get(id).is_some_and(|e| e.scope == scope && tokens.starts_with(&e.tokens[..e.keys.len() * self.block])))
             .collect();
         for id in superseded {
             self.remove(id);
@@ -719,6 +725,46 @@ mod tests {
         assert_eq!(first_value(&kv), 3.0);
         let s = cache.stats();
         assert_eq!((s.lent, s.disk.hits, s.disk.entries), (1, 1, 1), "{s:?}");
+    }
+
+    /// At its budget the cache evicts as many entries as a new one needs
+    /// room for and no more, least recently used first, with moka's own
+    /// bookkeeping caught up only every few stores (the engine's cadence).
+    #[test]
+    fn a_full_cache_evicts_one_entry_for_one() {
+        let mut cache = PrefixCache::new(10 * (64 << 10) + (32 << 10), 16, 7);
+        for n in 0..30 {
+            store(&mut cache, n, 0.0);
+            if n % 3 == 0 {
+                cache.maintain(); // the engine's cadence: every few steps
+            }
+        }
+        cache.maintain();
+        let s = cache.stats();
+        assert_eq!((s.entries, s.evictions), (10, 20), "{s:?}");
+        for n in 20..30 {
+            assert!(ask(&mut cache, n).is_some(), "session {n} is among the last ten stored");
+        }
+    }
+
+    /// A turn that forks off its history's last partial block replaces the
+    /// entry it forked from; one that forks inside a whole block keeps it
+    /// (that block still serves prompts that follow the older branch).
+    #[test]
+    fn a_fork_off_the_last_partial_block_replaces_its_entry() {
+        let mut cache = PrefixCache::new(1 << 20, 16, 7);
+        let first = history(0)[..56].to_vec(); // 3 whole blocks and 8 tokens
+        cache.insert(session(0), first.clone(), state(&first, 0.0));
+        let regenerated = [&first[..48], &[9; 20]].concat();
+        cache.insert(session(0), regenerated, state(&[0; 68], 1.0));
+        assert_eq!(cache.stats().entries, 1, "the first turn's entry holds no whole block of its own");
+        let edited = [&first[..40], &[5; 30]].concat();
+        cache.insert(session(0), edited, state(&[0; 70], 2.0));
+        assert_eq!(cache.stats().entries, 2, "the regenerated turn's third block is its own");
+        let mut prompt = first[..48].to_vec();
+        prompt.push(1);
+        let (hit, len) = snapshot(cache.lookup(&session(0), &prompt, None, false).expect("the older branch still serves"));
+        assert_eq!((len, first_value(&hit)), (48, 1.0));
     }
 
     #[test]
