@@ -32,6 +32,7 @@ usage (the peer venv's python: aiohttp):
 import argparse
 import asyncio
 import json
+import os
 import random
 import re
 import statistics
@@ -72,7 +73,6 @@ def metric(url, name):
 def drop_from_page_cache(folder):
     """Flushes every file under `folder` and asks the kernel to drop its
     cached pages; returns the bytes asked about."""
-    import os
     total = 0
     for root, _, files in os.walk(folder):
         for name in files:
