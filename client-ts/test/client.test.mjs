@@ -217,16 +217,30 @@ test('a stream survives a dropped socket with no token lost or duplicated', asyn
 });
 
 test('longer outages, twice in one stream: frames missed meanwhile are replayed', async () => {
-  const expected = await reference(COUNT);
-  // About half a second offline each time: the server keeps generating.
+  // Long enough that the server, which keeps generating through both
+  // outages (about half a second each), cannot finish before the second
+  // drop: 160 tokens is over a second more than two outages at 100 tok/s.
+  const long = { ...COUNT, max_tokens: 160 };
+  const expected = await reference(long);
   const s = await open({ reconnect: { initialDelayMs: 500 } });
-  const stream = s.generate(COUNT);
+  let reopened = false;
+  s.on('state', (st) => {
+    if (st === 'open') reopened = true;
+  });
+  let drops = 0;
+  const stream = s.generate(long);
   const { deltas, result } = await drain(stream, (_, n) => {
-    if (n === 3 || n === 24) dropConnection(s);
+    // The second drop comes with the first frame after the first resume,
+    // so it cuts the replay of what was missed, not a finished stream.
+    if ((drops === 0 && n === 3) || (drops === 1 && reopened)) {
+      drops++;
+      dropConnection(s);
+    }
   });
   assertContiguous(deltas, result);
   assert.deepEqual(result.tokenIds, expected.tokenIds);
   assert.equal(result.finishReason, 'length');
+  assert.equal(drops, 2);
   assert.equal(result.resumes, 2);
   await s.close();
 });
