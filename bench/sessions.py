@@ -15,15 +15,20 @@ One run on one `tether serve` (protocol v1 over WebSocket):
   3. The sessions come back one at a time in a seeded random order: each
      resumes and sends its whole history plus a new ~30-token user line.
      Time to first token (client side, send to first delta) is recorded with
-     the tier that served the history: `disk` when the server's
-     tether_kv_disk_hits counter rose during that turn, else `ram` when
-     cached tokens covered the history, else `recomputed`.
+     the tier that served the history: `disk` or `host` when the server's
+     tether_kv_disk_hits or tether_kv_host_hits counter rose during that
+     turn, else `ram` when cached tokens covered the history, else
+     `recomputed`; with the server's time restoring the state (for a file:
+     reading, checking and restoring it; tether_kv_{disk_read,
+     host_restore}_seconds), so the rest of the wait shows apart.
 With --cold-files DIR, the KV files under DIR are flushed and dropped from
 the operating system's page cache after building (posix_fadvise), so a
 `disk` turn reads the device, not RAM the kernel kept.
 Printed and written (one JSON line): build time, the server's RSS and
 KV bytes in RAM and on disk after building, next-turn TTFT p50/p99 per tier,
-and cached tokens.
+per restored tier its restore time p50/p99 and TTFT in the run's first
+and second halves, cached tokens, and every turn (order, tier, TTFT,
+restore seconds).
 
 usage (the peer venv's python: aiohttp):
   sessions.py --url http://127.0.0.1:PORT --server-pid PID --label L --setting S --out R.jsonl
@@ -141,18 +146,22 @@ async def run(args):
         rss = rss_bytes(args.server_pid) if args.server_pid else None
         ram_bytes = metric(args.url, "prefix_cache_bytes")
         disk_bytes = metric(args.url, "kv_disk_bytes")
+        host_bytes = metric(args.url, "kv_host_bytes")
         if args.cold_files:
             dropped = drop_from_page_cache(args.cold_files)
             log(f"dropped {dropped / 2**30:.2f} GiB of KV files from the page cache")
-        log(f"built in {build_s:.0f} s; RSS {rss / 2**30 if rss else 0:.2f} GiB, KV in RAM {ram_bytes / 2**30:.2f} GiB, on disk {disk_bytes / 2**30:.2f} GiB")
+        log(f"built in {build_s:.0f} s; RSS {rss / 2**30 if rss else 0:.2f} GiB, KV in RAM {ram_bytes / 2**30:.2f} GiB, "
+            f"host tier {host_bytes / 2**30:.2f} GiB, on disk {disk_bytes / 2**30:.2f} GiB")
 
         order = list(range(args.sessions))
         random.Random(7).shuffle(order)
         by_tier = {}
         cached = []
+        turns = []
         for i in order:
             s = sessions[i]
-            before = metric(args.url, "kv_disk_hits")
+            before = {t: metric(args.url, f"kv_{t}_hits") for t in ("disk", "host")}
+            restore_before = metric(args.url, "kv_disk_read_seconds") + metric(args.url, "kv_host_restore_seconds")
             # The history as the session's own prompt (its answer's text is
             # not needed: the cache matches the prompt's tokens, and the
             # prompt alone is the part every tier holds).
@@ -160,20 +169,35 @@ async def run(args):
             ttft, done, _ = await turn(http, ws_url, body, "t2", resume={"session_id": s["id"], "resume_token": s["token"]})
             hit = done["usage"]["cached_tokens"]
             cached.append(hit)
-            if metric(args.url, "kv_disk_hits") > before:
-                tier = "disk"
+            restored = [t for t in ("disk", "host") if metric(args.url, f"kv_{t}_hits") > before[t]]
+            if restored:
+                tier = restored[0]
             elif hit >= s["history_tokens"] - 32:
                 tier = "ram"
             else:
                 tier = "recomputed"
             by_tier.setdefault(tier, []).append(ttft)
+            restore_s = metric(args.url, "kv_disk_read_seconds") + metric(args.url, "kv_host_restore_seconds") - restore_before
+            turns.append({"session": i, "tier": tier, "ttft_s": round(ttft, 5), "restore_s": round(restore_s, 5)})
         row = {
             "label": args.label, "setting": args.setting, "sessions": args.sessions,
             "history_tokens": statistics.median(s["history_tokens"] for s in sessions),
             "build_s": build_s, "cold_files": bool(args.cold_files), "rss_bytes": rss, "kv_ram_bytes": ram_bytes, "kv_disk_bytes": disk_bytes,
-            "cached_tokens_p50": statistics.median(cached),
+            "kv_host_bytes": host_bytes, "cached_tokens_p50": statistics.median(cached),
             "tiers": {t: {"turns": len(v), "ttft_p50_s": pct(v, 50), "ttft_p99_s": pct(v, 99)} for t, v in by_tier.items()},
         }
+        for tier in ("disk", "host"):
+            restored = [t for t in turns if t["tier"] == tier]
+            if len(restored) < 2:
+                continue
+            half = len(restored) // 2
+            times = [t["restore_s"] for t in restored]
+            v = row["tiers"][tier]
+            v["restore_p50_s"], v["restore_p99_s"] = pct(times, 50), pct(times, 99)
+            v["ttft_p50_by_half_s"] = [pct([t["ttft_s"] for t in part], 50) for part in (restored[:half], restored[half:])]
+            log(f"{args.setting}: {tier}: restoring took p50 {v['restore_p50_s'] * 1e3:.0f} ms, p99 {v['restore_p99_s'] * 1e3:.0f} ms; "
+                f"TTFT p50 in the first / second half {v['ttft_p50_by_half_s'][0] * 1e3:.0f} / {v['ttft_p50_by_half_s'][1] * 1e3:.0f} ms")
+        row["turns"] = turns
         for t, v in sorted(by_tier.items()):
             log(f"{args.setting}: {t}: {len(v)} turns, TTFT p50 {pct(v, 50) * 1e3:.0f} ms, p99 {pct(v, 99) * 1e3:.0f} ms")
         with open(args.out, "a") as f:
@@ -182,7 +206,7 @@ async def run(args):
 
 def report(path):
     rows = [json.loads(line) for line in open(path) if line.strip()]
-    print(f"{'setting':<10} {'sessions':>8} {'history':>8} {'build s':>8} {'RSS GiB':>8} {'RAM GiB':>8} {'disk GiB':>8}  next-turn TTFT by tier (p50 / p99 ms, turns)")
+    print(f"{'setting':<10} {'sessions':>8} {'history':>8} {'build s':>8} {'RSS GiB':>8} {'RAM GiB':>8} {'host GiB':>8} {'disk GiB':>8}  next-turn TTFT by tier (p50 / p99 ms, turns)")
     hot = None
     for r in rows:
         for t, v in r["tiers"].items():
@@ -191,12 +215,17 @@ def report(path):
     for r in rows:
         tiers = "  ".join(f"{t}: {v['ttft_p50_s'] * 1e3:.0f} / {v['ttft_p99_s'] * 1e3:.0f} ({v['turns']})" for t, v in sorted(r["tiers"].items()))
         rss = (r["rss_bytes"] or 0) / 2**30
-        print(f"{r['setting']:<10} {r['sessions']:>8} {r['history_tokens']:>8.0f} {r['build_s']:>8.0f} {rss:>8.2f} {r['kv_ram_bytes'] / 2**30:>8.2f} {r['kv_disk_bytes'] / 2**30:>8.2f}  {tiers}")
+        print(f"{r['setting']:<10} {r['sessions']:>8} {r['history_tokens']:>8.0f} {r['build_s']:>8.0f} {rss:>8.2f} {r['kv_ram_bytes'] / 2**30:>8.2f} {r.get('kv_host_bytes', 0) / 2**30:>8.2f} {r['kv_disk_bytes'] / 2**30:>8.2f}  {tiers}")
     for r in rows:
-        per_session = (r["kv_ram_bytes"] + r["kv_disk_bytes"]) / r["sessions"]
+        per_session = (r["kv_ram_bytes"] + r.get("kv_host_bytes", 0) + r["kv_disk_bytes"]) / r["sessions"]
         rss = (r["rss_bytes"] or 0) / 2**30
-        print(f"  {r['setting']}: {per_session / 2**20:.1f} MiB of KV a session (RAM and disk); "
+        print(f"  {r['setting']}: {per_session / 2**20:.1f} MiB of KV a session (all tiers); "
               f"{r['sessions'] / rss if rss else 0:.0f} sessions per GiB of server RSS")
+        for t, v in sorted(r["tiers"].items()):
+            if "restore_p50_s" in v:
+                first, second = v["ttft_p50_by_half_s"]
+                print(f"  {r['setting']} {t}: restoring took {v['restore_p50_s'] * 1e3:.0f} / {v['restore_p99_s'] * 1e3:.0f} ms (p50 / p99); "
+                      f"TTFT p50 {first * 1e3:.0f} ms in the run's first half, {second * 1e3:.0f} ms in its second")
     if hot:
         for r in rows:
             for t, v in sorted(r["tiers"].items()):

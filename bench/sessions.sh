@@ -8,6 +8,9 @@
 #             `recomputed` in the report)
 #   disk      a RAM budget of RAM_MIB; what it cannot hold goes to the disk
 #             tier (--kv-disk-mib), and comes back on the session's turn
+#   host      the same, with a host tier of HOST_MIB (--kv-host-mib) in
+#             front of the disk: evicted state kept in memory in its
+#             compact file form (without the shared prefix)
 #   dropped   the same RAM budget without a disk tier: what it cannot hold
 #             is dropped, and a returning session reads its history again
 #
@@ -15,10 +18,11 @@
 # env:   MODEL=smollm2-135m  SESSIONS=32  SHARED_TOKENS=3000  OWN_TOKENS=1000
 #        RAM_MIB=1024        RAM budget of the disk and dropped servers
 #        DISK_MIB=65536      the disk tier's budget
+#        HOST_MIB=4096       the host tier's budget (setting `host`)
 #        KV_DIR=DIR          where its files go (default: kv under the cache
 #                            directory); dropped from the page cache before
 #                            the sessions come back, so disk turns read the disk
-#        SETTINGS="hot disk dropped"
+#        SETTINGS="hot host disk dropped"
 #        KV_BITS=32          the KV layout of every server (8 or 4: codes past
 #                            --kv-quantized-start, KV_START=256)
 #        OUT=DIR             results.jsonl and server logs (default: a temp dir)
@@ -32,7 +36,8 @@ SHARED_TOKENS=${SHARED_TOKENS:-3000}
 OWN_TOKENS=${OWN_TOKENS:-1000}
 RAM_MIB=${RAM_MIB:-1024}
 DISK_MIB=${DISK_MIB:-65536}
-SETTINGS=${SETTINGS:-hot disk dropped}
+HOST_MIB=${HOST_MIB:-4096}
+SETTINGS=${SETTINGS:-hot host disk dropped}
 KV_BITS=${KV_BITS:-32}
 KV_START=${KV_START:-256}
 OUT=${OUT:-$(mktemp -d /tmp/tether-sessions.XXXXXX)}
@@ -54,13 +59,19 @@ for setting in $SETTINGS; do
   case $setting in
     hot) flags=(--prefix-cache-mib $((mem_mib / 2))) ;;
     disk) flags=(--prefix-cache-mib "$RAM_MIB" --kv-disk-mib "$DISK_MIB" --kv-dir "$KV_DIR") ;;
+    host) flags=(--prefix-cache-mib "$RAM_MIB" --kv-host-mib "$HOST_MIB" --kv-disk-mib "$DISK_MIB" --kv-dir "$KV_DIR") ;;
     dropped) flags=(--prefix-cache-mib "$RAM_MIB") ;;
     *) log "unknown setting $setting"; exit 2 ;;
   esac
   start_tether "$TETHER_BIN" "$OUT/tether-$setting.log" "${common[@]}" "${flags[@]}"
+  # The machine's memory, swap and block I/O every 5 s, beside the turns'
+  # times (a tier's reads compete with writeback and page reclaim).
+  vmstat -t 5 > "$OUT/vmstat-$setting.log" &
+  vmstat_pid=$!
   "$PY" bench/sessions.py --url "http://127.0.0.1:$port" --server-pid "$SERVER_PID" --label "$MODEL kv$KV_BITS" --setting "$setting" \
     --sessions "$SESSIONS" --shared-tokens "$SHARED_TOKENS" --own-tokens "$OWN_TOKENS" --cold-files "$KV_DIR" --out "$OUT/results.jsonl"
   stop_server
+  kill "$vmstat_pid" 2>/dev/null || true
 done
 "$PY" bench/sessions.py --report "$OUT/results.jsonl"
 log "results: $OUT/results.jsonl"

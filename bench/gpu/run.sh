@@ -38,7 +38,8 @@
 # plus their own text, detached, then each one more turn in random order)
 # on the random Qwen2.5-1.5B-shaped bf16 checkpoint: `tether serve` with its
 # prefix cache holding every session (hot), with RAM_MIB of it and a disk
-# tier (disk), and without the tier (dropped). Needs aiohttp's wheels.
+# tier (disk), and without the tier (dropped); `host`: HOT_MIB of device
+# memory and a host tier of HOST_MIB behind it. Needs aiohttp's wheels.
 # HOT_MIB: the hot server's prefix-cache budget in device memory (64 GiB;
 # what it cannot hold a returning session computes again).
 # MODE=agent: the 12-turn agent workload of bench/load.py (WORKLOAD=agent in
@@ -152,6 +153,7 @@ if [ "${MODE:-decode}" = sessions ]; then
     case $setting in
       hot) flags=(--prefix-cache-mib "${HOT_MIB:-65536}") ;;
       disk) flags=(--prefix-cache-mib "${RAM_MIB:-2048}" --kv-disk-mib 40960 --kv-dir /tmp/tether-kv) ;;
+      host) flags=(--prefix-cache-mib "${HOT_MIB:-65536}" --kv-host-mib "${HOST_MIB:-65536}") ;;
       dropped) flags=(--prefix-cache-mib "${RAM_MIB:-2048}") ;;
     esac
     start_tether "$TETHER_BIN" "$OUT/tether-serve-$setting.log" --model /opt/models/qwen2.5-1.5b-bf16 --device gpu \

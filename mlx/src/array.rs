@@ -157,6 +157,11 @@ impl Array {
         bridge::copy_raw_bytes(self.raw(), &mut out).map_err(|e| Error::from_cxx("to_bytes", e))?;
         Ok(out)
     }
+    /// Copies the array's raw bytes, row-contiguous, in its own dtype, into
+    /// `out`, which must be exactly [`nbytes`](Self::nbytes) long (evaluates it).
+    pub fn copy_bytes_into(&self, out: &mut [u8]) -> Result<()> {
+        bridge::copy_raw_bytes(self.raw(), out).map_err(|e| Error::from_cxx("copy_bytes_into", e))
+    }
     /// The single value of a one-element array.
     pub fn item_f32(&self) -> Result<f32> {
         let v = self.to_vec_f32()?;

@@ -482,6 +482,12 @@ struct EngineArgs {
     /// Bytes of KV state the prefix cache may hold, in MiB.
     #[arg(long, default_value_t = EngineConfig::default().prefix_cache_bytes >> 20)]
     prefix_cache_mib: usize,
+    /// Bytes of evicted prefix-cache entries kept in memory, in MiB, in their
+    /// compact file form (a session's without the shared prefix), before
+    /// they go to disk: idle sessions come back with a copy, not a read.
+    /// 0: none.
+    #[arg(long, default_value_t = 0)]
+    kv_host_mib: usize,
     /// Bytes of KV files the prefix cache may keep on disk, in MiB: entries
     /// RAM cannot hold (idle sessions' first) are written there and read
     /// back on their session's next turn. 0: they are dropped.
@@ -545,6 +551,7 @@ impl EngineArgs {
             step_token_budget: self.step_token_budget,
             max_running: self.max_running,
             prefix_cache_bytes: self.prefix_cache_mib << 20,
+            kv_host_bytes: self.kv_host_mib << 20,
             kv_disk: (self.kv_disk_mib > 0).then(|| tether::engine::DiskTierConfig {
                 dir: self.kv_dir.clone().unwrap_or_else(|| tether::registry::cache_dir().join("kv")),
                 budget_bytes: self.kv_disk_mib << 20,

@@ -27,6 +27,10 @@ pub struct EngineConfig {
     pub reclaim_every_steps: u64,
     /// KV bytes the prefix cache may hold.
     pub prefix_cache_bytes: usize,
+    /// Bytes of prefix-cache entries evicted from RAM kept in memory, in
+    /// their compact file form (without the shared prefix), before they go
+    /// to disk; 0: none.
+    pub kv_host_bytes: usize,
     /// Where prefix-cache entries evicted from RAM are written (idle
     /// sessions' first), to be read back on their next turn; `None`: they
     /// are dropped.
@@ -92,6 +96,7 @@ impl Default for EngineConfig {
             kv_budget_bytes: 4 << 30,
             reclaim_every_steps: 256,
             prefix_cache_bytes: 1 << 30,
+            kv_host_bytes: 0,
             kv_disk: None,
             prefix_block_tokens: 16,
             step_draft_budget: 64,

@@ -222,7 +222,7 @@ mod tests {
         let a = mlx::Array::full(&[1, 1, 3, 4], salt, mlx::Dtype::F32).unwrap();
         let mut cache = crate::model::KvCache::new(1, 1, 4, mlx::Dtype::F32);
         cache.fill(&[(a.clone(), a)], 3, 0).unwrap();
-        let file = kv_file::encode(&cache, 1, &[1, 2, 3]).unwrap();
+        let file = kv_file::encode(&cache, 1, &[1, 2, 3], 0).unwrap();
         let mut bytes = Vec::new();
         file.write_to(&mut bytes).unwrap();
         (file, bytes)

@@ -40,4 +40,4 @@ pub use config::{EngineConfig, KvLayout};
 pub use disk_tier::DiskTierConfig;
 pub use handle::EngineHandle;
 pub use pool::EnginePool;
-pub use prefix::{DiskStats, PrefixStats, Scope};
+pub use prefix::{DiskStats, HostStats, PrefixStats, Scope};

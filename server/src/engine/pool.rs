@@ -75,6 +75,7 @@ impl EnginePool {
                     t.prefix.evictions += s.prefix.evictions;
                     t.prefix.entries += s.prefix.entries;
                     t.prefix.bytes += s.prefix.bytes;
+                    t.prefix.host.add(&s.prefix.host);
                     t.prefix.disk.add(&s.prefix.disk);
                     t.drafted_tokens += s.drafted_tokens;
                     t.accepted_draft_tokens += s.accepted_draft_tokens;

@@ -36,13 +36,22 @@
 //! (the turn owns the restored buffers); a shared one comes back into RAM.
 //! The tier has its own byte budget, over which its oldest files go; a
 //! session that re-attaches has its files read ahead.
+//!
+//! A host tier (a byte budget of its own) sits between RAM and disk: an
+//! evicted entry is kept in memory as its file's bytes, which leave out the
+//! shared prefix (see [`kv_file`]), so an agent's idle session takes a
+//! quarter of its RAM entry's bytes or less there and comes back with a
+//! copy, not a read. On a GPU it is the host memory beside the device's.
+//! Over its budget, its oldest entries go on to disk (or are dropped
+//! without a disk tier).
 use std::collections::{HashMap, HashSet};
 use std::hash::{Hash, Hasher};
 use std::sync::mpsc;
 use std::time::Instant;
 
 use super::disk_tier::{DiskTier, DiskTierConfig};
-use crate::model::{kv_file, KvCache};
+use crate::model::kv_file::{self, Encoded};
+use crate::model::KvCache;
 
 /// Whose entries these are: one session's private history, or entries any
 /// session may reuse (e.g. a common system prompt).
@@ -50,6 +59,35 @@ use crate::model::{kv_file, KvCache};
 pub enum Scope {
     Session(String),
     Shared,
+}
+
+/// The host tier's counters (all zero without one).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct HostStats {
+    pub entries: usize,
+    pub bytes: usize,
+    /// Entries moved there out of RAM.
+    pub moves: u64,
+    /// Hits served from it.
+    pub hits: u64,
+    /// Entries that could not serve (the shared prefix they leave out gone).
+    pub failed: u64,
+    /// Time spent restoring its entries for hits, and their bytes.
+    pub restore_seconds: f64,
+    pub restore_bytes: u64,
+}
+
+impl HostStats {
+    /// Sums another engine's counters into these.
+    pub fn add(&mut self, o: &HostStats) {
+        self.entries += o.entries;
+        self.bytes += o.bytes;
+        self.moves += o.moves;
+        self.hits += o.hits;
+        self.failed += o.failed;
+        self.restore_seconds += o.restore_seconds;
+        self.restore_bytes += o.restore_bytes;
+    }
 }
 
 impl DiskStats {
@@ -73,6 +111,8 @@ type EntryId = u64;
 /// What a disk read is taken to cost before this tier has timed one: a
 /// local SSD's order of magnitude, including the checksum and the copy in.
 const ASSUMED_READ_BYTES_PER_SECOND: f64 = 1e9;
+/// The same for the host tier's first restore: a memory copy.
+const ASSUMED_RESTORE_BYTES_PER_SECOND: f64 = 1e10;
 
 struct Entry {
     scope: Scope,
@@ -93,6 +133,14 @@ struct Entry {
 /// Where an entry's KV state is.
 enum Held {
     Ram(KvCache),
+    /// In the host tier: its file's bytes, when it moved there (the tier's
+    /// move count then: older entries go on to disk first), and an empty
+    /// cache of the state's shape to restore it into.
+    Host {
+        file: Encoded,
+        moved: u64,
+        shape: KvCache,
+    },
     /// In the disk tier's file of the entry's id: the file's size, when it
     /// was written (the tier's write count then: older files are evicted
     /// first), and an empty cache of
@@ -134,6 +182,7 @@ pub struct PrefixStats {
     pub entries: usize,
     /// KV bytes in RAM.
     pub bytes: usize,
+    pub host: HostStats,
     pub disk: DiskStats,
 }
 
@@ -172,7 +221,9 @@ pub struct PrefixCache {
     next_id: EntryId,
     /// Scopes whose session is detached (idle): their entries go first.
     idle: HashSet<Scope>,
-    /// Where entries evicted from RAM go, if anywhere.
+    /// Bytes the host tier may keep (0: none), and where what it cannot
+    /// keep goes, if anywhere.
+    host_budget_bytes: usize,
     disk: Option<DiskTier>,
     /// Counts stores and hits, for `Entry::used`.
     ticks: u64,
@@ -215,10 +266,17 @@ impl PrefixCache {
             index: HashMap::new(),
             next_id: 1,
             idle: HashSet::new(),
+            host_budget_bytes: 0,
             disk,
             ticks: 0,
             stats: PrefixStats::default(),
         })
+    }
+
+    /// The same cache keeping up to `bytes` of evicted entries in memory
+    /// before they go to disk (see the module notes).
+    pub fn with_host_tier(self, bytes: usize) -> PrefixCache {
+        PrefixCache { host_budget_bytes: bytes, ..self }
     }
 
     /// Chain hashes of each full block of `tokens` (block i covers tokens[..(i+1)*block]).
@@ -256,7 +314,7 @@ impl PrefixCache {
             if let Some((id, len)) = best.filter(|(id, _)| !self.is_in_ram(*id)) {
                 let in_ram = self.best_match(scope, prompt, true);
                 let added = len - in_ram.map_or(0, |(_, l)| l);
-                if !self.disk_read_pays(id, added, recompute_token_seconds) {
+                if !self.restoring_pays(id, added, recompute_token_seconds) {
                     self.stats.disk.skipped += 1;
                     best = in_ram;
                 }
@@ -296,21 +354,25 @@ impl PrefixCache {
         self.entries.get(&id).is_some_and(|e| matches!(e.held, Held::Ram(_)))
     }
 
-    /// Whether reading entry `id`'s file is expected to take less than
-    /// computing `added` prompt tokens at `recompute_token_seconds` each.
-    /// The read rate is what this tier's reads have taken so far (file
-    /// read, check and restore, as a turn waits for them), or
-    /// [`ASSUMED_READ_BYTES_PER_SECOND`] before the first. On a CPU the
-    /// file nearly always wins (a SmolLM2 token takes milliseconds to
+    /// Whether restoring entry `id` (from the host tier or its file) is
+    /// expected to take less than computing `added` prompt tokens at
+    /// `recompute_token_seconds` each. The rate is what that tier's
+    /// restores have taken so far (for a file: read, check and restore, as
+    /// a turn waits for them), or an assumed one before the first. On a CPU
+    /// restoring nearly always wins (a SmolLM2 token takes milliseconds to
     /// compute); a GPU computes thousands of tokens in the time a large
     /// file takes to read.
-    fn disk_read_pays(&self, id: EntryId, added: usize, recompute_token_seconds: Option<f64>) -> bool {
-        let (Some(per_token), Some(Held::Disk { bytes, .. })) = (recompute_token_seconds, self.entries.get(&id).map(|e| &e.held)) else {
-            return true;
+    fn restoring_pays(&self, id: EntryId, added: usize, recompute_token_seconds: Option<f64>) -> bool {
+        let Some(per_token) = recompute_token_seconds else { return true };
+        let (h, d) = (&self.stats.host, &self.stats.disk);
+        let (bytes, rate) = match self.entries.get(&id).map(|e| &e.held) {
+            Some(Held::Host { file, .. }) => {
+                (file.len(), if h.restore_seconds > 0.0 { h.restore_bytes as f64 / h.restore_seconds } else { ASSUMED_RESTORE_BYTES_PER_SECOND })
+            }
+            Some(Held::Disk { bytes, .. }) => (*bytes, if d.read_seconds > 0.0 { d.read_bytes as f64 / d.read_seconds } else { ASSUMED_READ_BYTES_PER_SECOND }),
+            _ => return true,
         };
-        let d = &self.stats.disk;
-        let rate = if d.read_seconds > 0.0 { d.read_bytes as f64 / d.read_seconds } else { ASSUMED_READ_BYTES_PER_SECOND };
-        *bytes as f64 / rate < added as f64 * per_token
+        bytes as f64 / rate < added as f64 * per_token
     }
 
     /// Entry `id`'s state taken out of the cache, when it is a session's
@@ -325,30 +387,45 @@ impl PrefixCache {
         Some(cache)
     }
 
-    /// Entry `id`'s state, read back if it is on disk; `None` (and the
-    /// entry removed) when its file cannot serve.
+    /// Entry `id`'s state, restored if it is in the host tier or on disk;
+    /// `None` (and the entry removed) when it cannot serve.
     fn state_of(&mut self, id: EntryId) -> Option<KvCache> {
         let entry = self.entries.get(&id)?;
-        let (shape, bytes) = match &entry.held {
+        let (bytes, on_disk) = match &entry.held {
             Held::Ram(cache) => return Some(cache.clone()),
-            Held::Disk { shape, bytes, .. } => (shape, *bytes),
+            Held::Host { file, .. } => (file.len(), false),
+            Held::Disk { bytes, .. } => (*bytes, true),
         };
         let started = Instant::now();
-        let disk = self.disk.as_mut().expect("entries are on disk only with a disk tier");
-        let restored =
-            disk.read(id).map_err(|e| e.to_string()).and_then(|bytes| kv_file::decode(&bytes, shape, self.namespace, &entry.tokens).map_err(|e| e.to_string()));
+        let read = if on_disk { Some(self.disk.as_mut().expect("entries are on disk only with a disk tier").read(id)) } else { None };
+        let restored = match read {
+            Some(Err(e)) => Err(e.to_string()),
+            Some(Ok(file)) => self.restore(id, Some(&file)),
+            None => self.restore(id, None),
+        };
         let cache = match restored {
             Ok(cache) => cache,
             Err(e) => {
-                eprintln!("warning: a prefix-cache file could not serve ({e}); the prompt is computed afresh");
-                self.stats.disk.failed_reads += 1;
+                eprintln!("warning: a prefix-cache entry could not be restored ({e}); the prompt is computed afresh");
+                if on_disk {
+                    self.stats.disk.failed_reads += 1;
+                } else {
+                    self.stats.host.failed += 1;
+                }
                 self.remove(id);
                 return None;
             }
         };
-        self.stats.disk.read_seconds += started.elapsed().as_secs_f64();
-        self.stats.disk.read_bytes += bytes as u64;
-        self.stats.disk.hits += 1;
+        let seconds = started.elapsed().as_secs_f64();
+        if on_disk {
+            self.stats.disk.read_seconds += seconds;
+            self.stats.disk.read_bytes += bytes as u64;
+            self.stats.disk.hits += 1;
+        } else {
+            self.stats.host.restore_seconds += seconds;
+            self.stats.host.restore_bytes += bytes as u64;
+            self.stats.host.hits += 1;
+        }
         let entry = self.entries.get_mut(&id).expect("looked up above");
         if entry.scope != Scope::Shared {
             // A session's own history: the returning turn owns the restored
@@ -361,10 +438,40 @@ impl PrefixCache {
         // Shared state serves many sessions: back into RAM, and the file
         // goes. Room is made at the next insert, not here: writing another
         // entry out now would delay this request's first token.
-        entry.held = Held::Ram(cache.clone());
+        let was = std::mem::replace(&mut entry.held, Held::Ram(cache.clone()));
         self.policy.insert(id, entry.kib);
-        self.disk.as_mut().expect("checked above").remove(id);
+        if let (Held::Disk { .. }, Some(disk)) = (was, self.disk.as_mut()) {
+            disk.remove(id);
+        }
         Some(cache)
+    }
+
+    /// Entry `id`'s state from its file: `read` from disk, else the one the
+    /// host tier holds; the base the file leaves out (see [`kv_file`]) is
+    /// taken from the shared scope.
+    fn restore(&mut self, id: EntryId, read: Option<&[u8]>) -> Result<KvCache, String> {
+        let base_len = match (read, &self.entries.get(&id).expect("restored entries are cached").held) {
+            (Some(file), _) => kv_file::base_of(file),
+            (None, Held::Host { file, .. }) => Ok(file.base()),
+            _ => unreachable!("only the host tier's entries are restored without a read"),
+        }
+        .map_err(|e| e.to_string())?;
+        let base = if base_len == 0 { None } else { self.shared_state(id, base_len) };
+        let entry = self.entries.get(&id).expect("restored entries are cached");
+        let (file, shape) = match (read, &entry.held) {
+            (Some(file), Held::Disk { shape, .. }) => (file, shape),
+            (None, Held::Host { file, shape, .. }) => (file.bytes(), shape),
+            _ => unreachable!("a read is of a file on disk"),
+        };
+        kv_file::decode(file, shape, self.namespace, &entry.tokens, base.as_ref()).map_err(|e| e.to_string())
+    }
+
+    /// The state of entry `id`'s first `len` tokens held by a shared-scope
+    /// entry (read back if on disk), if one holds them.
+    fn shared_state(&mut self, id: EntryId, len: usize) -> Option<KvCache> {
+        let tokens = self.entries.get(&id)?.tokens.get(..=len)?.to_vec();
+        let (base, matched) = self.longest_match(&Scope::Shared, &tokens, false)?;
+        (matched == len).then(|| self.state_of(base)).flatten()
     }
 
     /// The entry holding the longest block-aligned prefix of `prompt` (all
@@ -480,27 +587,64 @@ impl PrefixCache {
         }
     }
 
-    /// Entry `id` leaves RAM: to the disk tier when there is one and the
-    /// file fits its budget, else it is dropped.
+    /// Entry `id` leaves RAM: to the host tier when there is one and its
+    /// file fits the budget, else to the disk tier on the same terms, else it
+    /// is dropped. A session's file leaves out the prefix a shared-scope
+    /// entry holds (a common system prompt), which comes from that entry
+    /// when the file is restored.
     fn evict(&mut self, id: EntryId) {
         self.stats.evictions += 1;
-        let Some(disk) = self.disk.as_mut() else { return self.remove(id) };
-        let Some(entry) = self.entries.get_mut(&id) else { return };
+        if self.host_budget_bytes == 0 && self.disk.is_none() {
+            return self.remove(id);
+        }
+        let Some(entry) = self.entries.get(&id) else { return };
         let Held::Ram(cache) = &entry.held else { return };
-        let file = match kv_file::encode(cache, self.namespace, &entry.tokens) {
-            Ok(file) if file.len() <= disk.budget_bytes() => file,
-            Ok(_) => return self.remove(id),
+        let base = match entry.scope {
+            Scope::Shared => 0,
+            Scope::Session(_) => self.longest_match(&Scope::Shared, &entry.tokens, false).map_or(0, |(_, len)| len),
+        };
+        let (file, shape) = match kv_file::encode(cache, self.namespace, &entry.tokens, base) {
+            Ok(file) => (file, cache.emptied()),
             Err(e) => {
-                eprintln!("warning: a prefix-cache entry could not be written to disk ({e}); it is dropped");
+                eprintln!("warning: a prefix-cache entry could not be encoded ({e}); it is dropped");
                 return self.remove(id);
             }
         };
+        self.policy.invalidate(&id);
+        if file.len() > self.host_budget_bytes {
+            return self.spill_to_disk(id, file, shape);
+        }
+        self.stats.host.moves += 1;
+        let moved = self.stats.host.moves;
+        self.entries.get_mut(&id).expect("looked up above").held = Held::Host { file, moved, shape };
+        // Over its budget, the host tier's oldest entries go on to disk.
+        while self.host_bytes() > self.host_budget_bytes {
+            let oldest = self.entries.iter().filter_map(|(id, e)| if let Held::Host { moved, .. } = e.held { Some((moved, *id)) } else { None }).min();
+            let Some((_, oldest)) = oldest else { break };
+            let Some(entry) = self.entries.get_mut(&oldest) else { break };
+            // A stand-in until `spill_to_disk` sets where the entry is now.
+            let Held::Host { file, shape, .. } = std::mem::replace(&mut entry.held, Held::Ram(KvCache::new(0, 0, 0, mlx::Dtype::F32))) else {
+                unreachable!("picked from the host tier")
+            };
+            self.spill_to_disk(oldest, file, shape);
+        }
+    }
+
+    /// Entry `id`'s `file` goes to the disk tier when there is one and it
+    /// fits its budget; else the entry is dropped.
+    fn spill_to_disk(&mut self, id: EntryId, file: Encoded, shape: KvCache) {
+        let Some(disk) = self.disk.as_mut().filter(|d| file.len() <= d.budget_bytes()) else { return self.remove(id) };
         self.stats.disk.writes += 1;
         self.stats.disk.written_bytes += file.len() as u64;
-        entry.held = Held::Disk { bytes: file.len(), written: self.stats.disk.writes, shape: cache.emptied() };
+        let Some(entry) = self.entries.get_mut(&id) else { return };
+        entry.held = Held::Disk { bytes: file.len(), written: self.stats.disk.writes, shape };
         disk.write(id, file);
-        self.policy.invalidate(&id);
         self.trim_disk();
+    }
+
+    /// Bytes the host tier holds.
+    fn host_bytes(&self) -> usize {
+        self.entries.values().filter_map(|e| if let Held::Host { file, .. } = &e.held { Some(file.len()) } else { None }).sum()
     }
 
     /// Drops the oldest files until the disk tier is within its budget.
@@ -558,9 +702,11 @@ impl PrefixCache {
 
     pub fn stats(&self) -> PrefixStats {
         let on_disk = self.entries.values().filter(|e| matches!(e.held, Held::Disk { .. })).count();
+        let on_host = self.entries.values().filter(|e| matches!(e.held, Held::Host { .. })).count();
         PrefixStats {
-            entries: self.entries.len() - on_disk,
+            entries: self.entries.len() - on_disk - on_host,
             bytes: self.bytes(),
+            host: HostStats { entries: on_host, bytes: self.host_bytes(), ..self.stats.host },
             disk: DiskStats { entries: on_disk, bytes: self.disk_bytes(), ..self.stats.disk },
             ..self.stats
         }
@@ -671,6 +817,73 @@ mod tests {
         prompt.push(1);
         assert_eq!(first_value(&cache.lookup(&session(3), &prompt, None, false).map(snapshot).unwrap().0), 5.0);
         assert_eq!(cache.stats().disk.entries, on_disk - 1, "it came back into RAM");
+    }
+
+    /// A session's history after a shared prompt goes to disk without the
+    /// prompt's positions, and comes back whole with them from the shared
+    /// entry; with that entry gone the file cannot serve: a miss.
+    #[test]
+    fn a_sessions_file_leaves_out_the_shared_prompt() {
+        let dir = std::env::temp_dir().join(format!("tether-prefix-test-{}-past-shared", std::process::id()));
+        let _folder = Folder(dir.clone());
+        let config = DiskTierConfig { dir, budget_bytes: 1 << 20 };
+        let mut cache = PrefixCache::with_disk_tier(1 << 20, 16, 7, Some(&config)).unwrap();
+        let shared: Vec<u32> = (0..128).map(|t| 9000 + t).collect();
+        cache.insert(Scope::Shared, shared.clone(), state(&shared, 0.0));
+        let mut own = shared.clone();
+        own.extend((0..64).map(|t| 500 + t));
+        let original = state(&own, 0.0);
+        cache.insert(session(0), own.clone(), original.clone());
+        let id = *cache.entries.iter().find(|(_, e)| e.scope == session(0)).unwrap().0;
+        cache.evict(id);
+        let s = cache.stats();
+        assert_eq!((s.entries, s.disk.entries), (1, 1), "{s:?}");
+        assert!((s.disk.written_bytes as usize) < original.nbytes() * 4 / 5, "{} of {} bytes", s.disk.written_bytes, original.nbytes());
+        let mut prompt = own.clone();
+        prompt.push(1);
+        let (back, len) = cache.lookup(&session(0), &prompt, None, false).map(snapshot).expect("a hit from disk");
+        assert_eq!(len, 192);
+        for layer in 0..2 {
+            let (k, v) = back.positions(layer).unwrap().unwrap();
+            let (k0, v0) = original.positions(layer).unwrap().unwrap();
+            assert_eq!((k.to_vec_f32().unwrap(), v.to_vec_f32().unwrap()), (k0.to_vec_f32().unwrap(), v0.to_vec_f32().unwrap()));
+        }
+        assert_eq!(cache.stats().disk.hits, 1);
+        cache.drop_scope(&Scope::Shared);
+        assert!(cache.lookup(&session(0), &prompt, None, false).is_none(), "no base, no hit");
+        assert_eq!(cache.stats().disk.failed_reads, 1);
+    }
+
+    /// Evicted entries go to the host tier first, as their files' bytes,
+    /// and come back whole; over its budget its oldest go on to disk, and
+    /// come back from there; without a disk tier they are dropped.
+    #[test]
+    fn the_host_tier_keeps_evicted_entries_before_the_disk() {
+        let (_dir, cache) = tiered("host", 1 << 10);
+        // Room for one 64 KiB entry's file (its buffers and a header).
+        let mut cache = cache.with_host_tier(100 << 10);
+        for n in 0..3 {
+            store(&mut cache, n, n as f32 * 100.0);
+        }
+        let s = cache.stats();
+        assert_eq!((s.entries, s.host.entries, s.disk.entries), (1, 1, 1), "{s:?}");
+        assert_eq!((s.host.moves, s.disk.writes), (2, 1), "{s:?}");
+        assert!(s.host.bytes > 64 << 10 && s.host.bytes < 100 << 10, "{s:?}");
+        for n in [0, 1, 2] {
+            assert_eq!(first_value(&ask(&mut cache, n).expect("a hit").0), n as f32 * 100.0, "session {n}'s own state");
+        }
+        let s = cache.stats();
+        assert_eq!((s.hits, s.host.hits, s.disk.hits), (3, 1, 1), "{s:?}");
+
+        let mut cache = PrefixCache::new(100 << 10, 16, 7).with_host_tier(100 << 10);
+        for n in 0..3 {
+            store(&mut cache, n, n as f32 * 100.0);
+        }
+        let s = cache.stats();
+        assert_eq!((s.entries, s.host.entries, s.disk.entries), (1, 1, 0), "{s:?}");
+        assert!(ask(&mut cache, 0).is_none(), "the oldest went nowhere");
+        assert_eq!(first_value(&ask(&mut cache, 1).expect("a hit from the host tier").0), 100.0);
+        assert_eq!(cache.stats().host.hits, 1);
     }
 
     /// A file is read when computing what it adds would take longer, and

@@ -112,7 +112,8 @@ impl Engine {
         };
         let engine = Engine {
             prefix: PrefixCache::with_disk_tier(config.prefix_cache_bytes, config.prefix_block_tokens, namespace, config.kv_disk.as_ref())
-                .map_err(|e| anyhow::anyhow!("opening the KV disk tier in {:?} failed: {e}", config.kv_disk.as_ref().map(|d| &d.dir)))?,
+                .map_err(|e| anyhow::anyhow!("opening the KV disk tier in {:?} failed: {e}", config.kv_disk.as_ref().map(|d| &d.dir)))?
+                .with_host_tier(config.kv_host_bytes),
             draft,
             batch: batched.then(|| model.transformer.new_kv_batch()),
             scheduler: Scheduler::new(scheduler_config(&config, batched)),

@@ -353,6 +353,12 @@ impl KvCache {
         }
     }
 
+    /// Whether some layer attends within a window (and so drops its oldest
+    /// positions as the cache grows).
+    pub fn has_windows(&self) -> bool {
+        self.widest_window().is_some()
+    }
+
     /// The largest window of the window layers (what they must keep).
     fn widest_window(&self) -> Option<usize> {
         self.windows.iter().flatten().copied().max()

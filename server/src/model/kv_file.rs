@@ -16,15 +16,25 @@
 //! under; a reader checks the checksum ([`check`], on the disk tier's
 //! thread), then both names and the geometry ([`decode`]), so a stale,
 //! truncated or corrupt file is an error, never wrong state.
+//!
+//! A file may leave out its first positions, a *base*: the state of
+//! `tokens[..base]` that another cache holds (a session's history after a
+//! shared system prompt leaves out the shared prompt, which the prefix
+//! cache's shared scope keeps). Such a file holds positions `base..` of each
+//! buffer, and reading it back takes the base's first positions from a
+//! cache of those tokens. Most of an agent session's bytes can be such a
+//! prompt, so this shrinks its file, and the disk traffic of every turn
+//! that spills or restores one, by that share.
 use std::io::Write;
 
+use mlx::fast::KEY_BLOCK;
 use mlx::Array;
 use serde::{Deserialize, Serialize};
 
 use super::{KvCache, StoredCache};
 
 const MAGIC: &[u8; 8] = b"TETHERKV";
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 /// Magic, version and header length.
 const PREAMBLE: usize = MAGIC.len() + 8;
 
@@ -38,6 +48,8 @@ struct Header {
     stored: StoredCache,
     /// Per layer, the positions of room its buffers have.
     rooms: Vec<usize>,
+    /// Leading positions left out of every buffer: the base's.
+    base: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -48,21 +60,30 @@ pub enum KvFileError {
     Checksum,
     #[error("the file holds other state: {0}")]
     Mismatch(&'static str),
+    #[error("the file's first {0} positions are a base's, and no fitting base was given")]
+    NoBase(usize),
     #[error("bad header: {0}")]
     Header(#[from] serde_json::Error),
     #[error(transparent)]
     Mlx(#[from] mlx::Error),
 }
 
-/// A cache's file, in parts as they were copied out of its buffers.
+/// A cache's file, whole: what the disk tier writes, and what the host
+/// tier keeps in memory.
 pub struct Encoded {
-    parts: Vec<Vec<u8>>,
+    bytes: Vec<u8>,
+    base: usize,
 }
 
 impl Encoded {
+    /// The leading positions the file leaves to a base (0: none).
+    pub fn base(&self) -> usize {
+        self.base
+    }
+
     /// The file's size in bytes.
     pub fn len(&self) -> usize {
-        self.parts.iter().map(Vec::len).sum::<usize>() + 4
+        self.bytes.len()
     }
 
     /// Never: a file has at least its preamble and checksum.
@@ -70,21 +91,26 @@ impl Encoded {
         false
     }
 
-    /// Writes the file: the parts, then their checksum.
+    /// The file's bytes, checksum included.
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+
+    /// Writes the file.
     pub fn write_to(&self, out: &mut impl Write) -> std::io::Result<()> {
-        let mut crc = crc32fast::Hasher::new();
-        for part in &self.parts {
-            crc.update(part);
-            out.write_all(part)?;
-        }
-        out.write_all(&crc.finalize().to_le_bytes())
+        out.write_all(&self.bytes)
     }
 }
 
-/// `cache` (holding exactly `tokens`) as a file. Evaluates the cache.
-pub fn encode(cache: &KvCache, namespace: u64, tokens: &[u32]) -> Result<Encoded, KvFileError> {
+/// `cache` (holding exactly `tokens`) as a file, leaving out up to
+/// `base` leading positions, which another cache holds (see the module
+/// notes): rounded down to whole key blocks, and none for a cache with
+/// window layers (they no longer hold their first positions). Evaluates
+/// the cache.
+pub fn encode(cache: &KvCache, namespace: u64, tokens: &[u32], base: usize) -> Result<Encoded, KvFileError> {
     let (layers, heads, dim, dtype) = cache.geometry();
     let (stored, buffers) = cache.as_stored().ok_or(KvFileError::Mismatch("a layer holds nothing"))?;
+    let base = if cache.has_windows() { 0 } else { base.min(stored.len) / KEY_BLOCK * KEY_BLOCK };
     let header = Header {
         namespace,
         tokens: tokens.to_vec(),
@@ -92,19 +118,44 @@ pub fn encode(cache: &KvCache, namespace: u64, tokens: &[u32]) -> Result<Encoded
         dtype: format!("{dtype:?}"),
         stored,
         rooms: buffers.iter().map(|(k, _)| k.dim(2)).collect(),
+        base,
     };
     let header = serde_json::to_vec(&header)?;
-    let mut preamble = Vec::with_capacity(PREAMBLE + header.len());
-    preamble.extend_from_slice(MAGIC);
-    preamble.extend_from_slice(&VERSION.to_le_bytes());
-    preamble.extend_from_slice(&(header.len() as u32).to_le_bytes());
-    preamble.extend_from_slice(&header);
-    let mut parts = vec![preamble];
-    for (k, v) in buffers {
-        parts.push(k.to_bytes()?);
-        parts.push(v.to_bytes()?);
+    let parts = buffers.iter().flat_map(|(k, v)| [past_base(k, base), past_base(v, base)]).collect::<mlx::Result<Vec<_>>>()?;
+    let mut bytes = Vec::with_capacity(PREAMBLE + header.len() + parts.iter().map(Array::nbytes).sum::<usize>() + 4);
+    bytes.extend_from_slice(MAGIC);
+    bytes.extend_from_slice(&VERSION.to_le_bytes());
+    bytes.extend_from_slice(&(header.len() as u32).to_le_bytes());
+    bytes.extend_from_slice(&header);
+    for part in &parts {
+        let at = bytes.len();
+        bytes.resize(at + part.nbytes(), 0);
+        part.copy_bytes_into(&mut bytes[at..])?;
     }
-    Ok(Encoded { parts })
+    let crc = crc32fast::hash(&bytes);
+    bytes.extend_from_slice(&crc.to_le_bytes());
+    Ok(Encoded { bytes, base })
+}
+
+/// A `[1, heads, room, width]` buffer's positions from `base` on.
+fn past_base(buffer: &Array, base: usize) -> mlx::Result<Array> {
+    if base == 0 {
+        return Ok(buffer.clone());
+    }
+    let shape = buffer.shape();
+    buffer.slice(&[0, 0, base as i32, 0], &[1, shape[1] as i32, shape[2] as i32, shape[3] as i32])
+}
+
+/// The leading positions a file leaves to a base (0: none), read from its
+/// header; the file must have passed [`check`].
+pub fn base_of(bytes: &[u8]) -> Result<usize, KvFileError> {
+    Ok(header(body(bytes)?)?.0.base)
+}
+
+/// A checked file's header, and where its buffers start.
+fn header(body: &[u8]) -> Result<(Header, usize), KvFileError> {
+    let header_end = PREAMBLE.checked_add(u32_at(body, MAGIC.len() + 4) as usize).filter(|&e| e <= body.len()).ok_or(KvFileError::Format)?;
+    Ok((serde_json::from_slice(&body[PREAMBLE..header_end])?, header_end))
 }
 
 /// Whether `bytes` are a whole, uncorrupted KV file of this version.
@@ -128,11 +179,12 @@ fn body(bytes: &[u8]) -> Result<&[u8], KvFileError> {
 
 /// The cache a file that passed [`check`] holds, restored into a cache
 /// shaped like `template`, provided it is of `tokens` computed under
-/// `namespace`.
-pub fn decode(bytes: &[u8], template: &KvCache, namespace: u64, tokens: &[u32]) -> Result<KvCache, KvFileError> {
+/// `namespace`. A file with a base ([`base_of`]) takes its first positions
+/// from `base`: a cache holding at least those tokens' state, in the same
+/// layout and codes (the caller vouches for its tokens).
+pub fn decode(bytes: &[u8], template: &KvCache, namespace: u64, tokens: &[u32], base: Option<&KvCache>) -> Result<KvCache, KvFileError> {
     let body = body(bytes)?;
-    let header_end = PREAMBLE.checked_add(u32_at(body, MAGIC.len() + 4) as usize).filter(|&e| e <= body.len()).ok_or(KvFileError::Format)?;
-    let header: Header = serde_json::from_slice(&body[PREAMBLE..header_end])?;
+    let (header, header_end) = header(body)?;
     let (layers, heads, dim, dtype) = template.geometry();
     if header.namespace != namespace {
         return Err(KvFileError::Mismatch("namespace"));
@@ -143,21 +195,52 @@ pub fn decode(bytes: &[u8], template: &KvCache, namespace: u64, tokens: &[u32]) 
     if header.geometry != (layers, heads, dim) || header.dtype != format!("{dtype:?}") || header.rooms.len() != layers {
         return Err(KvFileError::Mismatch("geometry"));
     }
+    let base_buffers = match header.base {
+        0 => None,
+        b => Some(base_buffers(base.filter(|c| c.key_layout() == template.key_layout()), &header, b).ok_or(KvFileError::NoBase(b))?),
+    };
     let mut at = header_end;
     let mut buffers = Vec::with_capacity(layers);
     // Buffers of codes are uint8 rows of their own width.
     let (width, stored_dtype) = template.stored_form(&header.stored);
-    for &room in &header.rooms {
-        let shape = [1, heads, room, width];
-        let n = room.checked_mul(heads * width * stored_dtype.size()).ok_or(KvFileError::Format)?;
+    for (layer, &room) in header.rooms.iter().enumerate() {
+        let held = room.checked_sub(header.base).ok_or(KvFileError::Format)?;
+        let shape = [1, heads, held, width];
+        let n = held.checked_mul(heads * width * stored_dtype.size()).ok_or(KvFileError::Format)?;
         let end = at.checked_add(2 * n).filter(|&e| e <= body.len()).ok_or(KvFileError::Format)?;
-        buffers.push((Array::from_bytes(&body[at..at + n], &shape, stored_dtype)?, Array::from_bytes(&body[at + n..end], &shape, stored_dtype)?));
+        let (k, v) = (Array::from_bytes(&body[at..at + n], &shape, stored_dtype)?, Array::from_bytes(&body[at + n..end], &shape, stored_dtype)?);
+        buffers.push(match &base_buffers {
+            None => (k, v),
+            Some(base) => {
+                let (base_k, base_v) = &base[layer];
+                (mlx::concatenate(&[base_k, &k], 2)?, mlx::concatenate(&[base_v, &v], 2)?)
+            }
+        });
         at = end;
     }
     if at != body.len() {
         return Err(KvFileError::Format);
     }
     Ok(template.emptied().from_stored(&header.stored, buffers)?)
+}
+
+/// Each layer's first `len` positions of `base`, when it can be the base
+/// `header` names: the same layout and codes, no window layers, holding at
+/// least `len` positions.
+fn base_buffers(base: Option<&KvCache>, header: &Header, len: usize) -> Option<Vec<(Array, Array)>> {
+    let base = base?;
+    let (stored, buffers) = base.as_stored()?;
+    let (layers, heads, dim, dtype) = base.geometry();
+    let fits = (layers, heads, dim) == header.geometry
+        && format!("{dtype:?}") == header.dtype
+        && stored.codes == header.stored.codes
+        && !base.has_windows()
+        && stored.len >= len;
+    if !fits {
+        return None;
+    }
+    let first = |a: &Array| a.slice(&[0; 4], &[1, heads as i32, len as i32, a.dim(3) as i32]).ok();
+    buffers.into_iter().map(|(k, v)| Some((first(k)?, first(v)?))).collect()
 }
 
 fn u32_at(bytes: &[u8], at: usize) -> u32 {
@@ -204,7 +287,12 @@ mod tests {
     }
 
     fn file(cache: &KvCache, namespace: u64, tokens: &[u32]) -> Vec<u8> {
-        let encoded = encode(cache, namespace, tokens).unwrap();
+        file_past(cache, namespace, tokens, 0)
+    }
+
+    /// A file of `cache` leaving up to `base` positions to a base.
+    fn file_past(cache: &KvCache, namespace: u64, tokens: &[u32], base: usize) -> Vec<u8> {
+        let encoded = encode(cache, namespace, tokens, base).unwrap();
         let mut bytes = Vec::new();
         encoded.write_to(&mut bytes).unwrap();
         assert_eq!(bytes.len(), encoded.len());
@@ -218,7 +306,7 @@ mod tests {
             let tokens: Vec<u32> = (0..123).collect();
             let bytes = file(&cache, 7, &tokens);
             check(&bytes).unwrap();
-            let mut back = decode(&bytes, &cache.emptied(), 7, &tokens).unwrap();
+            let mut back = decode(&bytes, &cache.emptied(), 7, &tokens, None).unwrap();
             assert_eq!(back.len(), 123);
             assert_eq!(back.window_first(), cache.window_first());
             assert_eq!(back.key_layout(), cache.key_layout());
@@ -238,17 +326,49 @@ mod tests {
             assert_eq!(cache.codes(), q.codes());
             let tokens: Vec<u32> = (0..123).collect();
             let bytes = file(&cache, 7, &tokens);
-            let back = decode(&bytes, &cache.emptied(), 7, &tokens).unwrap();
+            let back = decode(&bytes, &cache.emptied(), 7, &tokens, None).unwrap();
             assert_eq!((back.codes(), back.nbytes()), (cache.codes(), cache.nbytes()));
             assert_eq!(contents(&back), contents(&cache));
             // A server reading codes in other groups or bits, or none, misses.
             let other = KvCache::with_keys_in_blocks(2, 2, 8, Dtype::F32).with_windows(vec![None, Some(40)]);
-            assert!(decode(&bytes, &other, 7, &tokens).is_err());
+            assert!(decode(&bytes, &other, 7, &tokens, None).is_err());
             for (bits, group) in [(bits, 4), (12 - bits, 8)] {
                 let other = other.clone().with_quantization(Some(KvQuantization { bits, group, start: 0 })).unwrap();
-                assert!(decode(&bytes, &other, 7, &tokens).is_err(), "{bits} bits, group {group}");
+                assert!(decode(&bytes, &other, 7, &tokens, None).is_err(), "{bits} bits, group {group}");
             }
         }
+    }
+
+    /// A history after a shared prompt is filed without the prompt's
+    /// positions and comes back whole from a cache holding the prompt; with
+    /// no base, a short one or one in other codes it is an error.
+    #[test]
+    fn a_file_past_its_base_comes_back_whole_with_the_base() {
+        for q in [None, Some(KvQuantization { bits: 8, group: 8, start: 0 })] {
+            // Values name their position, so a shorter cache holds the same
+            // first positions, as a shared prompt's entry does.
+            let cache = filled_turning(300, true, None, q);
+            let prompt = filled_turning(200, true, None, q);
+            let tokens: Vec<u32> = (0..300).collect();
+            let whole = file(&cache, 7, &tokens);
+            let bytes = file_past(&cache, 7, &tokens, 190);
+            check(&bytes).unwrap();
+            assert_eq!(base_of(&bytes).unwrap(), 128, "rounded down to whole key blocks");
+            // 128 of 512 positions of room are left to the base.
+            assert!(bytes.len() < whole.len() * 4 / 5, "{} of {} bytes", bytes.len(), whole.len());
+            let back = decode(&bytes, &cache.emptied(), 7, &tokens, Some(&prompt)).unwrap();
+            assert_eq!((back.len(), back.codes(), back.nbytes()), (300, cache.codes(), cache.nbytes()));
+            assert_eq!(contents(&back), contents(&cache));
+            assert!(matches!(decode(&bytes, &cache.emptied(), 7, &tokens, None), Err(KvFileError::NoBase(128))));
+            let short = filled_turning(100, true, None, q);
+            assert!(matches!(decode(&bytes, &cache.emptied(), 7, &tokens, Some(&short)), Err(KvFileError::NoBase(128))));
+            let other = filled_turning(200, true, None, if q.is_some() { None } else { Some(KvQuantization { bits: 8, group: 8, start: 0 }) });
+            assert!(decode(&bytes, &cache.emptied(), 7, &tokens, Some(&other)).is_err());
+        }
+        // Window layers no longer hold their first positions: filed whole.
+        let windowed = filled(300, true, Some(40));
+        let bytes = file_past(&windowed, 7, &(0..300).collect::<Vec<u32>>(), 190);
+        assert_eq!(base_of(&bytes).unwrap(), 0);
     }
 
     #[test]
@@ -262,14 +382,14 @@ mod tests {
         assert!(matches!(check(&flipped), Err(KvFileError::Checksum)));
         assert!(matches!(check(&bytes[..bytes.len() - 9]), Err(KvFileError::Checksum)));
         assert!(matches!(check(&bytes[..3]), Err(KvFileError::Format)));
-        assert!(matches!(decode(&bytes, &template, 8, &tokens), Err(KvFileError::Mismatch("namespace"))));
+        assert!(matches!(decode(&bytes, &template, 8, &tokens, None), Err(KvFileError::Mismatch("namespace"))));
         let mut other = tokens.clone();
         other[5] = 99;
-        assert!(matches!(decode(&bytes, &template, 7, &other), Err(KvFileError::Mismatch("tokens"))));
-        assert!(matches!(decode(&bytes, &template, 7, &tokens[..39]), Err(KvFileError::Mismatch("tokens"))));
+        assert!(matches!(decode(&bytes, &template, 7, &other, None), Err(KvFileError::Mismatch("tokens"))));
+        assert!(matches!(decode(&bytes, &template, 7, &tokens[..39], None), Err(KvFileError::Mismatch("tokens"))));
         let bf16 = KvCache::new(2, 2, 8, Dtype::BF16);
-        assert!(matches!(decode(&bytes, &bf16, 7, &tokens), Err(KvFileError::Mismatch("geometry"))));
+        assert!(matches!(decode(&bytes, &bf16, 7, &tokens, None), Err(KvFileError::Mismatch("geometry"))));
         let windowed = KvCache::with_keys_in_blocks(2, 2, 8, Dtype::F32).with_windows(vec![None, Some(16)]);
-        assert!(decode(&bytes, &windowed, 7, &tokens).is_err(), "buffers that do not fit the cache's layers");
+        assert!(decode(&bytes, &windowed, 7, &tokens, None).is_err(), "buffers that do not fit the cache's layers");
     }
 }

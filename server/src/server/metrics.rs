@@ -39,6 +39,12 @@ pub struct Metrics {
     prefix_evictions: Counter<u64, AtomicU64>,
     prefix_entries: Gauge,
     prefix_bytes: Gauge,
+    kv_host_entries: Gauge,
+    kv_host_bytes: Gauge,
+    kv_host_moves: Counter<u64, AtomicU64>,
+    kv_host_hits: Counter<u64, AtomicU64>,
+    kv_host_failed: Counter<u64, AtomicU64>,
+    kv_host_restore_seconds: Counter<f64, AtomicU64>,
     kv_disk_entries: Gauge,
     kv_disk_bytes: Gauge,
     kv_disk_writes: Counter<u64, AtomicU64>,
@@ -90,6 +96,12 @@ impl Metrics {
             prefix_evictions: Counter::default(),
             prefix_entries: Gauge::default(),
             prefix_bytes: Gauge::default(),
+            kv_host_entries: Gauge::default(),
+            kv_host_bytes: Gauge::default(),
+            kv_host_moves: Counter::default(),
+            kv_host_hits: Counter::default(),
+            kv_host_failed: Counter::default(),
+            kv_host_restore_seconds: Counter::default(),
             kv_disk_entries: Gauge::default(),
             kv_disk_bytes: Gauge::default(),
             kv_disk_writes: Counter::default(),
@@ -133,6 +145,12 @@ impl Metrics {
         registry.register("prefix_cache_evictions", "Prefix-cache entries evicted under the byte budget", m.prefix_evictions.clone());
         registry.register("prefix_cache_entries", "Prefix-cache entries held", m.prefix_entries.clone());
         registry.register("prefix_cache_bytes", "KV bytes held by the prefix cache", m.prefix_bytes.clone());
+        registry.register("kv_host_entries", "Prefix-cache entries held in the host tier", m.kv_host_entries.clone());
+        registry.register("kv_host_bytes", "Bytes of prefix-cache entries in the host tier", m.kv_host_bytes.clone());
+        registry.register("kv_host_moves", "Prefix-cache entries moved out of RAM into the host tier", m.kv_host_moves.clone());
+        registry.register("kv_host_hits", "Prefix-cache hits restored from the host tier", m.kv_host_hits.clone());
+        registry.register("kv_host_failed", "Host-tier entries that could not serve (their shared prefix gone): misses", m.kv_host_failed.clone());
+        registry.register("kv_host_restore_seconds", "Time spent restoring host-tier entries for hits", m.kv_host_restore_seconds.clone());
         registry.register("kv_disk_entries", "Prefix-cache entries held on disk", m.kv_disk_entries.clone());
         registry.register("kv_disk_bytes", "Bytes of prefix-cache files on disk", m.kv_disk_bytes.clone());
         registry.register("kv_disk_writes", "Prefix-cache entries written to disk out of RAM", m.kv_disk_writes.clone());
@@ -191,6 +209,13 @@ impl Metrics {
             catch_up(&self.prefix_evictions, s.prefix.evictions);
             self.prefix_entries.set(s.prefix.entries as i64);
             self.prefix_bytes.set(s.prefix.bytes as i64);
+            let h = &s.prefix.host;
+            self.kv_host_entries.set(h.entries as i64);
+            self.kv_host_bytes.set(h.bytes as i64);
+            catch_up(&self.kv_host_moves, h.moves);
+            catch_up(&self.kv_host_hits, h.hits);
+            catch_up(&self.kv_host_failed, h.failed);
+            catch_up_seconds(&self.kv_host_restore_seconds, h.restore_seconds);
             let d = &s.prefix.disk;
             self.kv_disk_entries.set(d.entries as i64);
             self.kv_disk_bytes.set(d.bytes as i64);
@@ -200,10 +225,7 @@ impl Metrics {
             catch_up(&self.kv_disk_failed_reads, d.failed_reads);
             catch_up(&self.kv_disk_evictions, d.evictions);
             catch_up(&self.kv_disk_skipped, d.skipped);
-            let seen = self.kv_disk_read_seconds.get();
-            if d.read_seconds > seen {
-                self.kv_disk_read_seconds.inc_by(d.read_seconds - seen);
-            }
+            catch_up_seconds(&self.kv_disk_read_seconds, d.read_seconds);
             catch_up(&self.spec_drafted, s.drafted_tokens);
             catch_up(&self.spec_accepted, s.accepted_draft_tokens);
             catch_up(&self.spec_forwards, s.spec_decode_forwards);
@@ -220,6 +242,14 @@ impl Metrics {
 
 /// Raises a counter mirrored from the engine's running total to that total.
 fn catch_up(counter: &Counter<u64, AtomicU64>, total: u64) {
+    let seen = counter.get();
+    if total > seen {
+        counter.inc_by(total - seen);
+    }
+}
+
+/// [`catch_up`] for a counter of seconds.
+fn catch_up_seconds(counter: &Counter<f64, AtomicU64>, total: f64) {
     let seen = counter.get();
     if total > seen {
         counter.inc_by(total - seen);
