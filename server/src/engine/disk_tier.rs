@@ -164,7 +164,10 @@ fn write_whole(path: &Path, file: &Encoded) -> std::io::Result<()> {
     let write = || -> std::io::Result<()> {
         let mut out = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(&partial)?);
         file.write_to(&mut out)?;
-        out.into_inner().map_err(std::io::IntoInnerError::into_error)?;
+        // On disk before the tier's next job: left to the kernel, the
+        // writeback of many spilled files comes in bursts that stall a
+        // returning session's read behind them.
+        out.into_inner().map_err(std::io::IntoInnerError::into_error)?.sync_data()?;
         std::fs::rename(&partial, path)
     };
     let written = write();
