@@ -68,15 +68,7 @@ impl EnginePool {
                     t.generated_tokens += s.generated_tokens;
                     t.prompt_tokens += s.prompt_tokens;
                     t.kv_bytes += s.kv_bytes;
-                    t.prefix.hits += s.prefix.hits;
-                    t.prefix.lent += s.prefix.lent;
-                    t.prefix.misses += s.prefix.misses;
-                    t.prefix.hit_tokens += s.prefix.hit_tokens;
-                    t.prefix.evictions += s.prefix.evictions;
-                    t.prefix.entries += s.prefix.entries;
-                    t.prefix.bytes += s.prefix.bytes;
-                    t.prefix.host.add(&s.prefix.host);
-                    t.prefix.disk.add(&s.prefix.disk);
+                    t.prefix.add(&s.prefix);
                     t.drafted_tokens += s.drafted_tokens;
                     t.accepted_draft_tokens += s.accepted_draft_tokens;
                     t.spec_decode_forwards += s.spec_decode_forwards;

@@ -61,6 +61,21 @@ pub enum Scope {
     Shared,
 }
 
+impl PrefixStats {
+    /// Sums another engine's counters into these.
+    pub fn add(&mut self, o: &PrefixStats) {
+        self.hits += o.hits;
+        self.lent += o.lent;
+        self.misses += o.misses;
+        self.hit_tokens += o.hit_tokens;
+        self.evictions += o.evictions;
+        self.entries += o.entries;
+        self.bytes += o.bytes;
+        self.host.add(&o.host);
+        self.disk.add(&o.disk);
+    }
+}
+
 /// The host tier's counters (all zero without one).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct HostStats {
