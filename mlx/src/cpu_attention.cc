@@ -6,7 +6,9 @@
 // around each call (slices, transposes, concatenation), whose overhead
 // dominated decode at many streams. One primitive here attends every row of
 // a step against its own cache; another writes a row's new keys or values
-// into its cache without the reshapes and transposes slice_update needed.
+// into its cache without the reshapes and transposes slice_update needed;
+// a third does a layer's RoPE, writes and attention as one node (MLX's RoPE
+// on the CPU is a dozen ops of its own).
 //
 // Algorithm (flash attention, on the CPU): a work item is one row's block of
 // queries for one KV head, with every query head that shares that KV head
@@ -695,6 +697,39 @@ int head_dim_of(mx::Dtype dtype, int width, int group, int bits) {
   return dim > 0 && dim <= kMaxCodedHead && dim % group == 0 && (bits == 8 || dim % 2 == 0) && quantized_width(dim, group, bits) == width ? dim : 0;
 }
 
+// The attention of a step whose queries are `q` (n_heads heads) over
+// `caches` (each row's keys, then values: evaluated, so their data pointers
+// and strides are final; shapes were checked when the primitive was built),
+// into `out` ([T, n_heads * dim], row-contiguous).
+Attention step_attention(const TokenView& q, int n_heads, float* out, const std::vector<mx::array>& caches, const std::vector<AttentionRow>& rows, int window,
+                         bool keys_in_blocks, int dim, int group_size, int bits) {
+  const int group = group_size > 0 ? group_size : dim;
+  const int width = quantized_width(dim, group, bits);
+  Attention a{q, {}, out, n_heads, caches[0].shape(1), dim, 1.f / std::sqrt(static_cast<float>(dim)), window, keys_in_blocks,
+              CodeLayout{dim, group, width, keys_in_blocks, bits}, CodeLayout{dim, group, width, false, bits}};
+  int start = 0;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const mx::array &keys = caches[2 * r], &values = caches[2 * r + 1];
+    // Blocks are found by offset, so a view of a blocked cache would be misread.
+    if (keys_in_blocks && !keys.flags().row_contiguous)
+      throw std::invalid_argument("cpu_attention: keys stored in blocks must be a whole, row-contiguous cache");
+    RowKV row{{}, {}, {}, {}, start, rows[r].n, rows[r].kv_len, rows[r].first};
+    for (auto [cache, floats, codes] : {std::tuple{&keys, &row.k, &row.kc}, std::tuple{&values, &row.v, &row.vc}}) {
+      if (cache->dtype() == mx::uint8) {
+        // Rows are found by offset too: a position's bytes must be one contiguous row.
+        if (cache->strides()[3] != 1 || cache->strides()[2] != width)
+          throw std::invalid_argument("cpu_attention: a cache of codes must hold its positions as contiguous rows");
+        *codes = {cache->data<uint8_t>(), cache->strides()[1]};
+      } else {
+        *floats = cache_view(*cache);
+      }
+    }
+    a.rows.push_back(row);
+    start += rows[r].n;
+  }
+  return a;
+}
+
 class CpuAttention : public mx::UnaryPrimitive {
  public:
   CpuAttention(mx::Stream s, std::vector<AttentionRow> rows, int window, bool keys_in_blocks, int dim, int group, int bits)
@@ -703,33 +738,8 @@ class CpuAttention : public mx::UnaryPrimitive {
   // in: q, then each row's keys and values.
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     auto& enc = start_cpu_eval(stream(), in, out);
-    // Shapes were checked when the primitive was built; data pointers and
-    // strides are final now that the inputs are evaluated.
-    const int dim = dim_, group = group_ > 0 ? group_ : dim;
-    const int width = quantized_width(dim, group, bits_);
-    Attention a{token_view(in[0], dim), {}, out.data<float>(), token_shape(in[0], dim, "q").second, in[1].shape(1), dim,
-                1.f / std::sqrt(static_cast<float>(dim)), window_, keys_in_blocks_,
-                CodeLayout{dim, group, width, keys_in_blocks_, bits_}, CodeLayout{dim, group, width, false, bits_}};
-    int start = 0;
-    for (size_t r = 0; r < rows_.size(); ++r) {
-      const mx::array &keys = in[1 + 2 * r], &values = in[2 + 2 * r];
-      // Blocks are found by offset, so a view of a blocked cache would be misread.
-      if (keys_in_blocks_ && !keys.flags().row_contiguous)
-        throw std::invalid_argument("cpu_attention: keys stored in blocks must be a whole, row-contiguous cache");
-      RowKV row{{}, {}, {}, {}, start, rows_[r].n, rows_[r].kv_len, rows_[r].first};
-      for (auto [cache, floats, codes] : {std::tuple{&keys, &row.k, &row.kc}, std::tuple{&values, &row.v, &row.vc}}) {
-        if (cache->dtype() == mx::uint8) {
-          // Rows are found by offset too: a position's bytes must be one contiguous row.
-          if (cache->strides()[3] != 1 || cache->strides()[2] != width)
-            throw std::invalid_argument("cpu_attention: a cache of codes must hold its positions as contiguous rows");
-          *codes = {cache->data<uint8_t>(), cache->strides()[1]};
-        } else {
-          *floats = cache_view(*cache);
-        }
-      }
-      a.rows.push_back(row);
-      start += rows_[r].n;
-    }
+    const std::vector<mx::array> caches(in.begin() + 1, in.end());
+    Attention a = step_attention(token_view(in[0], dim_), token_shape(in[0], dim_, "q").second, out.data<float>(), caches, rows_, window_, keys_in_blocks_, dim_, group_, bits_);
     // The task holds the inputs, so the buffers `a` points into outlive it.
     enc.dispatch([in, a = std::move(a)]() { attend(a); });
   }
@@ -790,6 +800,34 @@ void write_floats(const mx::array& cache, const TokenView& f, int start, int n, 
     }
 }
 
+// Gives `out`, the updated cache, a buffer: the cache's own when nothing
+// else can see it (this primitive's input is its last holder: no snapshot,
+// no other view) and it is a plain dense buffer, so the write is in place;
+// otherwise a fresh one for a copy. Returns whether in place.
+bool take_cache_buffer(const mx::array& cache, mx::array& out) {
+  const bool in_place = cache.is_donatable() && cache.flags().row_contiguous && cache.data_size() == cache.size();
+  if (in_place) out.copy_shared_buffer(cache);
+  else out.set_data(mx::allocator::malloc(out.nbytes()));
+  return in_place;
+}
+
+// Writes tokens start .. start + n of `f` at positions pos .. of `cache`
+// into `raw`, the buffer take_cache_buffer gave the updated cache (copying
+// the cache there first unless in place); a uint8 cache takes codes.
+void write_cache(const mx::array& cache, uint8_t* raw, bool in_place, const TokenView& f, int start, int n, int pos, bool in_blocks, int dim, int group, int bits) {
+  if (cache.dtype() == mx::float32) {
+    float* dst = reinterpret_cast<float*>(raw);
+    if (!in_place) copy_cache(cache, dst);
+    return write_floats(cache, f, start, n, pos, in_blocks, dst);
+  }
+  if (!in_place) copy_cache(cache, raw);
+  const CodeLayout l{dim, group, cache.shape(3), in_blocks, bits};
+  const int heads = cache.shape(1);
+  const int64_t head_bytes = static_cast<int64_t>(cache.shape(2)) * l.width;
+  for (int h = 0; h < heads; ++h)
+    for (int i = 0; i < n; ++i) quantize_position(l, raw + h * head_bytes, pos + i, f.p + (start + i) * f.tok + h * f.head, f.d);
+}
+
 class CpuKvWrite : public mx::UnaryPrimitive {
  public:
   CpuKvWrite(mx::Stream s, int start, int n, int pos, bool in_blocks, int dim, int group, int bits)
@@ -797,31 +835,12 @@ class CpuKvWrite : public mx::UnaryPrimitive {
 
   // in: cache, fresh.
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    const mx::array& cache = in[0];
-    // The cache's buffer may be written in place only when nothing else can
-    // see it: this primitive's input is its last holder (no snapshot, no
-    // other view) and it is a plain dense buffer. Otherwise copy.
-    const bool in_place = cache.is_donatable() && cache.flags().row_contiguous && cache.data_size() == cache.size();
-    if (in_place) out.copy_shared_buffer(cache);
-    else out.set_data(mx::allocator::malloc(out.nbytes()));
+    const bool in_place = take_cache_buffer(in[0], out);
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : in) enc.set_input_array(a);
     enc.set_output_array(out);
     enc.dispatch([in, in_place, start = start_, n = n_, pos = pos_, in_blocks = in_blocks_, dim = dim_, group = group_, bits = bits_, raw = out.data<uint8_t>()]() {
-      const mx::array& cache = in[0];
-      const TokenView f = token_view(in[1], dim);
-      if (cache.dtype() == mx::float32) {
-        float* dst = reinterpret_cast<float*>(raw);
-        if (!in_place) copy_cache(cache, dst);
-        return write_floats(cache, f, start, n, pos, in_blocks, dst);
-      }
-      uint8_t* dst = raw;
-      if (!in_place) copy_cache(cache, dst);
-      const CodeLayout l{dim, group, cache.shape(3), in_blocks, bits};
-      const int heads = cache.shape(1);
-      const int64_t head_bytes = static_cast<int64_t>(cache.shape(2)) * l.width;
-      for (int h = 0; h < heads; ++h)
-        for (int i = 0; i < n; ++i) quantize_position(l, dst + h * head_bytes, pos + i, f.p + (start + i) * f.tok + h * f.head, f.d);
+      write_cache(in[0], raw, in_place, token_view(in[1], dim), start, n, pos, in_blocks, dim, group, bits);
     });
   }
 
@@ -839,6 +858,103 @@ class CpuKvWrite : public mx::UnaryPrimitive {
  private:
   int start_, n_, pos_;
   bool in_blocks_;
+  int dim_, group_, bits_;
+};
+
+// ---- one layer's attention as one node
+
+// GCC contracts a * b - c * d into a fused multiply-add even in ISO mode;
+// RoPE here must round each product as MLX's separate ops do.
+#if defined(__clang__)
+#define TETHER_NO_FP_CONTRACT_FN
+#define TETHER_NO_FP_CONTRACT_BODY _Pragma("clang fp contract(off)")
+#else
+#define TETHER_NO_FP_CONTRACT_FN __attribute__((optimize("fp-contract=off")))
+#define TETHER_NO_FP_CONTRACT_BODY
+#endif
+
+// Rotates heads 0 .. heads - 1 of tokens t0 .. t1 - 1 of `x` into `out`
+// ([token][head][feature], contiguous) by `table` (see cpu_layer_attention
+// in the header): the pair (a, b) of a head turns to (x_a cos - x_b sin,
+// x_a sin + x_b cos), each product rounded alone, as MLX's RoPE on the CPU
+// computes it, so the result is the same bit for bit.
+TETHER_NO_FP_CONTRACT_FN void rope_heads(const TokenView& x, int t0, int t1, int heads, int dim, const float* table, bool traditional, float* out) {
+  TETHER_NO_FP_CONTRACT_BODY
+  const int half = dim / 2;
+  for (int t = t0; t < t1; ++t) {
+    const float* turn = table + static_cast<size_t>(t) * dim;
+    for (int h = 0; h < heads; ++h) {
+      const float* src = x.p + t * x.tok + h * x.head;
+      float* dst = out + (static_cast<size_t>(t) * heads + h) * dim;
+      for (int i = 0; i < half; ++i) {
+        const int a = traditional ? 2 * i : i, b = traditional ? 2 * i + 1 : half + i;
+        const float cos = turn[a], sin = turn[b], xa = src[a * x.d], xb = src[b * x.d];
+        const float xa_cos = xa * cos, xb_sin = xb * sin, xa_sin = xa * sin, xb_cos = xb * cos;
+        dst[a] = xa_cos - xb_sin;
+        dst[b] = xa_sin + xb_cos;
+      }
+    }
+  }
+}
+
+// Tokens a pool task turns: a decode step's one token stays on the caller.
+constexpr int kRopeTokensPerTask = 16;
+
+// cpu_layer_attention's node: RoPE, the cache writes and the attention of a
+// layer in one task. Inputs: qkv, the rope table, each row's keys and
+// values; outputs: the attention, each row's updated keys and values (the
+// inputs' buffers, written in place, where take_cache_buffer allows).
+class CpuLayerAttention : public mx::Primitive {
+ public:
+  CpuLayerAttention(mx::Stream s, std::vector<AttentionRow> rows, bool traditional, int n_heads, int window, bool keys_in_blocks, int dim, int group, int bits)
+      : mx::Primitive(s), rows_(std::move(rows)), traditional_(traditional), n_heads_(n_heads), window_(window), keys_in_blocks_(keys_in_blocks), dim_(dim), group_(group), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
+    out[0].set_data(mx::allocator::malloc(out[0].nbytes()));
+    std::vector<bool> in_place;
+    for (size_t c = 2; c < in.size(); ++c) in_place.push_back(take_cache_buffer(in[c], out[c - 1]));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : in) enc.set_input_array(a);
+    for (auto& a : out) enc.set_output_array(a);
+    // Attention reads the updated caches: their buffers are set now, filled by the task before it attends.
+    const std::vector<mx::array> caches(out.begin() + 1, out.end());
+    Attention a = step_attention({}, n_heads_, out[0].data<float>(), caches, rows_, window_, keys_in_blocks_, dim_, group_, bits_);
+    std::vector<uint8_t*> raw;
+    for (auto it = out.begin() + 1; it != out.end(); ++it) raw.push_back(it->data<uint8_t>());
+    // The task holds the inputs, so the buffers it reads outlive it.
+    enc.dispatch([in, in_place = std::move(in_place), raw = std::move(raw), a = std::move(a), rows = rows_, traditional = traditional_, dim = dim_, in_blocks = keys_in_blocks_,
+                  group = group_, bits = bits_]() mutable {
+      const int tokens = in[0].shape(1), heads = a.n_heads + a.kv_heads;  // rotated: queries, then keys
+      const TokenView qkv = token_view(in[0], dim);
+      std::vector<float> table_scratch, rotated(static_cast<size_t>(tokens) * heads * dim);
+      const float* table = row_major_f32(in[1], table_scratch);
+      RowPool::get().run(tokens, kRopeTokensPerTask, [&](int b, int e) { rope_heads(qkv, b, e, heads, dim, table, traditional, rotated.data()); });
+      const TokenView keys{rotated.data() + static_cast<size_t>(a.n_heads) * dim, static_cast<int64_t>(heads) * dim, dim, 1};
+      const TokenView values{qkv.p + (a.n_heads + a.kv_heads) * qkv.head, qkv.tok, qkv.head, qkv.d};
+      // Each row's keys and values are written in parallel (a copy, when not in place, is most of it).
+      RowPool::get().run(static_cast<int>(raw.size()), 1, [&](int b, int e) {
+        for (int c = b; c < e; ++c) {
+          const AttentionRow& row = rows[c / 2];
+          const bool is_keys = c % 2 == 0;
+          write_cache(in[2 + c], raw[c], in_place[c], is_keys ? keys : values, a.rows[c / 2].start, row.n, row.kv_len - row.n - row.first, is_keys && in_blocks, dim, group, bits);
+        }
+      });
+      a.q = {rotated.data(), static_cast<int64_t>(heads) * dim, dim, 1};
+      attend(a);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("cpu_layer_attention runs on the CPU only");
+  }
+
+  const char* name() const override { return "TetherCpuLayerAttention"; }
+
+ private:
+  std::vector<AttentionRow> rows_;
+  bool traditional_;
+  int n_heads_, window_;
+  bool keys_in_blocks_;
   int dim_, group_, bits_;
 };
 
@@ -895,19 +1011,19 @@ int check_cache(const mx::array& c, const char* what, bool in_blocks, int group,
   return dim;
 }
 
-}  // namespace
-
-mx::array cpu_step_attention(const mx::array& q, const std::vector<mx::array>& keys, const std::vector<mx::array>& values, const std::vector<AttentionRow>& rows, int window, bool keys_in_blocks, int group, int bits) {
+// Checks a step's caches against its rows (token counts adding up to
+// `tokens`, caches holding every key a query sees, heads dividing n_heads)
+// and returns them in input order: each row's keys, then values.
+std::vector<mx::array> check_step_caches(const std::vector<mx::array>& keys, const std::vector<mx::array>& values, const std::vector<AttentionRow>& rows, int tokens,
+                                         int n_heads, int window, bool keys_in_blocks, int group, int bits) {
   if (window < 0) throw std::invalid_argument("cpu_attention: window must be >= 0");
   if (rows.empty() || keys.size() != rows.size() || values.size() != rows.size())
     throw std::invalid_argument("cpu_attention: need one keys and one values array per row, and at least one row");
-  if (q.dtype() != mx::float32) throw std::invalid_argument("cpu_attention: q must be float32");
   const int kv_heads = keys[0].ndim() == 4 ? keys[0].shape(1) : 0;
   const int dim = check_cache(keys[0], "keys", keys_in_blocks, group, bits);
-  const auto [tokens, n_heads] = token_shape(q, dim, "q");
   if (kv_heads <= 0 || n_heads % kv_heads != 0) throw std::invalid_argument("cpu_attention: query heads must be a multiple of KV heads");
   int total = 0;
-  std::vector<mx::array> inputs = {q};
+  std::vector<mx::array> caches;
   for (size_t r = 0; r < rows.size(); ++r) {
     const int key_dim = check_cache(keys[r], "keys", keys_in_blocks, group, bits), value_dim = check_cache(values[r], "values", false, group, bits);
     for (const auto* c : {&keys[r], &values[r]})
@@ -921,12 +1037,48 @@ mx::array cpu_step_attention(const mx::array& q, const std::vector<mx::array>& k
       throw std::invalid_argument("cpu_attention: row " + std::to_string(r) + "'s cache starts after a key its queries see" +
                                   (keys_in_blocks ? " (or not at a block boundary)" : ""));
     total += rows[r].n;
-    inputs.push_back(keys[r]);
-    inputs.push_back(values[r]);
+    caches.push_back(keys[r]);
+    caches.push_back(values[r]);
   }
   if (total != tokens) throw std::invalid_argument("cpu_attention: rows' token counts must add up to q's tokens");
+  return caches;
+}
+
+}  // namespace
+
+mx::array cpu_step_attention(const mx::array& q, const std::vector<mx::array>& keys, const std::vector<mx::array>& values, const std::vector<AttentionRow>& rows, int window, bool keys_in_blocks, int group, int bits) {
+  if (q.dtype() != mx::float32) throw std::invalid_argument("cpu_attention: q must be float32");
+  if (keys.empty()) throw std::invalid_argument("cpu_attention: need at least one row");
+  const int dim = check_cache(keys[0], "keys", keys_in_blocks, group, bits);
+  const auto [tokens, n_heads] = token_shape(q, dim, "q");
+  std::vector<mx::array> inputs = {q};
+  for (const auto& cache : check_step_caches(keys, values, rows, tokens, n_heads, window, keys_in_blocks, group, bits)) inputs.push_back(cache);
   auto cpu = mx::default_stream(mx::Device::cpu);
   return mx::array({1, tokens, n_heads * dim}, mx::float32, std::make_shared<CpuAttention>(cpu, rows, window, keys_in_blocks, dim, group, bits), std::move(inputs));
+}
+
+std::vector<mx::array> cpu_layer_attention(const mx::array& qkv, const mx::array& rope, bool traditional, int n_heads, const std::vector<mx::array>& keys, const std::vector<mx::array>& values,
+                                           const std::vector<AttentionRow>& rows, int window, bool keys_in_blocks, int group, int bits) {
+  if (qkv.dtype() != mx::float32 || rope.dtype() != mx::float32) throw std::invalid_argument("cpu_layer_attention: qkv and the rope table must be float32");
+  if (keys.empty()) throw std::invalid_argument("cpu_layer_attention: need at least one row");
+  const int dim = check_cache(keys[0], "keys", keys_in_blocks, group, bits);
+  const int kv_heads = keys[0].shape(1);
+  if (dim % 2 != 0) throw std::invalid_argument("cpu_layer_attention: RoPE needs an even head size");
+  const auto [tokens, heads] = token_shape(qkv, dim, "qkv");
+  if (qkv.ndim() != 3 || heads != n_heads + 2 * kv_heads)
+    throw std::invalid_argument("cpu_layer_attention: qkv must be [1, T, (n_heads + 2 kv_heads) * head_dim]");
+  if (rope.ndim() != 2 || rope.shape(0) != tokens || rope.shape(1) != dim)
+    throw std::invalid_argument("cpu_layer_attention: the rope table must be [T, head_dim]");
+  std::vector<mx::array> inputs = {qkv, rope};
+  std::vector<mx::Shape> shapes = {{1, tokens, n_heads * dim}};
+  std::vector<mx::Dtype> dtypes = {mx::float32};
+  for (const auto& cache : check_step_caches(keys, values, rows, tokens, n_heads, window, keys_in_blocks, group, bits)) {
+    inputs.push_back(cache);
+    shapes.push_back(cache.shape());
+    dtypes.push_back(cache.dtype());
+  }
+  auto cpu = mx::default_stream(mx::Device::cpu);
+  return mx::array::make_arrays(std::move(shapes), dtypes, std::make_shared<CpuLayerAttention>(cpu, rows, traditional, n_heads, window, keys_in_blocks, dim, group, bits), inputs);
 }
 
 mx::array cpu_cache_write(const mx::array& cache, const mx::array& fresh, int start, int n, int pos, bool in_blocks, int group, int bits) {

@@ -66,6 +66,37 @@ mlx::core::array cpu_step_attention(
     int group,
     int bits);
 
+// One layer's attention for the rows of a step as one node, from the
+// layer's fused projection: RoPE on the queries and keys, the new keys and
+// values written into each row's cache (as cpu_cache_write), and
+// cpu_step_attention over the updated caches. A decode step otherwise
+// spends a dozen graph nodes a layer on these (MLX's RoPE on the CPU alone
+// is ten), and a node's host cost rivals a small kernel's.
+//   qkv: [1, T, (n_heads + 2 kv_heads) * head_dim] float32, any strides:
+//      each token's query heads, then key heads, then value heads.
+//   rope: [T, head_dim] float32, each token's turn: for the pair (a, b) of
+//      features that RoPE rotates together (a = i, b = head_dim/2 + i; or,
+//      traditional, a = 2i, b = 2i + 1), cos at a and sin at b. MLX's own
+//      RoPE of a unit head (1 at every a, 0 at every b) is exactly that
+//      table, and with it the rotation here equals MLX's bit for bit.
+//   keys[r], values[r], rows[r]: as cpu_step_attention's; row r's n new
+//      tokens go in at cache index kv_len - n - first.
+// Returns {the attention [1, T, n_heads * head_dim], then each row's
+// updated keys and values}; a cache is written in place when its buffer is
+// donatable (the caller must drop its own reference first), else copied.
+std::vector<mlx::core::array> cpu_layer_attention(
+    const mlx::core::array& qkv,
+    const mlx::core::array& rope,
+    bool traditional,
+    int n_heads,
+    const std::vector<mlx::core::array>& keys,
+    const std::vector<mlx::core::array>& values,
+    const std::vector<AttentionRow>& rows,
+    int window,
+    bool keys_in_blocks,
+    int group,
+    int bits);
+
 // Writes tokens start .. start + n of `fresh` (laid out like q above, with
 // kv_heads heads) into `cache` ([1, kv_heads, capacity, head_dim]) at
 // positions pos .. pos + n and returns the updated cache. The write is in

@@ -1,5 +1,5 @@
 //! MLX's fused kernels (`mlx::core::fast`).
-use crate::array::{make_list, wrap};
+use crate::array::{make_list, unwrap_list, wrap};
 use crate::ffi::bridge;
 use crate::{Array, Error, Result};
 
@@ -144,14 +144,94 @@ fn to_i32(op: &'static str, v: usize) -> Result<i32> {
 /// float32 caches are read as such).
 pub fn cpu_attention(q: &Array, rows: &[AttentionRow<'_>], keys: KeyLayout, window: Option<usize>, codes: KvCodes) -> Result<Array> {
     const OP: &str = "cpu_attention";
-    let kv: Vec<&Array> = rows.iter().flat_map(|r| [r.keys, r.values]).collect();
-    let n = rows.iter().map(|r| to_i32(OP, r.n)).collect::<Result<Vec<_>>>()?;
-    let kv_len = rows.iter().map(|r| to_i32(OP, r.kv_len)).collect::<Result<Vec<_>>>()?;
-    let first = rows.iter().map(|r| to_i32(OP, r.first)).collect::<Result<Vec<_>>>()?;
-    let list = make_list(OP, &kv)?;
-    let (group, bits) = codes.group_and_bits();
-    let window = to_i32(OP, window.unwrap_or(0))?;
-    wrap(OP, bridge::cpu_attention(q.raw(), &list, &n, &kv_len, &first, window, keys == KeyLayout::Blocks, to_i32(OP, group)?, to_i32(OP, bits)?))
+    let step = StepArgs::new(OP, rows, window, codes)?;
+    wrap(OP, bridge::cpu_attention(q.raw(), &step.kv, &step.n, &step.kv_len, &step.first, step.window, keys == KeyLayout::Blocks, step.group, step.bits))
+}
+
+/// How a layer's RoPE turns each token of a step, for [`cpu_layer_attention`].
+pub struct RopeTable<'a> {
+    /// `[T, head_dim]` float32: MLX's RoPE (as the model turns that layer,
+    /// each token at its position) of a unit head, 1 at the first feature of
+    /// every rotated pair and 0 at the second, which holds each pair's
+    /// cosine and sine.
+    pub table: &'a Array,
+    /// Pairs are adjacent features (`2i, 2i + 1`), not the two halves.
+    pub traditional: bool,
+}
+
+/// One layer's attention for the rows of a step on the CPU as one graph
+/// node: RoPE on the queries and keys of `qkv` (the fused projection,
+/// `[1, T, (n_heads + 2 kv_heads) * head_dim]`, rows tiling its tokens),
+/// each row's new keys and values written into its cache at positions
+/// `kv_len - n ..` (index `kv_len - n - first`; as [`cpu_kv_write`]), and
+/// [`cpu_attention`] over the updated caches. The rotation equals MLX's
+/// RoPE bit for bit, so outputs equal those of the three ops apart.
+/// Returns the attention `[1, T, n_heads * head_dim]` and each row's updated
+/// keys and values (lazy, CPU stream). A row's cache is written in place
+/// when nothing else holds its buffer at evaluation: drop the arrays passed
+/// in `rows` before evaluating.
+pub fn cpu_layer_attention(
+    qkv: &Array,
+    rope: RopeTable<'_>,
+    n_heads: usize,
+    rows: &[AttentionRow<'_>],
+    keys: KeyLayout,
+    window: Option<usize>,
+    codes: KvCodes,
+) -> Result<(Array, Vec<(Array, Array)>)> {
+    const OP: &str = "cpu_layer_attention";
+    let step = StepArgs::new(OP, rows, window, codes)?;
+    let list = bridge::cpu_layer_attention(
+        qkv.raw(),
+        rope.table.raw(),
+        rope.traditional,
+        to_i32(OP, n_heads)?,
+        &step.kv,
+        &step.n,
+        &step.kv_len,
+        &step.first,
+        step.window,
+        keys == KeyLayout::Blocks,
+        step.group,
+        step.bits,
+    )
+    .map_err(|e| Error::from_cxx(OP, e))?;
+    let mut outputs = unwrap_list(OP, &list)?.into_iter();
+    let attention = outputs.next().ok_or_else(|| Error::new(OP, "no output"))?;
+    let mut caches = Vec::with_capacity(rows.len());
+    while let (Some(k), Some(v)) = (outputs.next(), outputs.next()) {
+        caches.push((k, v));
+    }
+    Ok((attention, caches))
+}
+
+/// The per-row arguments [`cpu_attention`] and [`cpu_layer_attention`] pass
+/// to C++.
+struct StepArgs {
+    kv: cxx::UniquePtr<bridge::ArrayList>,
+    n: Vec<i32>,
+    kv_len: Vec<i32>,
+    first: Vec<i32>,
+    window: i32,
+    group: i32,
+    bits: i32,
+}
+
+impl StepArgs {
+    fn new(op: &'static str, rows: &[AttentionRow<'_>], window: Option<usize>, codes: KvCodes) -> Result<StepArgs> {
+        let kv: Vec<&Array> = rows.iter().flat_map(|r| [r.keys, r.values]).collect();
+        let ints = |f: fn(&AttentionRow<'_>) -> usize| rows.iter().map(|r| to_i32(op, f(r))).collect::<Result<Vec<_>>>();
+        let (group, bits) = codes.group_and_bits();
+        Ok(StepArgs {
+            kv: make_list(op, &kv)?,
+            n: ints(|r| r.n)?,
+            kv_len: ints(|r| r.kv_len)?,
+            first: ints(|r| r.first)?,
+            window: to_i32(op, window.unwrap_or(0))?,
+            group: to_i32(op, group)?,
+            bits: to_i32(op, bits)?,
+        })
+    }
 }
 
 /// Writes tokens `start .. start + n` of `fresh` (keys or values of a step,

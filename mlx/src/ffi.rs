@@ -114,6 +114,20 @@ pub(crate) mod bridge {
             group: i32,
             bits: i32,
         ) -> Result<UniquePtr<Array>>;
+        fn cpu_layer_attention(
+            qkv: &Array,
+            rope: &Array,
+            traditional: bool,
+            n_heads: i32,
+            kv: &ArrayList,
+            n: &[i32],
+            kv_len: &[i32],
+            first: &[i32],
+            window: i32,
+            keys_in_blocks: bool,
+            group: i32,
+            bits: i32,
+        ) -> Result<UniquePtr<ArrayList>>;
         fn cpu_kv_write(cache: &Array, fresh: &Array, start: i32, n: i32, pos: i32, in_blocks: bool, group: i32, bits: i32) -> Result<UniquePtr<Array>>;
         fn cpu_kv_dequantize(cache: &Array, len: i32, in_blocks: bool, group: i32, bits: i32) -> Result<UniquePtr<Array>>;
         fn cpu_swiglu(gate_up: &Array) -> Result<UniquePtr<Array>>;

@@ -265,17 +265,36 @@ std::unique_ptr<Array> sdpa(const Array& q, const Array& k, const Array& v, floa
 std::unique_ptr<Array> sdpa_masked(const Array& q, const Array& k, const Array& v, float scale, const Array& mask) {
   return boxed(mx::fast::scaled_dot_product_attention(q, k, v, scale, "", mask));
 }
-std::unique_ptr<Array> cpu_attention(const Array& q, const ArrayList& kv, rust::Slice<const int32_t> n, rust::Slice<const int32_t> kv_len, rust::Slice<const int32_t> first, int32_t window, bool keys_in_blocks, int32_t group, int32_t bits) {
-  if (n.size() != kv_len.size() || first.size() != n.size() || kv.items.size() != 2 * n.size())
-    throw std::invalid_argument("cpu_attention: need keys, values, n, kv_len and first for every row");
+namespace {
+// Each row's keys and values from `kv` (keys then values, row by row) and
+// its AttentionRow, checking that every per-row list has one entry a row.
+struct StepRows {
   std::vector<mx::array> keys, values;
   std::vector<AttentionRow> rows;
+};
+StepRows step_rows(const ArrayList& kv, rust::Slice<const int32_t> n, rust::Slice<const int32_t> kv_len, rust::Slice<const int32_t> first) {
+  if (n.size() != kv_len.size() || first.size() != n.size() || kv.items.size() != 2 * n.size())
+    throw std::invalid_argument("cpu_attention: need keys, values, n, kv_len and first for every row");
+  StepRows s;
   for (size_t r = 0; r < n.size(); ++r) {
-    keys.push_back(kv.items[2 * r]);
-    values.push_back(kv.items[2 * r + 1]);
-    rows.push_back({n[r], kv_len[r], first[r]});
+    s.keys.push_back(kv.items[2 * r]);
+    s.values.push_back(kv.items[2 * r + 1]);
+    s.rows.push_back({n[r], kv_len[r], first[r]});
   }
-  return boxed(cpu_step_attention(q, keys, values, rows, window, keys_in_blocks, group, bits));
+  return s;
+}
+}  // namespace
+
+std::unique_ptr<Array> cpu_attention(const Array& q, const ArrayList& kv, rust::Slice<const int32_t> n, rust::Slice<const int32_t> kv_len, rust::Slice<const int32_t> first, int32_t window, bool keys_in_blocks, int32_t group, int32_t bits) {
+  const StepRows s = step_rows(kv, n, kv_len, first);
+  return boxed(cpu_step_attention(q, s.keys, s.values, s.rows, window, keys_in_blocks, group, bits));
+}
+std::unique_ptr<ArrayList> cpu_layer_attention(const Array& qkv, const Array& rope, bool traditional, int32_t n_heads, const ArrayList& kv, rust::Slice<const int32_t> n, rust::Slice<const int32_t> kv_len,
+                                               rust::Slice<const int32_t> first, int32_t window, bool keys_in_blocks, int32_t group, int32_t bits) {
+  StepRows s = step_rows(kv, n, kv_len, first);
+  auto out = std::make_unique<ArrayList>();
+  out->items = tether_mlx::cpu_layer_attention(qkv, rope, traditional, n_heads, s.keys, s.values, s.rows, window, keys_in_blocks, group, bits);
+  return out;
 }
 std::unique_ptr<Array> cpu_kv_write(const Array& cache, const Array& fresh, int32_t start, int32_t n, int32_t pos, bool in_blocks, int32_t group, int32_t bits) {
   return boxed(cpu_cache_write(cache, fresh, start, n, pos, in_blocks, group, bits));

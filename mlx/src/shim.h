@@ -121,6 +121,9 @@ std::unique_ptr<Array> sdpa(const Array& q, const Array& k, const Array& v, floa
 std::unique_ptr<Array> sdpa_masked(const Array& q, const Array& k, const Array& v, float scale, const Array& mask);
 // kv: each row's keys then values; n, kv_len, first: per row; window: 0 for none (see cpu_attention.h).
 std::unique_ptr<Array> cpu_attention(const Array& q, const ArrayList& kv, rust::Slice<const int32_t> n, rust::Slice<const int32_t> kv_len, rust::Slice<const int32_t> first, int32_t window, bool keys_in_blocks, int32_t group, int32_t bits);
+// qkv, rope: see cpu_layer_attention in cpu_attention.h; returns the attention, then each row's keys and values.
+std::unique_ptr<ArrayList> cpu_layer_attention(const Array& qkv, const Array& rope, bool traditional, int32_t n_heads, const ArrayList& kv, rust::Slice<const int32_t> n, rust::Slice<const int32_t> kv_len,
+                                               rust::Slice<const int32_t> first, int32_t window, bool keys_in_blocks, int32_t group, int32_t bits);
 std::unique_ptr<Array> cpu_kv_write(const Array& cache, const Array& fresh, int32_t start, int32_t n, int32_t pos, bool in_blocks, int32_t group, int32_t bits);
 std::unique_ptr<Array> cpu_kv_dequantize(const Array& cache, int32_t len, bool in_blocks, int32_t group, int32_t bits);
 // gate_up: [..., 2 ff] float32; see cpu_swiglu.h.

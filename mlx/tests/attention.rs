@@ -528,3 +528,143 @@ fn codes_and_attention_over_them_match_the_numpy_oracle_at(bits: u8) {
     let err = max_error(&got, &want);
     assert!(err <= 1e-5, "attention over {bits}-bit codes differs from numpy's by {err}");
 }
+
+/// One case of [`layer_attention_equals_rope_write_and_attention_apart`].
+struct LayerCase {
+    traditional: bool,
+    /// Per-pair periods instead of a base (scaled RoPE).
+    periods: bool,
+    layout: KeyLayout,
+    codes: KvCodes,
+    window: Option<usize>,
+}
+
+#[test]
+fn layer_attention_equals_rope_write_and_attention_apart() {
+    // cpu_layer_attention is RoPE, two cache writes a row and cpu_attention
+    // in one node: its attention and updated caches must equal those three
+    // apart bit for bit, for either pairing of RoPE, per-pair periods, both
+    // key layouts, caches of codes and a window.
+    let _s = serial();
+    let float = KvCodes::Float;
+    let eight = KvCodes::Affine { bits: 8, group: 32 };
+    let cases = [
+        LayerCase { traditional: false, periods: false, layout: KeyLayout::Positions, codes: float, window: None },
+        LayerCase { traditional: true, periods: false, layout: KeyLayout::Blocks, codes: float, window: None },
+        LayerCase { traditional: false, periods: true, layout: KeyLayout::Blocks, codes: float, window: Some(40) },
+        LayerCase { traditional: false, periods: false, layout: KeyLayout::Blocks, codes: eight, window: None },
+        LayerCase { traditional: true, periods: false, layout: KeyLayout::Positions, codes: eight, window: None },
+    ];
+    for (i, case) in cases.iter().enumerate() {
+        check_layer_case(case, 100 + i as u64);
+    }
+}
+
+fn check_layer_case(case: &LayerCase, seed: u64) {
+    let (hq, hkv, d) = (6usize, 2usize, 64usize);
+    // (n, kv_len) per row: a decode token, a prompt chunk, a short fresh prompt.
+    let rows = [(1usize, 150usize), (20, 90), (3, 3)];
+    let total: usize = rows.iter().map(|r| r.0).sum();
+    let cap = 3 * KEY_BLOCK;
+    let width = (hq + 2 * hkv) * d;
+    let qkv = Array::from_f32(&noise(total * width, seed, 2.0), &[1, total, width]).unwrap();
+    let positions: Vec<i32> = rows.iter().flat_map(|&(n, kv_len)| (kv_len - n..kv_len).map(|p| p as i32)).collect();
+    let positions = Array::from_i32(&positions, &[total]).unwrap();
+    let periods = Array::from_f32(&(0..d / 2).map(|i| 3.0 * 500f32.powf(2.0 * i as f32 / d as f32)).collect::<Vec<_>>(), &[d / 2]).unwrap();
+    let rope = |x: &Array| match case.periods {
+        false => fast::rope_offsets(x, d as i32, case.traditional, 10000.0, 1.0, &positions).unwrap(),
+        true => fast::rope_offsets_freqs(x, d as i32, case.traditional, 1.0, &positions, &periods).unwrap(),
+    };
+    // Each row's cache holds its earlier positions (whatever they are) in the case's form.
+    let caches: Vec<(Array, Array)> = rows
+        .iter()
+        .enumerate()
+        .map(|(r, &(n, kv_len))| {
+            let held = kv_len - n;
+            let form = |s: u64, layout| {
+                let floats = Array::from_f32(&noise(held.max(1) * hkv * d, s, 1.0), &[held.max(1), hkv, 1, d]).unwrap();
+                let empty = Array::zeros(&[1, hkv, cap, case.codes.width(d)], if case.codes == KvCodes::Float { Dtype::F32 } else { Dtype::U8 }).unwrap();
+                let c = if held == 0 { empty.add(&empty).unwrap() } else { fast::cpu_kv_write(&empty, &floats, 0, held, 0, layout, case.codes).unwrap() };
+                c.eval().unwrap();
+                c
+            };
+            (form(seed * 10 + r as u64, case.layout), form(seed * 20 + r as u64, KeyLayout::Positions))
+        })
+        .collect();
+
+    // Apart: MLX's RoPE on queries and keys, the writes, the attention.
+    let qk = qkv.slice(&[0, 0, 0], &[1, total as i32, ((hq + hkv) * d) as i32]).unwrap().reshape(&[total as i32, (hq + hkv) as i32, 1, d as i32]).unwrap();
+    let qk = rope(&qk);
+    let q = qk.slice(&[0, 0, 0, 0], &[total as i32, hq as i32, 1, d as i32]).unwrap();
+    let k = qk.slice(&[0, hq as i32, 0, 0], &[total as i32, (hq + hkv) as i32, 1, d as i32]).unwrap();
+    let v = qkv.slice(&[0, 0, ((hq + hkv) * d) as i32], &[1, total as i32, width as i32]).unwrap();
+    let mut start = 0;
+    let mut apart = Vec::new();
+    for ((keys, values), &(n, kv_len)) in caches.iter().zip(&rows) {
+        let at = kv_len - n;
+        apart.push((
+            fast::cpu_kv_write(keys, &k, start, n, at, case.layout, case.codes).unwrap(),
+            fast::cpu_kv_write(values, &v, start, n, at, KeyLayout::Positions, case.codes).unwrap(),
+        ));
+        start += n;
+    }
+    let step: Vec<AttentionRow<'_>> = apart.iter().zip(&rows).map(|((k, v), &(n, kv_len))| AttentionRow { keys: k, values: v, n, kv_len, first: 0 }).collect();
+    let want = fast::cpu_attention(&q, &step, case.layout, case.window, case.codes).unwrap();
+
+    // As one node, turned by the table MLX's RoPE makes of a unit head.
+    let unit: Vec<f32> = (0..d).map(|f| if case.traditional { ((f + 1) % 2) as f32 } else { (f < d / 2) as u8 as f32 }).collect();
+    let unit = Array::from_f32(&unit, &[1, 1, 1, d]).unwrap().broadcast_to(&[total as i32, 1, 1, d as i32]).unwrap();
+    let table = rope(&unit).reshape(&[total as i32, d as i32]).unwrap();
+    let step: Vec<AttentionRow<'_>> = caches.iter().zip(&rows).map(|((k, v), &(n, kv_len))| AttentionRow { keys: k, values: v, n, kv_len, first: 0 }).collect();
+    let (got, updated) =
+        fast::cpu_layer_attention(&qkv, fast::RopeTable { table: &table, traditional: case.traditional }, hq, &step, case.layout, case.window, case.codes)
+            .unwrap();
+    let what = format!("traditional {} periods {} {:?} {:?} window {:?}", case.traditional, case.periods, case.layout, case.codes, case.window);
+    assert_eq!(got.to_bytes().unwrap(), want.to_bytes().unwrap(), "attention differs: {what}");
+    assert_eq!(updated.len(), rows.len());
+    for (r, ((k, v), (wk, wv))) in updated.iter().zip(&apart).enumerate() {
+        assert_eq!(k.to_bytes().unwrap(), wk.to_bytes().unwrap(), "row {r}'s keys differ: {what}");
+        assert_eq!(v.to_bytes().unwrap(), wv.to_bytes().unwrap(), "row {r}'s values differ: {what}");
+    }
+}
+
+#[test]
+fn layer_attention_writes_a_sole_cache_in_place_and_a_shared_one_on_a_copy() {
+    let _s = serial();
+    let (hq, hkv, d, cap) = (2usize, 1usize, 64usize, 4096usize);
+    let qkv = Array::from_f32(&noise((hq + 2 * hkv) * d, 7, 1.0), &[1, 1, (hq + 2 * hkv) * d]).unwrap();
+    let unit: Vec<f32> = (0..d).map(|f| (f < d / 2) as u8 as f32).collect();
+    let table = fast::rope_offsets(&Array::from_f32(&unit, &[1, 1, 1, d]).unwrap(), d as i32, false, 10000.0, 1.0, &Array::from_i32(&[100], &[1]).unwrap())
+        .unwrap()
+        .reshape(&[1, d as i32])
+        .unwrap();
+    let buffer = || {
+        let b = Array::zeros(&[1, hkv, cap, d], Dtype::F32).unwrap().add(&Array::scalar(1.0, Dtype::F32).unwrap()).unwrap();
+        b.eval().unwrap();
+        b
+    };
+    let run = |keys: &Array, values: &Array| {
+        let rows = [AttentionRow { keys, values, n: 1, kv_len: 101, first: 0 }];
+        fast::cpu_layer_attention(&qkv, fast::RopeTable { table: &table, traditional: false }, hq, &rows, KeyLayout::Blocks, None, KvCodes::Float).unwrap()
+    };
+    table.eval().unwrap();
+
+    // Held elsewhere too (a snapshot): written on a copy, the original unchanged.
+    let (keys, values) = (buffer(), buffer());
+    let (out, updated) = run(&keys, &values);
+    mlx::eval(&[&out, &updated[0].0, &updated[0].1]).unwrap();
+    assert!(keys.to_vec_f32().unwrap().iter().all(|&x| x == 1.0), "a shared key buffer was written in place");
+    assert!(values.to_vec_f32().unwrap().iter().all(|&x| x == 1.0), "a shared value buffer was written in place");
+    let v = updated[0].1.slice(&[0, 0, 100, 0], &[1, 1, 101, d as i32]).unwrap().to_vec_f32().unwrap();
+    assert_eq!(v, qkv.slice(&[0, 0, ((hq + hkv) * d) as i32], &[1, 1, ((hq + 2 * hkv) * d) as i32]).unwrap().to_vec_f32().unwrap());
+    drop((out, updated));
+
+    // The node's input is the last holder: no second buffer appears.
+    let (keys, values) = (buffer(), buffer());
+    let active = mlx::memory::active();
+    let (out, updated) = run(&keys, &values);
+    drop((keys, values));
+    mlx::eval(&[&out, &updated[0].0, &updated[0].1]).unwrap();
+    let grown = mlx::memory::active().saturating_sub(active);
+    assert!(grown < hkv * cap * d * 4 / 2, "the write copied a cache ({grown} bytes more)");
+}

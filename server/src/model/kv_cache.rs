@@ -184,7 +184,8 @@ impl KvCache {
     }
 
     /// An empty cache storing keys in blocks, for the CPU's fused attention
-    /// (written by [`write_step`](Self::write_step) only).
+    /// (written by [`write_step`](Self::write_step) or, through
+    /// [`take_for_write`](Self::take_for_write), the CPU's layer attention node).
     pub fn with_keys_in_blocks(n_layers: usize, kv_heads: usize, head_dim: usize, dtype: Dtype) -> KvCache {
         KvCache { keys: KeyLayout::Blocks, ..KvCache::new(n_layers, kv_heads, head_dim, dtype) }
     }
@@ -505,22 +506,39 @@ impl KvCache {
     /// snapshot shares the buffer.
     pub fn write_step(&mut self, layer: usize, keys: &Array, values: &Array, start: usize, n: usize) -> mlx::Result<(Array, Array)> {
         let at = self.len - self.first(layer);
-        if at + n > self.layer_capacity(layer) {
-            return Err(mlx::Error { op: "kv_cache", message: format!("append of {n} past capacity {}", self.layer_capacity(layer)) });
-        }
-        let (old_k, old_v) = self.layers[layer].take().ok_or_else(|| mlx::Error { op: "kv_cache", message: "layer not reserved".into() })?;
+        let (old_k, old_v) = self.take_for_write(layer, n)?;
         let write = |old: &Array, fresh: &Array, layout| mlx::fast::cpu_kv_write(old, fresh, start, n, at, layout, self.codes);
         match write(&old_k, keys, self.keys).and_then(|k| Ok((k, write(&old_v, values, KeyLayout::Positions)?))) {
             Ok((new_k, new_v)) => {
                 drop((old_k, old_v)); // the graph now holds the only reference: the write can be in place
-                self.layers[layer] = Some((new_k.clone(), new_v.clone()));
+                self.put_back(layer, new_k.clone(), new_v.clone());
                 Ok((new_k, new_v))
             }
             Err(e) => {
-                self.layers[layer] = Some((old_k, old_v));
+                self.put_back(layer, old_k, old_v);
                 Err(e)
             }
         }
+    }
+
+    /// Layer `layer`'s buffers, taken out of the cache for a graph node that
+    /// writes `n` new positions at the current length (index
+    /// `len - first(layer)`) and whose updated buffers go back through
+    /// [`put_back`](Self::put_back), as [`write_step`](Self::write_step)
+    /// does with its own node: once the caller drops these, the node holds
+    /// the only reference, so its write can be in place.
+    pub fn take_for_write(&mut self, layer: usize, n: usize) -> mlx::Result<(Array, Array)> {
+        let at = self.len - self.first(layer);
+        if at + n > self.layer_capacity(layer) {
+            return Err(mlx::Error { op: "kv_cache", message: format!("append of {n} past capacity {}", self.layer_capacity(layer)) });
+        }
+        self.layers[layer].take().ok_or_else(|| mlx::Error { op: "kv_cache", message: "layer not reserved".into() })
+    }
+
+    /// Puts layer `layer`'s buffers back after [`take_for_write`](Self::take_for_write):
+    /// the updated ones, or the taken ones when building the write failed.
+    pub fn put_back(&mut self, layer: usize, keys: Array, values: Array) {
+        self.layers[layer] = Some((keys, values));
     }
 
     /// Layer `layer`'s stored keys and values in position order, the

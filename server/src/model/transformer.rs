@@ -6,7 +6,7 @@
 //! their own, whose caches hold only their window.
 use std::sync::OnceLock;
 
-use mlx::fast::{self, AttentionRow, KeyLayout, KvCodes, Mask};
+use mlx::fast::{self, AttentionRow, KeyLayout, KvCodes, Mask, RopeTable};
 use mlx::{Array, Dtype};
 
 use super::batch_step::{BatchStep, BatchedRows};
@@ -214,10 +214,10 @@ impl Transformer {
         let mut row_masks: Vec<Option<Array>> = vec![None; rows.len()];
 
         let (hq, hkv, hd) = (c.n_heads as i32, c.n_kv_heads as i32, c.head_dim as i32);
-        // The fused CPU path ropes every token of the step at once, each at its own position.
-        let positions = if self.use_fused_cpu_kernels() && !rows.is_empty() {
+        // The fused CPU path turns every row token of the step by one table per RoPE, each at its own position.
+        let mut rope_tables = if self.use_fused_cpu_kernels() && !rows.is_empty() {
             let p: Vec<i32> = offsets.iter().zip(&lens).flat_map(|(&o, &n)| o..o + n as i32).collect();
-            Some(Array::from_i32(&p, &[p.len()])?)
+            Some(RopeTables::new(Array::from_i32(&p, &[p.len()])?))
         } else {
             None
         };
@@ -243,10 +243,10 @@ impl Transformer {
                 }
                 parts.push(step.to_flat(&outputs)?);
             }
-            match &positions {
-                Some(positions) => {
+            match &mut rope_tables {
+                Some(rope_tables) => {
                     let mine = if batch_tokens == 0 { qkv.clone() } else { qkv.slice(&[0, batch_tokens, 0], &[1, total, (hq + 2 * hkv) * hd])? };
-                    parts.push(self.attention_fused_cpu(li, c.layer_window(li), &mine, rows, &lens, positions)?);
+                    parts.push(self.attention_fused_cpu(li, c.layer_window(li), &mine, rows, &lens, rope_tables)?);
                 }
                 None => {
                     for (r, (row, mask)) in rows.iter_mut().zip(&mut row_masks).enumerate() {
@@ -495,10 +495,11 @@ impl Transformer {
         enabled && self.dtype == Dtype::F32 && mlx::default_device() == mlx::Device::Cpu
     }
 
-    /// Attention of one layer for the whole step on the CPU, in a handful of
-    /// ops however many rows there are: one rope over all tokens' queries and
-    /// keys (each token at its own position), two cache writes per row, and
-    /// one attention over every row's cache. Returns `[1, T, n_heads * head_dim]`.
+    /// Attention of one layer for the whole step on the CPU, as one graph
+    /// node however many rows there are ([`fast::cpu_layer_attention`]):
+    /// RoPE on all tokens' queries and keys (each token at its own position,
+    /// by the step's table), each row's cache writes, and the attention over
+    /// every row's cache. Returns `[1, T, n_heads * head_dim]`.
     fn attention_fused_cpu(
         &self,
         layer: usize,
@@ -506,35 +507,101 @@ impl Transformer {
         qkv: &Array,
         rows: &mut [RowInput<'_>],
         lens: &[usize],
-        positions: &Array,
+        rope_tables: &mut RopeTables,
     ) -> mlx::Result<Array> {
         let c = &self.config;
-        let (hq, hkv, hd) = (c.n_heads as i32, c.n_kv_heads as i32, c.head_dim as i32);
-        let total = positions.dim(0) as i32;
-        let qk = qkv.slice(&[0, 0, 0], &[1, total, (hq + hkv) * hd])?.reshape(&[total, hq + hkv, 1, hd])?;
-        let qk = self.rope_at(layer, &qk, positions)?;
-        let q = qk.slice(&[0, 0, 0, 0], &[total, hq, 1, hd])?;
-        let k = qk.slice(&[0, hq, 0, 0], &[total, hq + hkv, 1, hd])?;
-        let v = qkv.slice(&[0, 0, (hq + hkv) * hd], &[1, total, (hq + 2 * hkv) * hd])?;
-        let mut buffers = Vec::with_capacity(rows.len());
-        let mut start = 0;
+        let mut taken = Vec::with_capacity(rows.len());
         for (row, &n) in rows.iter_mut().zip(lens) {
-            buffers.push(row.cache.write_step(layer, &k, &v, start, n)?);
-            start += n;
+            match row.cache.take_for_write(layer, n) {
+                Ok(buffers) => taken.push(buffers),
+                Err(e) => {
+                    put_back_all(rows, layer, taken);
+                    return Err(e);
+                }
+            }
         }
+        let keys = rows.first().map_or(KeyLayout::Positions, |r| r.cache.key_layout());
         let attention_rows: Vec<AttentionRow<'_>> = rows
             .iter()
-            .zip(&buffers)
+            .zip(&taken)
             .zip(lens)
             .map(|((row, (keys, values)), &n)| AttentionRow { keys, values, n, kv_len: row.cache.len() + n, first: row.cache.first(layer) })
             .collect();
-        let keys = rows.first().map_or(KeyLayout::Positions, |r| r.cache.key_layout());
-        if rows.iter().any(|r| r.cache.key_layout() != keys) {
-            return Err(mlx::Error { op: "forward", message: "rows of one step store their keys differently".into() });
+        let built = if rows.iter().any(|r| r.cache.key_layout() != keys) {
+            Err(mlx::Error { op: "forward", message: "rows of one step store their keys differently".into() })
+        } else {
+            // Rows in codes (past their quantization's start) beside rows in float32.
+            let codes = self.kv_quantization.map_or(KvCodes::Float, |q| q.codes());
+            rope_tables.table(self, layer).and_then(|table| {
+                let rope = RopeTable { table, traditional: c.rope_traditional };
+                fast::cpu_layer_attention(qkv, rope, c.n_heads, &attention_rows, keys, window, codes)
+            })
+        };
+        drop(attention_rows);
+        match built {
+            Ok((attention, updated)) => {
+                drop(taken); // the node now holds the only references: its writes can be in place
+                put_back_all(rows, layer, updated);
+                Ok(attention)
+            }
+            Err(e) => {
+                put_back_all(rows, layer, taken);
+                Err(e)
+            }
         }
-        // Rows in codes (past their quantization's start) beside rows in float32.
-        let codes = self.kv_quantization.map_or(KvCodes::Float, |q| q.codes());
-        fast::cpu_attention(&q, &attention_rows, keys, window, codes)
+    }
+}
+
+/// Hands each row its layer `layer` buffers back (see [`KvCache::take_for_write`]).
+fn put_back_all(rows: &mut [RowInput<'_>], layer: usize, buffers: Vec<(Array, Array)>) {
+    for (row, (keys, values)) in rows.iter_mut().zip(buffers) {
+        row.cache.put_back(layer, keys, values);
+    }
+}
+
+/// The RoPE tables ([`RopeTable`]) of one step's row tokens, one per way
+/// its layers turn (a model has one, or two when its window layers turn at
+/// a base of their own), each built at its first layer: a few graph nodes a
+/// step instead of MLX's RoPE in every layer.
+struct RopeTables {
+    /// `[T]` int32: each row token's position.
+    positions: Array,
+    built: Vec<(RopeKey, Array)>,
+}
+
+/// Which RoPE a table is for: a base's bits, or the periods' address.
+#[derive(PartialEq)]
+enum RopeKey {
+    Base(u32),
+    Periods(*const Array),
+}
+
+impl RopeTables {
+    fn new(positions: Array) -> RopeTables {
+        RopeTables { positions, built: Vec::new() }
+    }
+
+    /// Layer `layer`'s table, `[T, head_dim]`: MLX's RoPE of a unit head
+    /// (see [`RopeTable`]) at every token's position.
+    fn table(&mut self, model: &Transformer, layer: usize) -> mlx::Result<&Array> {
+        let key = match model.layer_rope(layer) {
+            Rope::Base(theta) => RopeKey::Base(theta.to_bits()),
+            Rope::Periods(periods) => RopeKey::Periods(periods),
+        };
+        let at = match self.built.iter().position(|(k, _)| *k == key) {
+            Some(at) => at,
+            None => {
+                let (dim, tokens) = (model.config.head_dim, self.positions.dim(0));
+                let traditional = model.config.rope_traditional;
+                // 1 at the first feature of each rotated pair, 0 at the second.
+                let unit: Vec<f32> = (0..dim).map(|d| if traditional { ((d + 1) % 2) as f32 } else { (d < dim / 2) as u8 as f32 }).collect();
+                let heads = Array::from_f32(&unit, &[1, 1, 1, dim])?.broadcast_to(&[tokens as i32, 1, 1, dim as i32])?;
+                let table = model.rope_at(layer, &heads, &self.positions)?.reshape(&[tokens as i32, dim as i32])?;
+                self.built.push((key, table));
+                self.built.len() - 1
+            }
+        };
+        Ok(&self.built[at].1)
     }
 }
 
