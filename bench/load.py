@@ -640,7 +640,7 @@ class Bench:
                 await shared.close()
         return out
 
-    async def admit(self, setting, chunk_size, label):
+    async def admit(self, setting, chunk_size, label, rnd=1):
         a = self.a
         cs = await self.clients(a.admit_streams + 1)
         steady_cs, long_c = cs[:-1], cs[-1]
@@ -703,6 +703,7 @@ class Bench:
             "admit",
             streams=a.admit_streams,
             setting=setting,
+            round=rnd,
             chunk=label,
             long_prompt_tokens=lt.prompt_tokens,
             long_ttft_s=t_first - t_sub,
@@ -767,9 +768,12 @@ async def run(args):
                 step = args.mlx_prefill_step
                 name = "unchunked" if step >= args.long_prompt_tokens else "chunked"
                 settings = [(name, None, f"prefill-step-size {step}")]
-            for name, chunk, label in settings:
-                log(f"{args.engine}: admit a {args.long_prompt_tokens}-token prompt under {args.admit_streams} streams, {name} ({label})")
-                await attempt(b.admit(name, chunk, label), workload="admit", streams=args.admit_streams, setting=name, chunk=label)
+            # Later rounds (each its own document) meet what the server learned
+            # from the earlier ones, such as Tether's prefill allowance.
+            for rnd in range(1, args.admit_rounds + 1):
+                for name, chunk, label in settings:
+                    log(f"{args.engine}: admit a {args.long_prompt_tokens}-token prompt under {args.admit_streams} streams, {name} ({label}), round {rnd}")
+                    await attempt(b.admit(name, chunk, label, rnd), workload="admit", streams=args.admit_streams, setting=name, chunk=label, round=rnd)
         if "agent" in work:
             # A prefill the size of one turn first (a different text, its own
             # session), so turn 1 does not pay for first-use costs.
@@ -1050,6 +1054,7 @@ def main():
     ap.add_argument("--admit-delay", type=float, default=2.0)
     ap.add_argument("--long-prompt-tokens", type=int, default=2000)
     ap.add_argument("--long-max-tokens", type=int, default=4)
+    ap.add_argument("--admit-rounds", type=int, default=1, help="admit: long prompts per setting, one after another")
     ap.add_argument("--tether-settings", default="chunked,unchunked")
     ap.add_argument("--agent-turns", type=int, default=12)
     ap.add_argument("--agent-user-tokens", default="310:340", help="agent: new user tokens per turn, LO:HI")

@@ -42,6 +42,11 @@
 # memory and a host tier of HOST_MIB behind it. Needs aiohttp's wheels.
 # HOT_MIB: the hot server's prefix-cache budget in device memory (64 GiB;
 # what it cannot hold a returning session computes again).
+# MODE=admit: bench/load.py's admit workload (a 2,000-token prompt joining 8
+# decoding streams; ADMIT_ROUNDS, default 3, prompts per setting, so later
+# ones meet the prefill allowance the first taught) against each build of
+# TETHER_BINS ("old new", one server at a time), then mlx_lm.server (MLX_LM=0:
+# not), on the random Qwen2.5-1.5B-shaped bf16 checkpoint. Needs aiohttp's wheels.
 # MODE=agent: the 12-turn agent workload of bench/load.py (WORKLOAD=agent in
 # bench/load.sh) on the random Qwen2.5-1.5B-shaped bf16 checkpoint: `tether
 # serve` (session prefix cache on, and off) beside mlx_lm.server (its prompt
@@ -102,13 +107,13 @@ fi
 
 # The agent workload needs only the 1.5B bf16 checkpoint; the other modes all four.
 MODELS=${MODELS:-qwen2.5-0.5b qwen2.5-1.5b}
-case "${MODE:-decode}" in agent|serving|streams|graphs) MODELS=qwen2.5-1.5b ;; esac
+case "${MODE:-decode}" in admit|agent|serving|streams|graphs) MODELS=qwen2.5-1.5b ;; esac
 [ "${MODE:-decode}" = structured ] && MODELS=qwen2.5-0.5b
 [ "${MODE:-decode}" = sessions ] && MODELS=qwen2.5-1.5b
 LOAD_ARGS=${LOAD_ARGS:-}
 for m in $MODELS; do
   [ -f /opt/models/$m-bf16/model.safetensors ] || "$PY" "$here/make_random_model.py" /opt/models/$m-bf16 $m "$KEEP"
-  case "${MODE:-decode}" in agent|serving|graphs|structured|sessions) continue ;; esac
+  case "${MODE:-decode}" in admit|agent|serving|graphs|structured|sessions) continue ;; esac
   [ -f /opt/models/$m-4bit/config.json ] || "$PY" -m mlx_lm convert --hf-path /opt/models/$m-bf16 --mlx-path /opt/models/$m-4bit -q --q-bits 4 --q-group-size 64 >"$OUT/convert-$m.log" 2>&1
 done
 
@@ -142,6 +147,32 @@ if [ "${MODE:-decode}" = structured ]; then
     stop_server
   done
   "$PY" "$here/../structured.py" --report "$OUT/results.jsonl"
+  exit 0
+fi
+if [ "${MODE:-decode}" = admit ]; then
+  [ -d /opt/py/aiohttp ] || "$PY" -m pip install -q --no-deps --target /opt/py "$KEEP"/aiohttp/*.whl
+  log() { echo "[admit] $*" >&2; }
+  source "$here/../lib.sh"
+  dir=/opt/models/qwen2.5-1.5b-bf16
+  admit=(--workloads admit --admit-rounds "${ADMIT_ROUNDS:-3}" --model-dir "$dir" --out "$OUT/results.jsonl")
+  engine=tether-prev
+  for bin in ${TETHER_BINS:-$TETHER_BIN}; do
+    # The last build listed is the one measured; the ones before it are earlier builds.
+    [ "$bin" = "${TETHER_BINS##* }" ] || [ -z "${TETHER_BINS:-}" ] && engine=tether
+    start_tether "$bin" "$OUT/tether-serve-$(basename "$bin").log" --model "$dir" --device gpu
+    "$PY" "$here/../load.py" --engine $engine --url "http://127.0.0.1:$port" --label "qwen2.5-1.5b-bf16 $(basename "$bin")" \
+      --build "$(basename "$bin")" "${admit[@]}" || echo "$bin admit run failed" >&2
+    stop_server
+  done
+  if [ "${MLX_LM:-1}" = 1 ]; then
+    "$PY" -m mlx_lm server --model "$dir" --host 127.0.0.1 --port 8181 >"$OUT/mlx-lm-serve.log" 2>&1 &
+    SERVER_PID=$!
+    wait_http http://127.0.0.1:8181/health "$OUT/mlx-lm-serve.log" 180 &&
+      "$PY" "$here/../load.py" --engine mlx-lm --url http://127.0.0.1:8181 --label qwen2.5-1.5b-bf16 --build gpu "${admit[@]}" --admit-rounds 1 ||
+      echo "mlx-lm admit run failed" >&2
+    stop_server
+  fi
+  "$PY" "$here/../load.py" --report "$OUT/results.jsonl"
   exit 0
 fi
 if [ "${MODE:-decode}" = sessions ]; then

@@ -56,6 +56,40 @@ async fn concurrent_requests_match_solo_greedy_with_chunks_attending_alone() {
     concurrent_requests_match_solo_greedy_with(EngineConfig { kv_layout: KvLayout::Batched, shared_attention_scores: 1, ..Default::default() }).await;
 }
 
+/// Batched: a long prompt joins decoding rows and is read in chunks that
+/// attend alone (over the slot's whole capacity, queries padded to a
+/// multiple of 16), while the other rows keep decoding in the shared
+/// attention; every row's greedy tokens equal its own alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_prompt_read_alone_beside_decoding_rows_matches_solo_greedy() {
+    let short = prompts();
+    // ~300 tokens: the fixture prompts end to end, a few times over.
+    let long: Vec<u32> = short.iter().flatten().copied().cycle().take(301).collect();
+    mlx::set_default_device(mlx::Device::Cpu).unwrap();
+    let model = load_transformer(&model_path("smollm2-135m"), LoadOptions::for_device(mlx::Device::Cpu)).unwrap();
+    let want_long = greedy_tokens(&model, &long, 8).unwrap();
+    let want_short: Vec<Vec<u32>> = short[..3].iter().map(|p| greedy_tokens(&model, p, 40).unwrap()).collect();
+    drop(model);
+
+    // 100-token chunks (the last one 1), no allowance, and shared scores
+    // too few for any chunk: every chunk of the long prompt attends alone.
+    let engine =
+        start(EngineConfig { kv_layout: KvLayout::Batched, prefill_chunk: 100, max_itl_inflation: 1.0, shared_attention_scores: 1, ..Default::default() });
+    let mut streams: Vec<_> = short[..3].iter().map(|p| engine.submit(request(p.clone(), 40)).unwrap().events).collect();
+    // The short rows decode before the long prompt comes.
+    for rx in &mut streams {
+        while !matches!(rx.recv().await, Some(EngineEvent::Tokens { .. })) {}
+    }
+    let long_rx = engine.submit(request(long, 8)).unwrap().events;
+    let (got_long, _) = collect(long_rx).await;
+    assert_eq!(got_long, want_long, "the long prompt");
+    for (i, (rx, want)) in streams.into_iter().zip(want_short).enumerate() {
+        let (rest, finish) = collect(rx).await;
+        assert_eq!(finish, Some(Finish::Length));
+        assert_eq!(rest[..], want[want.len() - rest.len()..], "short request {i}");
+    }
+}
+
 async fn concurrent_requests_match_solo_greedy_with(config: EngineConfig) {
     let kv_layout = config.kv_layout;
     let prompts = prompts();

@@ -34,11 +34,11 @@ pub struct SchedulerConfig {
     pub min_prefill_chunk: usize,
     pub max_prefill_chunk: usize,
     pub kv_budget_bytes: usize,
-    /// Most tokens of a long prompt a step carries while rows decode,
-    /// whatever the allowance: with batched KV, larger chunks leave the
-    /// shared attention's small shape, and a GPU pays milliseconds for each
-    /// new shape; on a CPU the allowance rarely reaches it.
-    pub mixed_chunk_max: usize,
+    /// Most tokens of a long prompt a step carries while the allowance is
+    /// widened (see [`Scheduler::prefill_allowance`]): the waiting prompts
+    /// then share it in small chunks that attend together beside the
+    /// decoding rows, where a few large ones would each attend alone.
+    pub widened_chunk_max: usize,
     /// Rows share one KV batch: every slot is as long as the longest row and
     /// slots come in powers of two (see [`Scheduler::kv_reservation`]).
     pub batched_kv: bool,
@@ -267,7 +267,10 @@ impl Scheduler {
                 // The exemption is for short prompts, not for the last
                 // chunk of a long one.
                 if held_back(row) {
-                    tokens = tokens.min(*left).min(self.config.mixed_chunk_max);
+                    tokens = tokens.min(*left);
+                    if widened {
+                        tokens = tokens.min(self.config.widened_chunk_max);
+                    }
                 }
                 *left = left.saturating_sub(tokens);
             }
@@ -289,8 +292,8 @@ impl Scheduler {
     /// more waiting than it saves (32 streams started together with
     /// 512-token prompts on an H200: one row decoding in 5 ms steps held the
     /// other 31 to 16 prompt tokens a step, 6 s mean time to first token).
-    /// Widened, each prompt still moves at most `mixed_chunk_max` tokens a
-    /// step, and the step does not teach the cost model.
+    /// Widened, each prompt moves at most `widened_chunk_max` tokens a step,
+    /// and the step does not teach the cost model.
     fn prefill_allowance(&self, decode_rows: usize, rows: &[RowView<'_>]) -> (Option<usize>, bool) {
         if decode_rows == 0 {
             return (None, false);

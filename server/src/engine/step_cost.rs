@@ -17,9 +17,16 @@
 
 /// Weight of the past in the decode-only average (per step).
 const DECAY: f64 = 0.8;
-/// Growth per mixed step that used its whole allowance and stayed well
-/// under the target.
+/// Least growth per mixed step that used its whole allowance and stayed
+/// well under the target.
 const GROW: f64 = 1.15;
+/// Most growth per such step. A step far under the target grows the
+/// allowance toward the size that would reach "well under" were its added
+/// time all per-token cost: where a chunk has a fixed cost too (a GPU's
+/// kernel launches) that underestimates the size, the safe side. By 15% a
+/// step alone, a GPU's allowance took some twenty steps to grow from the
+/// floor to the few hundred tokens it affords, most of a long prompt.
+const MOST_GROW: f64 = 2.0;
 /// "Well under": within this share of the margin over a decode step, so
 /// that step-to-step noise around the target does not walk the allowance up.
 const GROW_BELOW: f64 = 0.75;
@@ -80,9 +87,10 @@ impl StepCost {
                     // room.
                     // Growth is by a step at a time, however many tokens a
                     // step carried (short prompts ride along whole).
-                    let roomy = seconds <= decode + GROW_BELOW * (target - decode);
-                    if roomy && tokens >= 0.9 * self.spendable(current) as f64 {
-                        current * GROW
+                    let room = GROW_BELOW * (target - decode);
+                    let added = seconds - decode;
+                    if added <= room && tokens >= 0.9 * self.spendable(current) as f64 {
+                        current * (room / added.max(f64::MIN_POSITIVE)).clamp(GROW, MOST_GROW)
                     } else {
                         current
                     }
@@ -210,6 +218,18 @@ mod tests {
         let chosen = drive(&mut cost, 0.0095, 0.002, 0.000025, 40);
         let t = settled(&chosen);
         assert!((55..=140).contains(&t), "{chosen:?}");
+    }
+
+    #[test]
+    fn a_cheap_chunk_grows_the_allowance_in_a_few_steps() {
+        // An NVIDIA H200-like machine: 8.6 ms decode steps, a chunk adds
+        // 1 ms plus 15 us a token. At 1.5x, "well under" is 3.2 ms added:
+        // ~150 tokens, reached from the floor in a handful of steps.
+        let mut cost = started(0.0086, 0.000015, 1.5);
+        let chosen = drive(&mut cost, 0.0086, 0.001, 0.000015, 12);
+        assert!(chosen[..6].iter().sum::<usize>() >= 400, "{chosen:?}");
+        let t = settled(&chosen);
+        assert!((128..=240).contains(&t), "{chosen:?}");
     }
 
     #[test]

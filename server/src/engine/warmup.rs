@@ -18,7 +18,10 @@
 use std::time::Instant;
 
 use super::config::EngineConfig;
-use crate::model::{capacity_classes, queries_per_slot, BatchedRows, ModelConfig, RowInput, Transformer, GATHERED_ROWS_MULTIPLE, SHARED_ATTENTION_SCORES};
+use crate::model::{
+    alone_queries, capacity_classes, queries_per_slot, BatchedRows, ModelConfig, RowInput, Transformer, ALONE_QUERIES_MULTIPLE, GATHERED_ROWS_MULTIPLE,
+    SHARED_ATTENTION_SCORES,
+};
 
 /// Token counts of the warm-up forwards. MLX picks a quantized matmul's
 /// kernel by row count: under 8 rows a matrix-vector kernel, from 8 rows
@@ -75,6 +78,25 @@ pub(super) fn attention_shapes(config: &EngineConfig, model: &ModelConfig, kv_by
     shapes
 }
 
+/// The shapes of a chunk attending alone beside the shared attention (see
+/// [`crate::model::BatchedRows`]), as (queries, capacity): every multiple of
+/// [`ALONE_QUERIES_MULTIPLE`] up to a step's most prompt tokens, over every
+/// capacity class up to the model's context, within the KV budget and the
+/// lone slot's scores' bound (as for [`attention_shapes`]).
+pub(super) fn alone_shapes(config: &EngineConfig, model: &ModelConfig, kv_bytes_per_token: usize) -> Vec<(usize, usize)> {
+    let most = config.step_token_budget.min(config.prefill_chunk).max(ALONE_QUERIES_MULTIPLE);
+    let bound = LONE_SLOT_WARM_SCORES_FACTOR * config.shared_attention_scores;
+    let mut shapes = Vec::new();
+    for queries in (ALONE_QUERIES_MULTIPLE..=alone_queries(most)).step_by(ALONE_QUERIES_MULTIPLE) {
+        for capacity in capacity_classes(model.context_length + 1) {
+            if capacity > queries && model.n_heads * queries * capacity <= bound && capacity * kv_bytes_per_token <= config.kv_budget_bytes {
+                shapes.push((queries, capacity));
+            }
+        }
+    }
+    shapes
+}
+
 /// Runs, and discards, forwards of every row-count class through a row's
 /// own cache and, when running rows are batched, through batch slots, and
 /// the batched attention at every shape of [`attention_shapes`].
@@ -116,7 +138,11 @@ pub(super) fn warm_up(model: &Transformer, config: &EngineConfig, batched: bool)
         for &(slots, n, capacity) in &shapes {
             model.warm_shared_attention(slots, n, capacity)?;
         }
-        eprintln!("warm-up: {} attention shapes in {:.1} s", shapes.len(), started.elapsed().as_secs_f64());
+        let alone = alone_shapes(config, &model.config, model.config.kv_bytes_per_token(model.dtype.size()));
+        for &(queries, capacity) in &alone {
+            model.warm_alone_attention(queries, capacity)?;
+        }
+        eprintln!("warm-up: {} shared and {} lone attention shapes in {:.1} s", shapes.len(), alone.len(), started.elapsed().as_secs_f64());
     }
     Ok(())
 }
@@ -167,6 +193,21 @@ mod tests {
         // A long session's next turn: one slot, 512 queries over 30k keys.
         assert!(shapes.contains(&(1, 512, capacity_class(30_000))));
         // 415 of them took 0.6 s on an NVIDIA H200 (bench/results/archive/gpu-h200-agent-warm-shapes.jsonl).
+        assert!(shapes.len() < 1000, "{} shapes", shapes.len());
+    }
+
+    #[test]
+    fn warmed_lone_chunk_shapes_cover_a_long_prompt_joining_streams() {
+        let (config, model) = (EngineConfig::default(), qwen_1_5b());
+        let shapes = alone_shapes(&config, &model, model.kv_bytes_per_token(2));
+        // A 2,000-token prompt read beside decoding rows, in chunks of any
+        // multiple of 16 up to the step's budget; its last chunk padded.
+        let capacity = capacity_class(2_000 + 1);
+        for queries in [16, 144, 208, 512] {
+            assert!(shapes.contains(&(queries, capacity)), "{queries} queries over {capacity}");
+        }
+        assert!(shapes.contains(&(512, capacity_class(30_000))));
+        assert!(!shapes.iter().any(|&(q, _)| q > 512 || q % 16 != 0));
         assert!(shapes.len() < 1000, "{} shapes", shapes.len());
     }
 }

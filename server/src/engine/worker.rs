@@ -437,13 +437,9 @@ fn scheduler_config(config: &EngineConfig, batched_kv: bool) -> SchedulerConfig 
         min_prefill_chunk: config.min_prefill_chunk,
         max_prefill_chunk: config.max_prefill_chunk,
         kv_budget_bytes: config.kv_budget_bytes,
-        // With batched KV, larger chunks leave the shared attention's small
-        // shape, and a GPU pays milliseconds for each new shape (each larger
-        // size was a slow step of its own:
-        // bench/results/gpu-h200-admit-trace-prefill-in-slots.log); on a CPU
-        // the allowance rarely reaches it (16 prompt tokens cost half a
-        // decode step).
-        mixed_chunk_max: crate::model::SMALL_QUERIES,
+        // Chunks that fit the shared attention's smallest multi-query shape
+        // (more would each attend alone: a dozen kernels a layer apiece).
+        widened_chunk_max: crate::model::SMALL_QUERIES,
         batched_kv,
         max_itl_inflation: config.max_itl_inflation,
     }

@@ -17,6 +17,15 @@
 //! them over a bound ([`SHARED_ATTENTION_SCORES`] by default) attends
 //! alone, over its own keys only (unless it is the batch's only slot).
 //!
+//! A long prompt chunk beside decoding slots attends alone too whenever
+//! that is cheaper than padding every slot to its length ([`alone_slots`]):
+//! a 256-token chunk beside 8 decoding rows would otherwise make a 16-slot
+//! batch compute 4,096 queries for 264 real ones. Alone, its queries are
+//! padded only to a multiple of [`ALONE_QUERIES_MULTIPLE`] and it attends
+//! over its slot's whole capacity under a mask, so its attention shape is
+//! (queries, capacity class), a few hundred shapes the engine warms up,
+//! not a new key length at every chunk.
+//!
 //! The per-token work (projections, MLP) need not be padded. When padding
 //! would dominate (a 16-token chunk beside 15 decoding slots is 256 padded
 //! rows for 31 real ones), only the real tokens go through it, and each
@@ -38,6 +47,16 @@ pub const GATHERED_ROWS_MULTIPLE: usize = 16;
 
 /// Default bound on the scores of the shared attention (256 MB in float32).
 pub const SHARED_ATTENTION_SCORES: usize = 1 << 26;
+
+/// A slot attending alone pads its chunk to a multiple of this many
+/// queries, so alone attentions come in few shapes (warmed up before serving).
+pub const ALONE_QUERIES_MULTIPLE: usize = 16;
+
+/// What a second attention in a step costs, in scores of the shared one:
+/// its dozen kernels a layer take a GPU about as long as ~500 more queries
+/// over 2,048 keys with 12 heads would (tens of microseconds a layer). Below
+/// that much padding saved, a long chunk stays in the shared attention.
+const ALONE_ATTENTION_SCORES: usize = 12 << 20;
 
 /// The batched rows' part of a step.
 pub struct BatchedRows<'a> {
@@ -89,9 +108,17 @@ pub(super) struct AloneSlot {
     pub slot: usize,
     /// Its first row in the batched part.
     pub start: usize,
+    /// Its real tokens (the first of its rows).
     pub tokens: usize,
+    /// Its rows in the batched part and queries in its attention: `tokens`
+    /// padded to a multiple of [`ALONE_QUERIES_MULTIPLE`] (exactly `tokens`
+    /// in a batch with window layers, which attend over their own keys).
+    pub queries: usize,
     /// Its length before the step: where its tokens go.
     pub offset: usize,
+    /// `[1, 1, queries, capacity]` additive: query `i` sees the slot's keys up
+    /// to `offset + i` (`None` in a batch with window layers).
+    pub mask: Option<Array>,
 }
 
 struct Layout {
@@ -118,21 +145,27 @@ impl BatchStep {
         // longest slot and a padding row), which bounds the shared scores.
         let capacity = b.kv.capacity().max(capacity_class(longest + 1));
         let fits = (b.shared_scores / (slots * heads * capacity).max(1)).max(1);
-        // The batch's only slot gains nothing alone: the same scores, at a
-        // key length of its own (a new shape at every chunk).
-        let is_alone: Vec<bool> = real.iter().map(|&r| r > 1 && slots > 1 && queries_per_slot(r) > fits).collect();
+        let windows = widest_window(b.kv).is_some();
+        let queries = |r: usize| if windows { r } else { alone_queries(r) };
+        let is_alone = alone_slots(&real, fits, ALONE_ATTENTION_SCORES / (heads * capacity).max(1), queries);
         let shared_most = (0..slots).filter(|&s| !is_alone[s]).map(|s| real[s]).max().unwrap_or(0);
         let shared = shared_most > 0;
         let n = queries_per_slot(shared_most.max(1));
         let shared_tokens: usize = (0..slots).filter(|&s| !is_alone[s]).map(|s| real[s]).sum();
         let any_alone = is_alone.iter().any(|&a| a);
+        // Rows of each slot in the batched part: an alone slot's padding rides along.
+        let spans: Vec<usize> = (0..slots).map(|s| if is_alone[s] { queries(real[s]) } else { real[s] }).collect();
 
         let (ids, starts, layout) = if any_alone || gathers(slots, n, shared_tokens, mlx::default_device()) {
-            let total: usize = real.iter().sum();
+            let total: usize = spans.iter().sum();
             let rows = total.next_multiple_of(GATHERED_ROWS_MULTIPLE);
-            let mut ids: Vec<i32> = b.tokens.iter().flatten().copied().collect();
+            let mut ids = Vec::with_capacity(rows);
+            for (tokens, &span) in b.tokens.iter().zip(&spans) {
+                ids.extend_from_slice(tokens);
+                ids.extend(std::iter::repeat_n(0, span - tokens.len()));
+            }
             ids.resize(rows, 0);
-            let starts: Vec<usize> = real.iter().scan(0, |at, &r| Some(std::mem::replace(at, *at + r))).collect();
+            let starts: Vec<usize> = spans.iter().scan(0, |at, &r| Some(std::mem::replace(at, *at + r))).collect();
             let to_shared: Vec<i32> =
                 (0..slots * n).map(|p| (p / n, p % n)).map(|(s, i)| if !is_alone[s] && i < real[s] { (starts[s] + i) as i32 } else { 0 }).collect();
             // Attention outputs: the shared attention's slots * n rows (if it
@@ -141,8 +174,8 @@ impl BatchStep {
             let mut to_flat = Vec::with_capacity(rows);
             for s in 0..slots {
                 if is_alone[s] {
-                    to_flat.extend((0..real[s]).map(|i| (alone_base + i) as i32));
-                    alone_base += real[s];
+                    to_flat.extend((0..spans[s]).map(|i| (alone_base + i) as i32));
+                    alone_base += spans[s];
                 } else {
                     to_flat.extend((0..real[s]).map(|i| (s * n + i) as i32));
                 }
@@ -159,8 +192,7 @@ impl BatchStep {
             }
             (ids, (0..slots).map(|s| s * n).collect(), None)
         };
-        let alone: Vec<AloneSlot> =
-            (0..slots).filter(|&s| is_alone[s]).map(|s| AloneSlot { slot: s, start: starts[s], tokens: real[s], offset: lens[s] }).collect();
+        let alone_slots: Vec<usize> = (0..slots).filter(|&s| is_alone[s]).collect();
         // The shared attention writes every slot's n rows: an alone slot's
         // (all padding there) past its chunk, which it writes itself.
         let write_from: Vec<usize> = (0..slots).map(|s| lens[s] + if is_alone[s] { real[s] } else { 0 }).collect();
@@ -180,6 +212,14 @@ impl BatchStep {
             }
             None => None,
         };
+        // After any growth above: an alone slot's mask spans the capacity its keys have.
+        let alone = alone_slots
+            .into_iter()
+            .map(|s| {
+                let mask = if windows { None } else { Some(b.kv.alone_mask(lens[s], spans[s])?) };
+                Ok(AloneSlot { slot: s, start: starts[s], tokens: real[s], queries: spans[s], offset: lens[s], mask })
+            })
+            .collect::<mlx::Result<Vec<_>>>()?;
         let tokens = ids.len();
         Ok(BatchStep {
             slots,
@@ -233,9 +273,9 @@ fn widest_window(kv: &KvBatch) -> Option<usize> {
 }
 
 /// Most queries per slot of the shared attention's smallest multi-query
-/// shape: a draft verification (up to 15 drafts) and a prompt chunk beside
-/// decoding rows (see `MIXED_CHUNK_MAX` in the engine) fit it, so they all
-/// share it.
+/// shape: a draft verification (up to 15 drafts) and the small chunks of
+/// prompts that share a widened allowance (`widened_chunk_max` in the
+/// scheduler) fit it, so they all share it; longer chunks may attend alone.
 pub const SMALL_QUERIES: usize = 16;
 
 /// Queries per slot of a shared attention whose busiest slot brings
@@ -245,6 +285,40 @@ pub fn queries_per_slot(tokens: usize) -> usize {
     match tokens {
         0..=1 => 1,
         _ => tokens.next_power_of_two().max(SMALL_QUERIES),
+    }
+}
+
+/// Queries of a slot attending alone with `tokens` real ones (see [`ALONE_QUERIES_MULTIPLE`]).
+pub fn alone_queries(tokens: usize) -> usize {
+    tokens.next_multiple_of(ALONE_QUERIES_MULTIPLE)
+}
+
+/// Which slots of a step attend alone, given each slot's real tokens:
+/// those whose padded queries would push the shared scores past their bound
+/// (more than `fits` queries a slot), and the long chunks (more than
+/// [`SMALL_QUERIES`]) too when the padding they spare the other slots costs
+/// more than the attentions they add (`overhead` queries of the shared
+/// attention each). `queries` gives an alone slot's queries. The batch's
+/// only slot gains nothing alone: the same scores, at a shape of its own.
+fn alone_slots(real: &[usize], fits: usize, overhead: usize, queries: impl Fn(usize) -> usize) -> Vec<bool> {
+    let slots = real.len();
+    if slots <= 1 {
+        return vec![false; slots];
+    }
+    // In units of one query over the capacity, the same for every option.
+    let cost = |alone: &[bool]| {
+        let shared_most = (0..slots).filter(|&s| !alone[s]).map(|s| real[s]).max().unwrap_or(0);
+        let shared = if shared_most > 0 { slots * queries_per_slot(shared_most) } else { 0 };
+        let attentions = usize::from(shared_most > 0) + alone.iter().filter(|&&a| a).count();
+        let own: usize = (0..slots).filter(|&s| alone[s]).map(|s| queries(real[s])).sum();
+        shared + own + attentions.saturating_sub(1) * overhead
+    };
+    let forced: Vec<bool> = real.iter().map(|&r| r > 1 && queries_per_slot(r) > fits).collect();
+    let with_long: Vec<bool> = real.iter().zip(&forced).map(|(&r, &f)| f || r > SMALL_QUERIES).collect();
+    if cost(&with_long) < cost(&forced) {
+        with_long
+    } else {
+        forced
     }
 }
 
@@ -276,6 +350,33 @@ mod tests {
         assert!(!gathers(2, 16, 17, Device::Gpu));
         // Four slots all reading 16-token chunks: nothing padded.
         assert!(!gathers(4, 16, 64, Device::Cpu));
+    }
+
+    #[test]
+    fn a_long_chunk_beside_decoding_slots_attends_alone() {
+        let exact = |r: usize| r;
+        // 8 decoding rows in 16 slots beside a 256-token chunk: padding all
+        // to 256 queries is 4,096 of them; alone, 16 + 256 + the overhead.
+        let mut real = vec![0; 16];
+        real[..8].fill(1);
+        real[8] = 256;
+        let alone = alone_slots(&real, usize::MAX, 500, exact);
+        assert_eq!(alone.iter().filter(|&&a| a).count(), 1);
+        assert!(alone[8]);
+        // A 32-token chunk saves less padding than a second attention costs.
+        real[8] = 32;
+        assert!(alone_slots(&real, usize::MAX, 500, exact).iter().all(|&a| !a));
+        // Four 128-token chunks beside one decoding row share the attention:
+        // four more attentions would cost more than padding 3 slots.
+        let real = [128, 128, 128, 128, 1, 0, 0, 0];
+        assert!(alone_slots(&real, usize::MAX, 500, exact).iter().all(|&a| !a));
+        // The only busy slot of a batch with free slots attends alone (the
+        // shared attention then does not run at all).
+        let real = [340, 0];
+        assert_eq!(alone_slots(&real, usize::MAX, 500, exact), [true, false]);
+        // A lone slot never does; the scores' bound still sends chunks alone.
+        assert_eq!(alone_slots(&[512], 1, 500, exact), [false]);
+        assert_eq!(alone_slots(&[2, 1, 1, 1], 1, 500, exact), [true, false, false, false]);
     }
 
     #[test]

@@ -252,12 +252,43 @@ impl KvBatch {
     /// and values from its first position up to there,
     /// `[1, kv_heads, at + n - first, head_dim]`.
     pub fn write_slot(&mut self, layer: usize, slot: usize, at: usize, keys: &Array, values: &Array) -> mlx::Result<(Array, Array)> {
+        let end = self.put_slot(layer, slot, at, keys, values)?;
+        self.slot_view(layer, slot, end)
+    }
+
+    /// [`write_slot`](Self::write_slot) on a layer without a window, returning
+    /// the slot's whole capacity, `[1, kv_heads, capacity, head_dim]`: an
+    /// attention over it has the shape of the capacity class, not of this
+    /// chunk's end (see [`alone_mask`](Self::alone_mask)).
+    pub fn write_slot_whole(&mut self, layer: usize, slot: usize, at: usize, keys: &Array, values: &Array) -> mlx::Result<(Array, Array)> {
+        debug_assert!(self.windows[layer].is_none(), "window layers hold their own positions");
+        self.put_slot(layer, slot, at, keys, values)?;
+        self.slot_view(layer, slot, self.capacity)
+    }
+
+    /// Writes a slot's keys and values at `at ..`; returns the index past them.
+    fn put_slot(&mut self, layer: usize, slot: usize, at: usize, keys: &Array, values: &Array) -> mlx::Result<usize> {
         let at = at - self.first(layer, slot);
         let (k, v) = self.layers.get_mut(layer).ok_or_else(|| mlx::Error { op: "kv_batch", message: "write to an empty batch".into() })?;
         let (h, d, s, end) = (self.kv_heads as i32, self.head_dim as i32, slot as i32, (at + keys.dim(2)) as i32);
         *k = k.slice_update(keys, &[s, 0, at as i32, 0], &[s + 1, h, end, d])?;
         *v = v.slice_update(values, &[s, 0, at as i32, 0], &[s + 1, h, end, d])?;
+        Ok(end as usize)
+    }
+
+    /// A slot's keys and values at indices `..end` of a layer.
+    fn slot_view(&self, layer: usize, slot: usize, end: usize) -> mlx::Result<(Array, Array)> {
+        let (k, v) = &self.layers[layer];
+        let (h, d, s, end) = (self.kv_heads as i32, self.head_dim as i32, slot as i32, end as i32);
         Ok((k.slice(&[s, 0, 0, 0], &[s + 1, h, end, d])?, v.slice(&[s, 0, 0, 0], &[s + 1, h, end, d])?))
+    }
+
+    /// The additive mask of `queries` queries of one slot at positions
+    /// `offset ..` over its whole capacity, `[1, 1, queries, capacity]`:
+    /// query `i` sees keys up to `offset + i`.
+    pub fn alone_mask(&self, offset: usize, queries: usize) -> mlx::Result<Array> {
+        let at: Vec<i32> = (offset..offset + queries).map(|p| p as i32).collect();
+        self.step_mask(&Array::from_i32(&at, &[1, 1, queries, 1])?)
     }
 
     /// The additive attention mask of a step, `[slots, 1, n, capacity]` in
@@ -468,6 +499,24 @@ mod tests {
         let pos = kv.write_positions(&[250, 3], &[5, 1], 16).unwrap().to_vec_i32().unwrap();
         assert_eq!(&pos[..16], &[250, 251, 252, 253, 254, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255]);
         assert_eq!(&pos[16..20], &[3, 4, 5, 6]);
+    }
+
+    #[test]
+    fn a_slot_written_whole_shows_its_capacity_and_its_mask_its_keys() {
+        let mut kv = batch_of(1, &[(3, 1.0), (2, 2.0)]);
+        let new = Array::full(&[1, 1, 3, 4], 7.0, Dtype::F32).unwrap();
+        let (keys, _) = kv.write_slot_whole(0, 1, 2, &new, &new).unwrap();
+        assert_eq!(keys.shape(), vec![1, 1, kv.capacity(), 4]);
+        let keys = keys.to_vec_f32().unwrap();
+        assert!(keys[..8].iter().all(|&x| x == 2.0) && keys[8..20].iter().all(|&x| x == 7.0), "{keys:?}");
+        // Four queries (the fourth padding) at 2 ..: each sees keys up to itself.
+        let mask = kv.alone_mask(2, 4).unwrap();
+        assert_eq!(mask.shape(), vec![1, 1, 4, kv.capacity()]);
+        let mask = mask.to_vec_f32().unwrap();
+        for q in 0..4 {
+            let row = &mask[q * kv.capacity()..(q + 1) * kv.capacity()];
+            assert!(row[..=2 + q].iter().all(|&x| x == 0.0) && row[3 + q..].iter().all(|&x| x == f32::NEG_INFINITY), "query {q}");
+        }
     }
 
     #[test]

@@ -16,7 +16,7 @@ mod weights;
 
 use std::path::Path;
 
-pub use batch_step::{queries_per_slot, BatchedRows, GATHERED_ROWS_MULTIPLE, SHARED_ATTENTION_SCORES, SMALL_QUERIES};
+pub use batch_step::{alone_queries, queries_per_slot, BatchedRows, ALONE_QUERIES_MULTIPLE, GATHERED_ROWS_MULTIPLE, SHARED_ATTENTION_SCORES, SMALL_QUERIES};
 pub use config::{Activation, Architecture, ModelConfig, SlidingWindow};
 pub use embedding::Embedding;
 pub use kv_batch::{capacity_class, capacity_classes, KvBatch};

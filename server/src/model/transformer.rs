@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 use mlx::fast::{self, AttentionRow, KeyLayout, KvCodes, Mask, RopeTable};
 use mlx::{Array, Dtype};
 
-use super::batch_step::{BatchStep, BatchedRows};
+use super::batch_step::{AloneSlot, BatchStep, BatchedRows};
 use super::config::{Activation, ModelConfig};
 use super::embedding::Embedding;
 use super::kv_batch::KvBatch;
@@ -235,11 +235,17 @@ impl Transformer {
                 if step.shared {
                     outputs.push(self.attention_batched(li, &step.to_shared(&mine)?, b.kv, step)?);
                 }
-                for (alone, mask) in step.alone.iter().zip(&mut alone_masks) {
-                    let (at, n) = (alone.start as i32, alone.tokens as i32);
+                for (alone, window_mask) in step.alone.iter().zip(&mut alone_masks) {
+                    let (at, n) = (alone.start as i32, alone.queries as i32);
                     let rows = mine.slice(&[0, at, 0], &[1, at + n, (hq + 2 * hkv) * hd])?;
-                    let first = b.kv.first(li, alone.slot);
-                    outputs.push(self.attention_own(li, &rows, (alone.offset, first), mask, |k, v| b.kv.write_slot(li, alone.slot, alone.offset, k, v))?);
+                    outputs.push(match &alone.mask {
+                        Some(mask) => self.attention_alone(li, &rows, b.kv, alone, mask)?,
+                        // A batch with window layers: each attends over its own keys.
+                        None => {
+                            let first = b.kv.first(li, alone.slot);
+                            self.attention_own(li, &rows, (alone.offset, first), window_mask, |k, v| b.kv.write_slot(li, alone.slot, alone.offset, k, v))?
+                        }
+                    });
                 }
                 parts.push(step.to_flat(&outputs)?);
             }
@@ -315,15 +321,9 @@ impl Transformer {
         W: FnOnce(&Array, &Array) -> mlx::Result<(Array, Array)>,
     {
         let c = &self.config;
-        let (hq, hkv, hd) = (c.n_heads as i32, c.n_kv_heads as i32, c.head_dim as i32);
+        let (hq, hd) = (c.n_heads as i32, c.head_dim as i32);
         let n = qkv.dim(1) as i32;
-        let heads = |start: i32, count: i32| -> mlx::Result<Array> {
-            qkv.slice(&[0, 0, start * hd], &[1, n, (start + count) * hd])?.reshape(&[1, n, count, hd])?.transpose(&[0, 2, 1, 3])
-        };
-        let rope = |a: &Array| self.rope(layer, a, offset as i32);
-        let q = rope(&heads(0, hq)?)?;
-        let k = rope(&heads(hq, hkv)?)?;
-        let v = heads(hq + hkv, hkv)?;
+        let (q, k, v) = self.rotated_heads(layer, qkv, offset)?;
         let (keys, values) = write(&k, &v)?;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         let out = match c.layer_window(layer) {
@@ -337,6 +337,55 @@ impl Transformer {
             }
         };
         out.transpose(&[0, 2, 1, 3])?.reshape(&[1, n, hq * hd])
+    }
+
+    /// One sequence's `[1, n, ..]` rows at positions `offset ..` split into
+    /// queries, keys and values, `[1, heads, n, head_dim]`, the first two rotated.
+    fn rotated_heads(&self, layer: usize, qkv: &Array, offset: usize) -> mlx::Result<(Array, Array, Array)> {
+        let c = &self.config;
+        let (hq, hkv, hd) = (c.n_heads as i32, c.n_kv_heads as i32, c.head_dim as i32);
+        let n = qkv.dim(1) as i32;
+        let heads = |start: i32, count: i32| -> mlx::Result<Array> {
+            qkv.slice(&[0, 0, start * hd], &[1, n, (start + count) * hd])?.reshape(&[1, n, count, hd])?.transpose(&[0, 2, 1, 3])
+        };
+        let rope = |a: &Array| self.rope(layer, a, offset as i32);
+        Ok((rope(&heads(0, hq)?)?, rope(&heads(hq, hkv)?)?, heads(hq + hkv, hkv)?))
+    }
+
+    /// Attention of one layer for a batched slot's chunk on its own (see
+    /// [`BatchStep`]): `qkv` is its `[1, queries, ..]` rows, its real tokens
+    /// first, at positions `alone.offset ..`. Only the real tokens' keys and
+    /// values are written; every query attends over the slot's whole
+    /// capacity under `mask`, so the shape is (queries, capacity class)
+    /// whatever the chunk's end (a padding query's output is dropped).
+    /// Returns `[1, queries, n_heads * head_dim]`.
+    fn attention_alone(&self, layer: usize, qkv: &Array, kv: &mut KvBatch, alone: &AloneSlot, mask: &Array) -> mlx::Result<Array> {
+        let c = &self.config;
+        let (hq, hkv, hd) = (c.n_heads as i32, c.n_kv_heads as i32, c.head_dim as i32);
+        let n = qkv.dim(1) as i32;
+        let (q, k, v) = self.rotated_heads(layer, qkv, alone.offset)?;
+        let real = alone.tokens as i32;
+        let (k, v) = if real < n { (k.slice(&[0, 0, 0, 0], &[1, hkv, real, hd])?, v.slice(&[0, 0, 0, 0], &[1, hkv, real, hd])?) } else { (k, v) };
+        let (keys, values) = kv.write_slot_whole(layer, alone.slot, alone.offset, &k, &v)?;
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        let out = fast::sdpa(&q, &keys, &values, scale, Mask::Array(mask))?;
+        out.transpose(&[0, 2, 1, 3])?.reshape(&[1, n, hq * hd])
+    }
+
+    /// Runs one layer's [`attention_alone`](Self::attention_alone) once, on
+    /// zeros, for `queries` queries over a slot of `capacity` keys (a
+    /// [`capacity_class`](super::kv_batch::capacity_class)), so that what MLX
+    /// sets up for the shape at first use is done before serving.
+    pub fn warm_alone_attention(&self, queries: usize, capacity: usize) -> mlx::Result<()> {
+        let c = &self.config;
+        let mut kv = KvBatch::new(1, c.n_kv_heads, c.head_dim, self.dtype);
+        kv.admit(&KvCache::new(1, c.n_kv_heads, c.head_dim, self.dtype), capacity)?;
+        let mask = kv.alone_mask(0, queries)?;
+        let alone = AloneSlot { slot: 0, start: 0, tokens: queries, queries, offset: 0, mask: None };
+        let width = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim;
+        let qkv = Array::full(&[1, queries, width], 0.0, self.dtype)?;
+        let out = self.attention_alone(0, &qkv, &mut kv, &alone, &mask)?;
+        mlx::eval(&[&out])
     }
 
     /// Runs the shared attention ([`attention_batched`](Self::attention_batched))

@@ -13,7 +13,7 @@ fn config() -> SchedulerConfig {
         min_prefill_chunk: 16,
         max_prefill_chunk: 128,
         kv_budget_bytes: 1 << 20,
-        mixed_chunk_max: 16,
+        widened_chunk_max: 16,
         batched_kv: false,
         max_itl_inflation: 1.5,
     }
