@@ -44,7 +44,8 @@
 # what it cannot hold a returning session computes again).
 # MODE=admit: bench/load.py's admit workload (a 2,000-token prompt joining 8
 # decoding streams; ADMIT_ROUNDS, default 3, prompts per setting, so later
-# ones meet the prefill allowance the first taught) against each build of
+# ones meet the prefill allowance the first taught; then a 2,000-token prompt
+# alone) against each build of
 # TETHER_BINS ("old new", one server at a time), then mlx_lm.server (MLX_LM=0:
 # not), on the random Qwen2.5-1.5B-shaped bf16 checkpoint. Needs aiohttp's wheels.
 # MODE=agent: the 12-turn agent workload of bench/load.py (WORKLOAD=agent in
@@ -162,6 +163,10 @@ if [ "${MODE:-decode}" = admit ]; then
     start_tether "$bin" "$OUT/tether-serve-$(basename "$bin").log" --model "$dir" --device gpu
     "$PY" "$here/../load.py" --engine $engine --url "http://127.0.0.1:$port" --label "qwen2.5-1.5b-bf16 $(basename "$bin")" \
       --build "$(basename "$bin")" "${admit[@]}" || echo "$bin admit run failed" >&2
+    # The same prompt length alone: its time to first token with nothing decoding.
+    "$PY" "$here/../load.py" --engine $engine --url "http://127.0.0.1:$port" --label "qwen2.5-1.5b-bf16 $(basename "$bin")" \
+      --build "$(basename "$bin")" --workloads decode --streams 1 --prompt-tokens 2000 --max-tokens 8 --model-dir "$dir" \
+      --out "$OUT/results.jsonl" || echo "$bin long-prompt run failed" >&2
     stop_server
   done
   if [ "${MLX_LM:-1}" = 1 ]; then
