@@ -45,9 +45,11 @@
 # MODE=admit: bench/load.py's admit workload (a 2,000-token prompt joining 8
 # decoding streams; ADMIT_ROUNDS, default 3, prompts per setting, so later
 # ones meet the prefill allowance the first taught; then a 2,000-token prompt
-# alone) against each build of
-# TETHER_BINS ("old new", one server at a time), then mlx_lm.server (MLX_LM=0:
-# not), on the random Qwen2.5-1.5B-shaped bf16 checkpoint. Needs aiohttp's wheels.
+# alone, three times) against each build of
+# TETHER_BINS ("old new", one server at a time; SERVE_SWEEP: once per set of
+# extra `serve` flags), then mlx_lm.server (MLX_LM=0: not), on the random
+# Qwen2.5-1.5B-shaped bf16 checkpoint. Needs aiohttp's wheels.
+# TETHER_TRACE_STEPS=1: each server logs its steps (tether-serve-*.log).
 # MODE=agent: the 12-turn agent workload of bench/load.py (WORKLOAD=agent in
 # bench/load.sh) on the random Qwen2.5-1.5B-shaped bf16 checkpoint: `tether
 # serve` (session prefix cache on, and off) beside mlx_lm.server (its prompt
@@ -156,18 +158,26 @@ if [ "${MODE:-decode}" = admit ]; then
   source "$here/../lib.sh"
   dir=/opt/models/qwen2.5-1.5b-bf16
   admit=(--workloads admit --admit-rounds "${ADMIT_ROUNDS:-3}" --model-dir "$dir" --out "$OUT/results.jsonl")
-  engine=tether-prev
-  for bin in ${TETHER_BINS:-$TETHER_BIN}; do
-    # The last build listed is the one measured; the ones before it are earlier builds.
-    [ "$bin" = "${TETHER_BINS##* }" ] || [ -z "${TETHER_BINS:-}" ] && engine=tether
-    start_tether "$bin" "$OUT/tether-serve-$(basename "$bin").log" --model "$dir" --device gpu
-    "$PY" "$here/../load.py" --engine $engine --url "http://127.0.0.1:$port" --label "qwen2.5-1.5b-bf16 $(basename "$bin")" \
-      --build "$(basename "$bin")" "${admit[@]}" || echo "$bin admit run failed" >&2
-    # The same prompt length alone: its time to first token with nothing decoding.
-    "$PY" "$here/../load.py" --engine $engine --url "http://127.0.0.1:$port" --label "qwen2.5-1.5b-bf16 $(basename "$bin")" \
-      --build "$(basename "$bin")" --workloads decode --streams 1 --prompt-tokens 2000 --max-tokens 8 --model-dir "$dir" \
-      --out "$OUT/results.jsonl" || echo "$bin long-prompt run failed" >&2
-    stop_server
+  # SERVE_SWEEP: one server per `;`-separated set of extra `serve` flags, per build.
+  IFS=';' read -ra settings <<< "${SERVE_SWEEP:-}"
+  [ ${#settings[@]} -gt 0 ] || settings=("")
+  for flags in "${settings[@]}"; do
+    engine=tether-prev
+    label="qwen2.5-1.5b-bf16${flags:+ $flags}"
+    for bin in ${TETHER_BINS:-$TETHER_BIN}; do
+      # The last build listed is the one measured; the ones before it are earlier builds.
+      [ "$bin" = "${TETHER_BINS##* }" ] || [ -z "${TETHER_BINS:-}" ] && engine=tether
+      name="$(basename "$bin")$(echo "$flags" | tr -c 'a-z0-9.\n' _)"
+      # shellcheck disable=SC2086
+      start_tether "$bin" "$OUT/tether-serve-$name.log" --model "$dir" --device gpu $flags
+      "$PY" "$here/../load.py" --engine $engine --url "http://127.0.0.1:$port" --label "$label" \
+        --build "$(basename "$bin")" "${admit[@]}" || echo "$bin admit run failed" >&2
+      # The same prompt length alone: its time to first token with nothing decoding (three times).
+      "$PY" "$here/../load.py" --engine $engine --url "http://127.0.0.1:$port" --label "$label" \
+        --build "$(basename "$bin")" --workloads decode --streams 1,1,1 --prompt-tokens 2000 --max-tokens 8 --model-dir "$dir" \
+        --out "$OUT/results.jsonl" || echo "$bin long-prompt run failed" >&2
+      stop_server
+    done
   done
   if [ "${MLX_LM:-1}" = 1 ]; then
     "$PY" -m mlx_lm server --model "$dir" --host 127.0.0.1 --port 8181 >"$OUT/mlx-lm-serve.log" 2>&1 &
