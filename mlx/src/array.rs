@@ -319,7 +319,7 @@ pub fn dequantize(q: &QuantizedWeights, dtype: Dtype) -> Result<Array> {
 
 /// [`dequantize`] to float32 on the CPU, rows split over all cores (MLX's own
 /// runs on one thread); the same values bit for bit. Needs float32 scales
-/// and biases and 4 or 8 bits.
+/// and biases and 4, 5 ([`pack_5bit_codes`]) or 8 bits.
 pub fn cpu_dequantize(q: &QuantizedWeights) -> Result<Array> {
     wrap("cpu_dequantize", bridge::cpu_dequantize(q.packed.raw(), q.scales.raw(), q.biases.raw(), q.group_size, q.bits))
 }
@@ -329,7 +329,7 @@ pub fn quantized_matmul(x: &Array, q: &QuantizedWeights) -> Result<Array> {
     wrap("quantized_matmul", bridge::quantized_matmul(x.raw(), q.packed.raw(), q.scales.raw(), q.biases.raw(), true, q.group_size, q.bits))
 }
 
-/// The CPU decode kernel for affine-quantized weights (4 or 8 bits, float32
+/// The CPU decode kernel for affine-quantized weights (4, 5 or 8 bits, float32
 /// activations, scales and biases): reads each quantized row once and expands
 /// it in registers, where MLX's own CPU kernel is compute-bound. Handles at
 /// most [`cpu_quantized_matmul_max_rows`] rows of `x`.
@@ -359,6 +359,32 @@ pub fn cpu_quantized_matmul_fused(x: &Array, q: &QuantizedWeights, fusion: QmmFu
     let residual = make_list(op, &fusion.residual.into_iter().collect::<Vec<_>>())?;
     let eps = fusion.norm.map_or(0.0, |(_, e)| e);
     wrap(op, bridge::cpu_quantized_matmul_fused(x.raw(), q.packed.raw(), q.scales.raw(), q.biases.raw(), q.group_size, q.bits, &norm, eps, &bias, &residual))
+}
+
+/// Tether's 5-bit codes for the CPU kernels (MLX has no 5-bit form they
+/// read): `codes` is `[rows, cols]`, each below 32, `cols` a multiple of 64;
+/// groups must be 32 wide. Each step of 64 codes becomes 40 bytes: 32 bytes
+/// of low nibbles (code `2i` of the step in the low nibble of byte `i`,
+/// `2i + 1` in the high one), then the fifth bits, bit `i` of the next 64
+/// for code `2i` and bit `32 + i` for code `2i + 1`. Returns the words of
+/// the `[rows, cols * 5 / 32]` uint32 array, or `None` for another shape.
+pub fn pack_5bit_codes(codes: &[u8], cols: usize) -> Option<Vec<u32>> {
+    if cols == 0 || !cols.is_multiple_of(64) || !codes.len().is_multiple_of(cols) || codes.iter().any(|&c| c >= 32) {
+        return None;
+    }
+    let mut bytes = Vec::with_capacity(codes.len() * 5 / 8);
+    for step in codes.chunks_exact(64) {
+        bytes.extend(step.chunks_exact(2).map(|pair| (pair[0] & 0xF) | ((pair[1] & 0xF) << 4)));
+        let fifth = step.iter().enumerate().fold(0u64, |acc, (r, &c)| acc | (u64::from(c >> 4) << ((r & 1) * 32 + r / 2)));
+        bytes.extend(fifth.to_le_bytes());
+    }
+    Some(bytes.chunks_exact(4).map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]])).collect())
+}
+
+/// Whether [`cpu_quantized_matmul`] reads 5-bit codes at speed on this CPU
+/// (it needs AVX-512 VNNI); elsewhere store them as 8-bit ones.
+pub fn cpu_five_bit_codes_fast() -> bool {
+    bridge::cpu_five_bit_codes_fast()
 }
 
 /// Rows of activations [`cpu_quantized_matmul`] accepts in one call.

@@ -28,7 +28,7 @@ namespace {
 template <int BITS>
 void expand_rows(const uint8_t* w, const float* scales, const float* biases, int K, int gs, float* out, int n0, int n1) {
   const int G = K / gs;
-  const size_t row_bytes = static_cast<size_t>(K) * BITS / 8;
+  const size_t row_bytes = static_cast<size_t>(K) * BITS / 8;  // 5 bits: 40 bytes per 64
   for (int n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;
     float* dst = out + static_cast<size_t>(n) * K;
@@ -45,6 +45,49 @@ void expand_rows(const uint8_t* w, const float* scales, const float* biases, int
   }
 }
 
+// 5-bit rows (groups of 32), a step of two groups at a time: the codes are
+// unpacked as the decode kernel unpacks them, put back in element order
+// (even and odd words interleaved), then scaled as expand_rows does.
+__attribute__((target("avx512f,avx512bw")))
+void expand_rows_5bit(const uint8_t* w, const float* scales, const float* biases, int K, float* out, int n0, int n1) {
+  const int G = K / 32, steps = K / kFiveBitStepElements;
+  const size_t row_bytes = static_cast<size_t>(steps) * kFiveBitStepBytes;
+  // Word i of the first interleave is element i of the step: even i from
+  // `even` (index i / 2), odd i from `odd` (32 + i / 2); the second, element 32 + i.
+  alignas(64) int16_t first[32], second[32];
+  for (int i = 0; i < 32; ++i) {
+    first[i] = static_cast<int16_t>((i & 1) * 32 + i / 2);
+    second[i] = static_cast<int16_t>((i & 1) * 32 + 16 + i / 2);
+  }
+  const __m512i lo_idx = _mm512_load_si512(first), hi_idx = _mm512_load_si512(second);
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    float* dst = out + static_cast<size_t>(n) * K;
+    for (int st = 0; st < steps; ++st) {
+      __m512i even, odd;
+      unpack_5bit_step(wr + st * kFiveBitStepBytes, even, odd);
+      const __m512i halves[2] = {_mm512_permutex2var_epi16(even, lo_idx, odd), _mm512_permutex2var_epi16(even, hi_idx, odd)};
+      for (int h = 0; h < 2; ++h) {
+        const int g = 2 * st + h;
+        const __m512 s = _mm512_set1_ps(scales[static_cast<size_t>(n) * G + g]), b = _mm512_set1_ps(biases[static_cast<size_t>(n) * G + g]);
+        for (int q = 0; q < 2; ++q) {
+          const __m256i words = q == 0 ? _mm512_castsi512_si256(halves[h]) : _mm512_extracti64x4_epi64(halves[h], 1);
+          const __m512 code = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(words));
+          // The explicitly rounded forms: GCC would contract a plain multiply
+          // and add into one FMA, and round differently from expand_rows.
+          constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+          _mm512_storeu_ps(dst + g * 32 + q * 16, _mm512_add_round_ps(_mm512_mul_round_ps(code, s, kNearest), b, kNearest));
+        }
+      }
+    }
+  }
+}
+
+bool has_avx512bw() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  return yes;
+}
+
 class CpuAffineDequantize : public mx::UnaryPrimitive {
  public:
   CpuAffineDequantize(mx::Stream s, int group_size, int bits) : mx::UnaryPrimitive(s), group_size_(group_size), bits_(bits) {}
@@ -59,7 +102,9 @@ class CpuAffineDequantize : public mx::UnaryPrimitive {
       const float* b = in[2].data<float>();
       RowPool::get().run(N, 16, [&](int n0, int n1) {
         if (bits == 8) expand_rows<8>(w, s, b, K, gs, dst, n0, n1);
-        else expand_rows<4>(w, s, b, K, gs, dst, n0, n1);
+        else if (bits == 4) expand_rows<4>(w, s, b, K, gs, dst, n0, n1);
+        else if (has_avx512bw()) expand_rows_5bit(w, s, b, K, dst, n0, n1);
+        else expand_rows<5>(w, s, b, K, gs, dst, n0, n1);
       });
     });
   }
@@ -82,14 +127,17 @@ class CpuAffineDequantize : public mx::UnaryPrimitive {
 }  // namespace
 
 mx::array cpu_affine_dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits) {
-  if (bits != 4 && bits != 8) throw std::invalid_argument("cpu_affine_dequantize supports 4 and 8 bits");
+  if (bits != 4 && bits != 5 && bits != 8) throw std::invalid_argument("cpu_affine_dequantize supports 4, 5 and 8 bits");
   if (w.dtype() != mx::uint32 || w.ndim() != 2) throw std::invalid_argument("cpu_affine_dequantize: packed weights must be 2-D uint32");
   if (scales.dtype() != mx::float32 || biases.dtype() != mx::float32)
     throw std::invalid_argument("cpu_affine_dequantize needs float32 scales and biases");
+  if (w.shape(1) * 32 % bits != 0) throw std::invalid_argument("cpu_affine_dequantize: packed rows hold a fraction of a code");
   const int N = w.shape(0), K = w.shape(1) * 32 / bits;
   if (group_size <= 0 || K % group_size != 0 || scales.ndim() != 2 || scales.shape(0) != N || scales.shape(1) != K / group_size ||
       biases.shape() != scales.shape())
     throw std::invalid_argument("cpu_affine_dequantize: shapes of weights, scales and biases disagree");
+  if (bits == 5 && (group_size != 32 || K % kFiveBitStepElements != 0))
+    throw std::invalid_argument("cpu_affine_dequantize: 5-bit rows come in groups of 32, a multiple of 64 wide");
   auto cpu = mx::default_stream(mx::Device::cpu);
   std::vector<mx::array> inputs = {contiguous_unless_ready(w, cpu), contiguous_unless_ready(scales, cpu), contiguous_unless_ready(biases, cpu)};
   return mx::array(mx::Shape{N, K}, mx::float32, std::make_shared<CpuAffineDequantize>(cpu, group_size, bits), std::move(inputs));

@@ -15,6 +15,7 @@
 // with j over group g. The scale is folded into the codes before the FMA, and
 // the bias term uses per-group sums of x computed once per call.
 //
+// Prefetches may reach past the end of the weights: a prefetch never faults.
 // Invariants: weights, scales and biases are row-contiguous (made so before
 // the primitive is built); x is read through row_major_f32; the output buffer is allocated in eval_cpu and filled by the dispatched task,
 // which holds copies of the input arrays so their buffers outlive it.
@@ -50,6 +51,18 @@ struct Problem {
   float* out;            // [M, N]
   int M, N, K, G, bits;
 };
+
+// How far ahead of the codes being read a one-row kernel asks for more. A
+// model's weights do not fit in cache, and the hardware prefetchers alone
+// (which stop at every 4 KB page and ramp up again) kept a decode-sized
+// product at about half this CPU's streaming read rate: 11-14 against
+// 22 GB/s on a 2-core Xeon, model-sized 4- and 8-bit weights read from
+// memory (examples/qmm_dram_bench). Asking 2 KB ahead took it to 18-20.
+constexpr int kPrefetchBytes = 2048;
+
+inline void prefetch_ahead(const uint8_t* codes) {
+  _mm_prefetch(reinterpret_cast<const char*>(codes + kPrefetchBytes), _MM_HINT_T0);
+}
 
 // From this many activation rows on, the tiled path (rows_avx512_tiled)
 // beats streaming codes through the per-row kernels.
@@ -135,6 +148,7 @@ void rows_avx512_g32(const Problem& p, int n0, int n1) {
         for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_setzero_ps();
       int g = 0;
       for (; g + 1 < p.G; g += 2) {
+        if (m0 == 0) prefetch_ahead(wr + g * BITS * 4);
         __m512 qa0, qb0, qa1, qb1;
         expand_group<BITS>(wr, g, _mm512_set1_ps(sr[g]), qa0, qb0);
         expand_group<BITS>(wr, g + 1, _mm512_set1_ps(sr[g + 1]), qa1, qb1);
@@ -194,14 +208,29 @@ void rows_avx512_8bit_g16(const Problem& p, int n0, int n1) {
 constexpr int kTileN = 4;  // tile_dots spells out its four weight rows
 constexpr int kTileMaxM = 6;  // 4 x 6 accumulators + 4 weights + 1 x = 29 of 32 zmm
 
-// Row n of W as floats (code * scale), group by group. 4-bit groups come out
-// as [even elements | odd elements], matching the nibble layout; x is
-// permuted the same way (see permute_x_for_4bit), so dot products agree.
+// Row n of W as floats (code * scale), group by group. 4- and 5-bit groups
+// come out as [even elements | odd elements], matching the nibble layout; x
+// is permuted the same way (see permute_x_for_4bit), so dot products agree.
 __attribute__((target("avx512f,avx512bw")))
 void expand_row(const Problem& p, int n, float* dst) {
   const int gs = p.K / p.G;
   const float* sr = p.scales + static_cast<size_t>(n) * p.G;
-  if (p.bits == 4) {
+  if (p.bits == 5) {
+    // A step's `even` words are the even elements of its two groups, 16 each.
+    const uint8_t* wr = p.w + static_cast<size_t>(n) * (p.K / kFiveBitStepElements) * kFiveBitStepBytes;
+    for (int st = 0; st < p.G / 2; ++st) {
+      __m512i even, odd;
+      unpack_5bit_step(wr + st * kFiveBitStepBytes, even, odd);
+      for (int h = 0; h < 2; ++h) {
+        const int g = 2 * st + h;
+        const __m512 s = _mm512_set1_ps(sr[g]);
+        const __m256i e = h == 0 ? _mm512_castsi512_si256(even) : _mm512_extracti64x4_epi64(even, 1);
+        const __m256i o = h == 0 ? _mm512_castsi512_si256(odd) : _mm512_extracti64x4_epi64(odd, 1);
+        _mm512_storeu_ps(dst + g * 32, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(e)), s));
+        _mm512_storeu_ps(dst + g * 32 + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(o)), s));
+      }
+    }
+  } else if (p.bits == 4) {
     const uint8_t* wr = p.w + static_cast<size_t>(n) * p.K / 2;
     for (int g = 0; g < p.G; ++g) {
       __m512 qa, qb;
@@ -323,6 +352,8 @@ void rows_avx512_tiled(const Problem& p, const float* xp, int n0, int n1) {
 //   4-bit, groups of 32: 32 code bytes; words a = even elements of both
 //     groups (low nibbles), b = odd elements (high nibbles).
 //   8-bit, groups of 32: 64 code bytes; a = elements 0-15 of both, b = 16-31.
+//   5-bit, groups of 32: 40 bytes (cpu_dequantize.h's layout); a and b as
+//     for 4 bits, the fifth bits added by a masked add.
 //   8-bit, groups of 16: 32 code bytes; a = all 16 elements of both.
 // x's words are stored in the same order (int_step_element), so every
 // format runs the same multiply-accumulate.
@@ -331,7 +362,7 @@ void rows_avx512_tiled(const Problem& p, const float* xp, int n0, int n1) {
 // call or where the row sits in it (the same per-step operations in the same
 // order), so a row's result is bit-identical alone or batched.
 
-enum class Format { kQ4G32, kQ8G32, kQ8G16 };
+enum class Format { kQ4G32, kQ5G32, kQ8G32, kQ8G16 };
 
 constexpr int step_words(Format f) { return f == Format::kQ8G16 ? 32 : 64; }
 constexpr int step_groups = 2;
@@ -342,7 +373,8 @@ constexpr int kCodeShift = 7;
 // Element (within the row) of word w of step s.
 int int_step_element(Format f, int s, int w) {
   switch (f) {
-    case Format::kQ4G32: {
+    case Format::kQ4G32:
+    case Format::kQ5G32: {
       const int odd = w >= 32, half = (w % 32) / 16, j = w % 16;
       return (2 * s + half) * 32 + 2 * j + odd;
     }
@@ -398,7 +430,9 @@ void quantize_activations(const Problem& p, Format f, IntActivations& a) {
 template <Format F>
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 inline void load_step_codes(const uint8_t* wr, int s, __m512i& a, __m512i& b) {
-  if constexpr (F == Format::kQ4G32) {
+  if constexpr (F == Format::kQ5G32) {
+    unpack_5bit_step(wr + s * kFiveBitStepBytes, a, b);
+  } else if constexpr (F == Format::kQ4G32) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + s * 32));
     const __m256i nib = _mm256_set1_epi8(0x0F);
     a = _mm512_cvtepu8_epi16(_mm256_and_si256(v, nib));
@@ -428,7 +462,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni")))
 void int_block(const Problem& p, const IntActivations& xa, int n, int m0) {
   constexpr int W = step_words(F);
   constexpr bool kTwoVectors = F != Format::kQ8G16;
-  const int row_bytes = p.K * (F == Format::kQ4G32 ? 4 : 8) / 8;
+  constexpr int kBits = F == Format::kQ4G32 ? 4 : F == Format::kQ5G32 ? 5 : 8;
+  const int row_bytes = p.K * kBits / 8;
   __m512 acc[NR][MR];
 #pragma GCC unroll 4
   for (int i = 0; i < NR; ++i)
@@ -436,11 +471,13 @@ void int_block(const Problem& p, const IntActivations& xa, int n, int m0) {
     for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_setzero_ps();
   const int16_t* xw = xa.words.data() + static_cast<size_t>(m0) * 2 * p.K;
   const float* xl = xa.lane_scales.data() + static_cast<size_t>(m0) * xa.steps * 16;
+  constexpr int step_bytes = F == Format::kQ8G32 ? 64 : F == Format::kQ5G32 ? kFiveBitStepBytes : 32;
   for (int s = 0; s < xa.steps; ++s) {
     __m512i ca[NR], cb[NR], ha[NR], hb[NR];  // codes, and codes << kCodeShift for the high words
     __m512 ws[NR];
 #pragma GCC unroll 4
     for (int i = 0; i < NR; ++i) {
+      prefetch_ahead(p.w + static_cast<size_t>(n + i) * row_bytes + s * step_bytes);
       load_step_codes<F>(p.w + static_cast<size_t>(n + i) * row_bytes, s, ca[i], cb[i]);
       ha[i] = _mm512_slli_epi16(ca[i], kCodeShift);
       if constexpr (kTwoVectors) hb[i] = _mm512_slli_epi16(cb[i], kCodeShift);
@@ -508,6 +545,7 @@ std::optional<Format> int_format(const Problem& p) {
   const int gs = p.K / p.G;
   if (!has_vnni() || p.G % step_groups != 0) return std::nullopt;
   if (p.bits == 4 && gs == 32) return Format::kQ4G32;
+  if (p.bits == 5 && gs == 32) return Format::kQ5G32;
   if (p.bits == 8 && gs == 32) return Format::kQ8G32;
   if (p.bits == 8 && gs == 16) return Format::kQ8G16;
   return std::nullopt;
@@ -541,7 +579,7 @@ bool has_avx2_fma() {
 // 8 8-bit codes) at a time.
 bool avx2_supports(const Problem& p) {
   const int gs = p.K / p.G;
-  return has_avx2_fma() && gs % (p.bits == 4 ? 16 : 8) == 0;
+  return has_avx2_fma() && p.bits != 5 && gs % (p.bits == 4 ? 16 : 8) == 0;
 }
 
 __attribute__((target("avx2,fma")))
@@ -658,6 +696,7 @@ void run_problem(Problem p) {
     RowPool::get().run(p.N, 64, [&](int a, int b) {
       switch (*f) {
         case Format::kQ4G32: rows_int<Format::kQ4G32>(p, xa, a, b); break;
+        case Format::kQ5G32: rows_int<Format::kQ5G32>(p, xa, a, b); break;
         case Format::kQ8G32: rows_int<Format::kQ8G32>(p, xa, a, b); break;
         case Format::kQ8G16: rows_int<Format::kQ8G16>(p, xa, a, b); break;
       }
@@ -675,9 +714,10 @@ void run_problem(Problem p) {
   enum { kScalar, kG32, kG16, kTiled } path = kScalar;
   if (has_avx512() && gs == 32) path = kG32;
   if (has_avx512() && gs == 16 && p.bits == 8) path = kG16;
-  if (path != kScalar && p.M >= kTiledMinRows && (p.bits == 8 || gs == 32)) path = kTiled;
+  // 5-bit codes have no per-row float kernel: any number of rows goes tiled.
+  if (path != kScalar && (p.M >= kTiledMinRows || p.bits == 5) && (p.bits == 8 || gs == 32)) path = kTiled;
   const float* xp = p.x;
-  if (path == kTiled && p.bits == 4) xp = permute_x_for_4bit(p, xperm);
+  if (path == kTiled && (p.bits == 4 || p.bits == 5)) xp = permute_x_for_4bit(p, xperm);
   if (path == kG32 && p.bits == 4) {
     xeven.resize(static_cast<size_t>(p.M) * p.K / 2);
     xodd.resize(xeven.size());
@@ -788,10 +828,12 @@ class CpuAffineMatmul : public mx::UnaryPrimitive {
 
 }  // namespace
 
+bool cpu_affine_five_bit_fast() { return has_vnni(); }
+
 mx::array cpu_affine_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
                             const std::optional<mx::array>& norm_weight, float eps, const std::optional<mx::array>& bias,
                             const std::optional<mx::array>& residual) {
-  if (bits != 4 && bits != 8) throw std::invalid_argument("cpu_affine_matmul supports 4 and 8 bits");
+  if (bits != 4 && bits != 5 && bits != 8) throw std::invalid_argument("cpu_affine_matmul supports 4, 5 and 8 bits");
   if (x.dtype() != mx::float32 || scales.dtype() != mx::float32 || biases.dtype() != mx::float32)
     throw std::invalid_argument("cpu_affine_matmul needs float32 activations, scales and biases");
   if (w.dtype() != mx::uint32 || w.ndim() != 2) throw std::invalid_argument("cpu_affine_matmul: packed weights must be 2-D uint32");
@@ -800,6 +842,8 @@ mx::array cpu_affine_matmul(const mx::array& x, const mx::array& w, const mx::ar
   if (group_size <= 0 || K % group_size != 0 || w.shape(1) * 32 != K * bits || scales.shape(0) != N || scales.shape(1) != K / group_size ||
       biases.shape() != scales.shape())
     throw std::invalid_argument("cpu_affine_matmul: shapes of x, weights, scales and biases disagree");
+  if (bits == 5 && (group_size != 32 || K % kFiveBitStepElements != 0))
+    throw std::invalid_argument("cpu_affine_matmul: 5-bit rows come in groups of 32, a multiple of 64 wide");
   if (static_cast<int>(x.size() / K) > kCpuQmmMaxRows)
     throw std::invalid_argument("cpu_affine_matmul: too many rows (use dequantize + matmul)");
   auto cpu = mx::default_stream(mx::Device::cpu);

@@ -18,6 +18,11 @@ constexpr int kCpuQmmMaxRows = 128;
 // `norm_weight` ([K]) x is first RMS-normed (eps) as fast::rms_norm would;
 // `bias` ([N]) and then `residual` ([..., N]) are added to the product: one
 // graph node for what would be up to four.
+// Whether this CPU reads 5-bit codes (cpu_dequantize.h's layout) as fast as
+// 4- and 8-bit ones: the integer path (AVX-512 VNNI) unpacks them. Elsewhere
+// the kernel takes them on its portable path only, so loaders keep 8 bits.
+bool cpu_affine_five_bit_fast();
+
 mlx::core::array cpu_affine_matmul(
     const mlx::core::array& x,
     const mlx::core::array& w,

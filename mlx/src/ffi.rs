@@ -91,6 +91,7 @@ pub(crate) mod bridge {
             residual: &ArrayList,
         ) -> Result<UniquePtr<Array>>;
         fn cpu_quantized_matmul_max_rows() -> i32;
+        fn cpu_five_bit_codes_fast() -> bool;
         fn cpu_dequantize(w: &Array, scales: &Array, biases: &Array, group_size: i32, bits: i32) -> Result<UniquePtr<Array>>;
         fn cpu_pack_panels(w: &Array) -> Result<UniquePtr<Array>>;
         fn cpu_panel_matmul(x: &Array, panels: &Array, out_features: i32) -> Result<UniquePtr<Array>>;

@@ -239,6 +239,7 @@ std::unique_ptr<Array> cpu_quantized_matmul_fused(const Array& x, const Array& w
   return boxed(cpu_affine_matmul(x, w, scales, biases, group_size, bits, first(norm), eps, first(bias), first(residual)));
 }
 int32_t cpu_quantized_matmul_max_rows() { return kCpuQmmMaxRows; }
+bool cpu_five_bit_codes_fast() { return tether_mlx::cpu_affine_five_bit_fast(); }
 std::unique_ptr<Array> cpu_dequantize(const Array& w, const Array& scales, const Array& biases, int32_t group_size, int32_t bits) {
   return boxed(cpu_affine_dequantize(w, scales, biases, group_size, bits));
 }

@@ -106,6 +106,7 @@ std::unique_ptr<Array> cpu_quantized_matmul(const Array& x, const Array& w, cons
 std::unique_ptr<Array> cpu_quantized_matmul_fused(const Array& x, const Array& w, const Array& scales, const Array& biases, int32_t group_size, int32_t bits,
                                                   const ArrayList& norm, float eps, const ArrayList& bias, const ArrayList& residual);
 int32_t cpu_quantized_matmul_max_rows();
+bool cpu_five_bit_codes_fast();
 std::unique_ptr<Array> cpu_dequantize(const Array& w, const Array& scales, const Array& biases, int32_t group_size, int32_t bits);
 std::unique_ptr<Array> cpu_pack_panels(const Array& w);
 std::unique_ptr<Array> cpu_panel_matmul(const Array& x, const Array& panels, int32_t out_features);

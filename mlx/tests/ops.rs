@@ -215,6 +215,67 @@ fn cpu_dequantize_is_bit_identical_to_mlx() {
     assert!(mlx::cpu_dequantize(&odd).is_err());
 }
 
+/// Tether's 5-bit codes (GGUF's Q5 blocks), groups of 32: `n` rows of `k`,
+/// with the dense matrix they stand for (code * scale, then + bias, as the
+/// CPU dequantize rounds).
+fn five_bit_weights(n: usize, k: usize) -> (mlx::QuantizedWeights, Vec<f32>) {
+    let codes: Vec<u8> = (0..n * k).map(|i| ((i * 2654435761usize) >> 7) as u8 % 32).collect();
+    let groups = k / 32;
+    let scales: Vec<f32> = (0..n * groups).map(|i| 0.01 + (i % 17) as f32 * 0.003).collect();
+    let biases: Vec<f32> = (0..n * groups).map(|i| -0.2 + (i % 13) as f32 * 0.01).collect();
+    let dense = codes.iter().enumerate().map(|(i, &c)| c as f32 * scales[i / 32] + biases[i / 32]).collect();
+    let packed = mlx::pack_5bit_codes(&codes, k).expect("a packable shape");
+    let q = mlx::QuantizedWeights {
+        packed: Array::from_u32(&packed, &[n, k * 5 / 32]).unwrap(),
+        scales: Array::from_f32(&scales, &[n, groups]).unwrap(),
+        biases: Array::from_f32(&biases, &[n, groups]).unwrap(),
+        group_size: 32,
+        bits: 5,
+    };
+    (q, dense)
+}
+
+/// 5-bit codes: the CPU dequantize gives code * scale + bias exactly, the
+/// decode kernel the dense product within the integer path's bar for every
+/// row count (integer and tiled paths), a row's output does not depend on
+/// its neighbours within each regime, and shapes the layout cannot hold are
+/// refused.
+#[test]
+fn five_bit_codes_dequantize_exactly_and_multiply_like_dense() {
+    let _serial = serial();
+    mlx::set_default_device(mlx::Device::Cpu).unwrap();
+    let (n, k) = (133, 640);
+    let (q, dense) = five_bit_weights(n, k);
+    let got = mlx::cpu_dequantize(&q).unwrap().to_vec_f32().unwrap();
+    let differ = got.iter().zip(&dense).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+    assert_eq!(differ, 0, "{differ} of {} dequantized values differ", dense.len());
+    let w = Array::from_f32(&dense, &[n, k]).unwrap();
+    let xs = activation_rows(37, k);
+    let product = |m: usize| mlx::cpu_quantized_matmul(&Array::from_f32(&xs[..m * k], &[m, k]).unwrap(), &q).unwrap().to_vec_f32().unwrap();
+    for m in [1usize, 2, 3, 4, 5, 7, 16, 37] {
+        let x = Array::from_f32(&xs[..m * k], &[m, k]).unwrap();
+        let want = x.matmul(&w.transpose(&[1, 0]).unwrap()).unwrap().to_vec_f32().unwrap();
+        let err = relative_error(&product(m), &want);
+        assert!(err < QMM_MAX_RELATIVE_ERROR, "5 bits, rows {m}: relative error {err:.2e}");
+    }
+    for (batch, parts) in [(3usize, &[1usize, 2][..]), (37, &[4, 5, 9, 36][..])] {
+        let batched = product(batch);
+        for &m in parts {
+            assert_eq!(product(m), batched[..m * n], "5 bits: the first {m} rows alone differ from the same rows among {batch}");
+        }
+    }
+    assert!(mlx::pack_5bit_codes(&[0; 96], 96).is_none(), "rows of 96 are not whole steps");
+    assert!(mlx::pack_5bit_codes(&[32; 64], 64).is_none(), "codes of 6 bits");
+    let wide_groups = mlx::QuantizedWeights {
+        scales: Array::zeros(&[n, k / 64], Dtype::F32).unwrap(),
+        biases: Array::zeros(&[n, k / 64], Dtype::F32).unwrap(),
+        group_size: 64,
+        ..q
+    };
+    assert!(mlx::cpu_dequantize(&wide_groups).is_err());
+    assert!(mlx::cpu_quantized_matmul(&Array::zeros(&[1, k], Dtype::F32).unwrap(), &wide_groups).is_err());
+}
+
 /// The norm in front, the bias and the residual after, folded into the
 /// product's node, give what the separate ops give.
 #[test]

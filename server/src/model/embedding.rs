@@ -15,9 +15,10 @@ pub enum Embedding {
 
 impl Embedding {
     /// Whether rows of `q` can be gathered and dequantized on every device
-    /// (MLX's dequantize takes groups of 32, 64 and 128).
+    /// (MLX's dequantize takes groups of 32, 64 and 128; 5-bit codes exist on
+    /// the CPU only, which dequantizes them itself).
     pub fn can_gather(q: &QuantizedWeights) -> bool {
-        matches!(q.group_size, 32 | 64 | 128) && matches!(q.bits, 4 | 8)
+        matches!(q.group_size, 32 | 64 | 128) && matches!(q.bits, 4 | 5 | 8)
     }
 
     /// The rows of `ids` (`[1, T]` int32) as `[1, T, d_model]` in `dtype`.
@@ -32,7 +33,23 @@ impl Embedding {
                     group_size: q.group_size,
                     bits: q.bits,
                 };
-                mlx::dequantize(&picked, dtype)
+                if q.bits != 5 {
+                    return mlx::dequantize(&picked, dtype);
+                }
+                // [1, T, words] -> [T, d_model] -> [1, T, d_model].
+                let t = ids.size() as i32;
+                let flat = QuantizedWeights {
+                    packed: picked.packed.reshape(&[t, -1])?,
+                    scales: picked.scales.reshape(&[t, -1])?,
+                    biases: picked.biases.reshape(&[t, -1])?,
+                    ..picked
+                };
+                let rows = mlx::cpu_dequantize(&flat)?.reshape(&[1, t, -1])?;
+                if dtype == Dtype::F32 {
+                    Ok(rows)
+                } else {
+                    rows.astype(dtype)
+                }
             }
         }
     }

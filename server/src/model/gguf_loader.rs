@@ -6,7 +6,7 @@ use super::config::{Activation, Architecture, ModelConfig, SlidingWindow};
 use super::embedding::Embedding;
 use super::linear::{Linear, Weight};
 use super::transformer::{Layer, QkNorm, Transformer};
-use super::weights::{affine_to_mlx, dense, WeightFormat};
+use super::weights::{affine_to_mlx, dense, five_bit_codes_here, WeightFormat};
 use super::LoadError;
 
 /// Reads the hyperparameters under the file's `general.architecture` prefix.
@@ -76,6 +76,8 @@ struct Loader<'a> {
     file: &'a GgufFile,
     dtype: Dtype,
     format: WeightFormat,
+    /// Whether 5-bit codes stay 5 bits wide (else they are stored as 8).
+    five_bit: bool,
 }
 
 impl Loader<'_> {
@@ -106,7 +108,7 @@ impl Loader<'_> {
             return Ok(None);
         }
         let Some(aq) = self.file.affine(t)? else { return Ok(None) };
-        Ok(affine_to_mlx(out, inp, &aq, self.dtype)?)
+        Ok(affine_to_mlx(out, inp, &aq, self.dtype, self.five_bit)?)
     }
 }
 
@@ -121,7 +123,7 @@ fn check_shape(t: &TensorInfo, expect: &[usize]) -> Result<(), LoadError> {
 pub fn load(file: &GgufFile, dtype: Dtype, format: WeightFormat) -> Result<Transformer, LoadError> {
     let config = read_config(file)?;
     let c = &config;
-    let loader = Loader { file, dtype, format };
+    let loader = Loader { file, dtype, format, five_bit: five_bit_codes_here() && dtype == Dtype::F32 };
     let (d, ff, hd) = (c.d_model, c.d_ff, c.head_dim);
     // The table stays in its quantized form when rows can be gathered from
     // it (the tied head then reads the same arrays).
@@ -207,27 +209,36 @@ pub fn load(file: &GgufFile, dtype: Dtype, format: WeightFormat) -> Result<Trans
     Ok(t)
 }
 
-/// Fuses projections that share an input. When some parts came out quantized
-/// and others dense (e.g. Q4_K next to Q6_K), all are reloaded dense.
+/// Fuses projections that share an input. When the parts came out quantized
+/// at different widths (Q5_0 next to Q8_0), they are reloaded with 5-bit
+/// codes as 8-bit ones; when some came out quantized and others dense (e.g.
+/// Q4_K next to Q6_K), all are reloaded dense.
 fn fuse_or_dense<const N: usize>(loader: &Loader<'_>, parts: [Linear; N], names: &[&str]) -> Result<Linear, LoadError> {
-    let all_same = parts.iter().all(|p| matches!(p.weight, Weight::Dense(_))) || parts.iter().all(|p| matches!(p.weight, Weight::Quantized(_)));
+    let all_quantized = parts.iter().all(|p| matches!(p.weight, Weight::Quantized(_)));
+    let all_same = parts.iter().all(|p| matches!(p.weight, Weight::Dense(_))) || all_quantized;
     if all_same {
         if let Ok(fused) = Linear::fuse(&parts) {
             return Ok(fused);
         }
     }
-    let dense_loader = Loader { file: loader.file, dtype: loader.dtype, format: WeightFormat::Dense };
-    let dense_parts = names
-        .iter()
-        .zip(&parts)
-        .map(|(n, p)| {
-            let t = tensor(loader.file, &format!("{n}.weight"))?;
-            let [out, inp] = t.shape()[..] else { return Err(LoadError::Invalid(format!("{n} is not a matrix"))) };
-            let _ = p;
-            dense_loader.linear(n, out, inp)
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(Linear::fuse(&dense_parts)?)
+    let reload = |with: &Loader<'_>| -> Result<Vec<Linear>, LoadError> {
+        names
+            .iter()
+            .map(|n| {
+                let t = tensor(loader.file, &format!("{n}.weight"))?;
+                let [out, inp] = t.shape()[..] else { return Err(LoadError::Invalid(format!("{n} is not a matrix"))) };
+                with.linear(n, out, inp)
+            })
+            .collect()
+    };
+    if all_quantized && loader.five_bit {
+        let eight_bit = Loader { five_bit: false, ..*loader };
+        if let Ok(fused) = Linear::fuse(&reload(&eight_bit)?) {
+            return Ok(fused);
+        }
+    }
+    let dense_loader = Loader { format: WeightFormat::Dense, ..*loader };
+    Ok(Linear::fuse(&reload(&dense_loader)?)?)
 }
 
 fn linear_arrays<'a>(ls: &[&'a Linear]) -> Vec<&'a mlx::Array> {

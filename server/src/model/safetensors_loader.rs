@@ -96,6 +96,11 @@ impl Tensors {
 
     fn quantized(&mut self, prefix: &str) -> Result<Option<QuantizedWeights>, LoadError> {
         let Some((group_size, bits)) = self.quant else { return Ok(None) };
+        // The CPU kernels' 5-bit codes are laid out their own way (see
+        // mlx::pack_5bit_codes), not as MLX packs them: refuse, never misread.
+        if bits == 5 && mlx::default_device() == mlx::Device::Cpu {
+            return Err(LoadError::Invalid("MLX's 5-bit quantization has no CPU kernel here; use a 4- or 8-bit folder or the GGUF".into()));
+        }
         if !self.map.contains_key(&format!("{prefix}.scales")) {
             return Ok(None);
         }

@@ -11,8 +11,9 @@ pub enum WeightFormat {
     Dense,
     /// Quantized blocks stay quantized where they map exactly onto an affine
     /// form with a kernel on this device (GGUF Q4_0, Q4_1, Q4_K as 4-bit;
-    /// Q5_0, Q5_1, Q5_K, Q8_0 as 8-bit; Q6_K as 8-bit in groups of 16 on CPU
-    /// only); everything else is dense. Decode is bound by the bytes it
+    /// Q5_0, Q5_1, Q5_K as 5-bit on a CPU that reads those at speed, else as
+    /// 8-bit, as Q8_0 is; Q6_K as 8-bit in groups of 16 on CPU only);
+    /// everything else is dense. Decode is bound by the bytes it
     /// reads per token, on CPU and GPU alike.
     Quantized,
 }
@@ -27,10 +28,14 @@ impl WeightFormat {
     }
 }
 
-/// Packs one unsigned `bits`-wide code per element into uint32 words the way
-/// MLX's affine kernels read them: element `j` of a word at bit `bits * j`.
-/// Only the widths [`storage_bits`] gives (4, 8).
-pub fn pack_codes(codes: &[u8], bits: u32) -> Option<Vec<u32>> {
+/// Packs one unsigned `bits`-wide code per element (rows of `cols`) into
+/// uint32 words the way the kernels read them: for 4 and 8 bits MLX's form
+/// (element `j` of a word at bit `bits * j`), for 5 the CPU kernels' own
+/// ([`mlx::pack_5bit_codes`]). Only the widths [`storage_bits`] gives.
+pub fn pack_codes(codes: &[u8], bits: u32, cols: usize) -> Option<Vec<u32>> {
+    if bits == 5 {
+        return mlx::pack_5bit_codes(codes, cols);
+    }
     if bits != 4 && bits != 8 {
         return None;
     }
@@ -42,14 +47,23 @@ pub fn pack_codes(codes: &[u8], bits: u32) -> Option<Vec<u32>> {
 }
 
 /// The packed width for codes of `bits` significant bits: MLX's kernels and
-/// Tether's CPU kernel read 4- and 8-bit words; 5- and 6-bit codes are
-/// stored as 8-bit ones, which keeps them exact.
-pub fn storage_bits(bits: u32) -> Option<u32> {
+/// Tether's CPU kernel read 4- and 8-bit words, and the CPU kernel 5-bit ones
+/// where `five_bit` says so ([`five_bit_codes_here`]; groups of 32 and rows a
+/// multiple of 64 wide). Other codes are stored wider, which keeps them exact.
+pub fn storage_bits(bits: u32, five_bit: bool) -> Option<u32> {
     match bits {
         1..=4 => Some(4),
+        5 if five_bit => Some(5),
         5..=8 => Some(8),
         _ => None,
     }
+}
+
+/// Whether 5-bit codes (GGUF's Q5 blocks) may be stored at 5 bits here: on
+/// a CPU whose kernel reads them as fast as 8-bit ones, they cost 5/8 of the
+/// bytes a decode step reads. MLX's GPU kernels take 4 and 8 bits only.
+pub fn five_bit_codes_here() -> bool {
+    mlx::default_device() == mlx::Device::Cpu && mlx::cpu_five_bit_codes_fast()
 }
 
 /// Whether the current default device's kernels take this group size: MLX's
@@ -59,13 +73,15 @@ pub fn group_supported(group_size: usize) -> bool {
 }
 
 /// Builds MLX quantized weights for a `[rows, cols]` matrix from unpacked
-/// codes and per-group scales/biases (group along `cols`). `None` when the
-/// form has no kernel here (the caller loads the tensor dense instead).
-pub fn affine_to_mlx(rows: usize, cols: usize, quant: &gguf::AffineQuant, dtype: Dtype) -> mlx::Result<Option<QuantizedWeights>> {
+/// codes and per-group scales/biases (group along `cols`), 5-bit codes at 5
+/// bits where `five_bit` allows and the shape fits. `None` when the form has
+/// no kernel here (the caller loads the tensor dense instead).
+pub fn affine_to_mlx(rows: usize, cols: usize, quant: &gguf::AffineQuant, dtype: Dtype, five_bit: bool) -> mlx::Result<Option<QuantizedWeights>> {
     let gguf::AffineQuant { bits, group_size, codes, scales, biases } = quant;
     let group_size = *group_size;
-    let Some(bits) = storage_bits(u32::from(*bits)).filter(|_| group_supported(group_size)) else { return Ok(None) };
-    let Some(packed) = pack_codes(codes, bits) else { return Ok(None) };
+    let five_bit = five_bit && group_size == 32 && cols.is_multiple_of(64);
+    let Some(bits) = storage_bits(u32::from(*bits), five_bit).filter(|_| group_supported(group_size)) else { return Ok(None) };
+    let Some(packed) = pack_codes(codes, bits, cols) else { return Ok(None) };
     let groups = cols / group_size;
     let words = cols * bits as usize / 32;
     Ok(Some(QuantizedWeights {
@@ -101,7 +117,7 @@ mod tests {
             let scales = vec![0.5; rows * cols / group];
             let biases = vec![-1.0; rows * cols / group];
             let quant = gguf::AffineQuant { bits: bits as u8, group_size: group, codes: codes.clone(), scales, biases };
-            let q = affine_to_mlx(rows, cols, &quant, Dtype::F32).unwrap().unwrap();
+            let q = affine_to_mlx(rows, cols, &quant, Dtype::F32, false).unwrap().unwrap();
             let got = mlx::dequantize(&q, Dtype::F32).unwrap().to_vec_f32().unwrap();
             let want: Vec<f32> = codes.iter().map(|&c| 0.5 * c as f32 - 1.0).collect();
             assert_eq!(got, want, "bits {bits}");
