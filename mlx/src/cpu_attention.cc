@@ -811,6 +811,19 @@ bool take_cache_buffer(const mx::array& cache, mx::array& out) {
   return in_place;
 }
 
+// MLX gives every output of a multi-output primitive its own copy of the
+// input list (array::make_arrays), so while the outputs live, each input is
+// held once per output and is_donatable() can never hold: a node with
+// outputs beside its caches copied every cache whole on every step. This
+// drops the copies held by the outputs other than the one whose list `in`
+// is (the list MLX evaluates from, which keeps every input alive until the
+// node is done). MLX's detach, right after evaluation, drops them all
+// anyway; nothing reads a sibling's inputs in between.
+void release_sibling_inputs(const std::vector<mx::array>& in, std::vector<mx::array>& out) {
+  for (auto& o : out)
+    if (&o.inputs() != &in) o.inputs().clear();
+}
+
 // Writes tokens start .. start + n of `f` at positions pos .. of `cache`
 // into `raw`, the buffer take_cache_buffer gave the updated cache (copying
 // the cache there first unless in place); a uint8 cache takes codes.
@@ -910,6 +923,7 @@ class CpuLayerAttention : public mx::Primitive {
       : mx::Primitive(s), rows_(std::move(rows)), traditional_(traditional), n_heads_(n_heads), window_(window), keys_in_blocks_(keys_in_blocks), dim_(dim), group_(group), bits_(bits) {}
 
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
+    release_sibling_inputs(in, out);
     out[0].set_data(mx::allocator::malloc(out[0].nbytes()));
     std::vector<bool> in_place;
     for (size_t c = 2; c < in.size(); ++c) in_place.push_back(take_cache_buffer(in[c], out[c - 1]));
