@@ -214,7 +214,7 @@ mod tests {
         for seed in 0..trials {
             let s = Sampler::new(SamplingParams { temperature: 1.0, seed: Some(seed), ..Default::default() });
             let targets: Vec<u32> = s.draw(&logits, 0).unwrap().to_vec_i32().unwrap().iter().map(|&t| t as u32).collect();
-            let a = crate::engine::speculate::accept_matching(&[1], &targets);
+            let a = tether_sched::accept_matching(&[1], &targets);
             counts[targets[0] as usize] += 1;
             accepted += a;
         }

@@ -1,40 +1,15 @@
 //! What the engine's users exchange with it: requests in token ids, the
-//! events that come back, why a request ended or failed, and statistics.
-//! Plain data: no MLX, no threads.
-use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::Arc;
+//! events that come back (defined with the scheduler, in `tether_sched`),
+//! and statistics. Plain data: no MLX, no threads.
 use std::time::Instant;
 
-use super::constraint::Constraint;
+pub use tether_sched::{EngineError, EngineEvent, Finish, FinishInfo, RequestId, StopHandle, StopReason, TokenLogprob};
+
+use tether_sched::constraint::Constraint;
+
 use super::prefix::{PrefixStats, Scope};
 use super::speculate;
 use crate::sample::SamplingParams;
-
-/// An engine-assigned request id (unique per engine). Distinct from the
-/// client's own `request_id` string and from a session's registration key.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct RequestId(pub u64);
-
-impl std::fmt::Display for RequestId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "r{}", self.0)
-    }
-}
-
-/// Why a request stopped.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Finish {
-    /// An end-of-generation token, or the edge's stop string
-    /// ([`StopReason::StopString`]).
-    Stop,
-    /// `max_tokens` reached.
-    Length,
-    /// Abandoned by the client or the server ([`StopReason::Cancel`]), or
-    /// its consumer went away: its KV state is freed, not cached.
-    Cancelled,
-    /// `deadline` passed.
-    TimeLimit,
-}
 
 /// One generation request, in token ids.
 #[derive(Clone, Debug)]
@@ -81,56 +56,6 @@ impl SubmitRequest {
     }
 }
 
-/// Why the edge ends a request before the engine does.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StopReason {
-    /// The generated text reached one of the request's stop strings: the
-    /// turn ended normally, so its KV state up to the last emitted token
-    /// is kept for the session's next turn, exactly as after an
-    /// end-of-generation token. Finishes with [`Finish::Stop`].
-    StopString,
-    /// The client or the server abandoned the request: its state is freed.
-    /// Finishes with [`Finish::Cancelled`].
-    Cancel,
-}
-
-const NOT_STOPPED: u8 = 0;
-
-impl StopReason {
-    fn code(self) -> u8 {
-        match self {
-            StopReason::StopString => 1,
-            StopReason::Cancel => 2,
-        }
-    }
-
-    fn from_code(code: u8) -> Option<StopReason> {
-        match code {
-            1 => Some(StopReason::StopString),
-            2 => Some(StopReason::Cancel),
-            _ => None,
-        }
-    }
-}
-
-/// Ends one request early, from any thread, without a message to the
-/// engine: the engine reads it before every step. The first reason given
-/// wins (a stop string matched, then the client cancels: the turn still
-/// ended on its stop string).
-#[derive(Clone, Debug, Default)]
-pub struct StopHandle(Arc<AtomicU8>);
-
-impl StopHandle {
-    pub fn stop(&self, reason: StopReason) {
-        let _ = self.0.compare_exchange(NOT_STOPPED, reason.code(), Ordering::AcqRel, Ordering::Acquire);
-    }
-
-    /// The reason given, if any.
-    pub fn requested(&self) -> Option<StopReason> {
-        StopReason::from_code(self.0.load(Ordering::Acquire))
-    }
-}
-
 /// A request the engine accepted: its id, its events (ending with
 /// `Finished` or `Failed`; dropping the receiver cancels the request) and
 /// the handle that ends it early.
@@ -138,36 +63,6 @@ pub struct Submitted {
     pub id: RequestId,
     pub events: tokio::sync::mpsc::Receiver<EngineEvent>,
     pub stop: StopHandle,
-}
-
-#[derive(Clone, Debug, PartialEq)]
-pub struct TokenLogprob {
-    pub token_id: u32,
-    pub logprob: f32,
-    /// The most likely alternatives, best first.
-    pub top: Vec<(u32, f32)>,
-}
-
-#[derive(Clone, Debug, PartialEq)]
-pub enum EngineEvent {
-    /// The request left the queue and its prefill began.
-    Started { queue_ms: f64 },
-    /// Newly generated tokens (usually one per step), in order.
-    Tokens { ids: Vec<u32>, logprobs: Vec<TokenLogprob> },
-    /// The last event of a request that ran.
-    Finished(FinishInfo),
-    /// The last event of a request that failed or was refused.
-    Failed(EngineError),
-}
-
-#[derive(Clone, Debug, PartialEq)]
-pub struct FinishInfo {
-    pub reason: Finish,
-    pub prompt_tokens: usize,
-    pub cached_tokens: usize,
-    pub completion_tokens: usize,
-    /// Speculation counters, when the request speculated.
-    pub speculative: Option<speculate::SpecStats>,
 }
 
 /// A snapshot of the engine's state, for /metrics and tests.
@@ -213,31 +108,6 @@ impl StepTimes {
         self.eval_us += other.eval_us;
         self.publish_us += other.publish_us;
     }
-}
-
-/// Why the engine refused or failed a request. The edges map each variant
-/// to their own error codes; nothing matches on message text.
-#[derive(Debug, thiserror::Error, Clone, PartialEq)]
-pub enum EngineError {
-    /// Too many requests are queued (or being handed over) already.
-    #[error("the engine's queue is full ({waiting} requests waiting)")]
-    Overloaded { waiting: usize },
-    #[error("the engine is shutting down")]
-    ShuttingDown,
-    /// Prompt and `max_tokens` together exceed the model's context.
-    #[error("prompt ({prompt} tokens) + max_tokens ({max_tokens}) exceeds the context of {context} tokens")]
-    ContextOverflow { prompt: usize, max_tokens: usize, context: usize },
-    /// The request alone needs more KV cache than all rows may reserve.
-    #[error("the request needs {needed} bytes of KV cache, more than the engine's budget of {budget} bytes")]
-    OverKvBudget { needed: usize, budget: usize },
-    /// The request's constraint failed while it generated (its matcher
-    /// reported an error, or allowed no token at all).
-    #[error("the request's output constraint failed: {0}")]
-    Constraint(String),
-    /// A forward pass or a request's setup failed inside the engine
-    /// (a bug or the device: not the request's fault).
-    #[error("{0}")]
-    Internal(String),
 }
 
 /// Model facts the edge needs without touching MLX.

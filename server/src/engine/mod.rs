@@ -9,20 +9,20 @@
 //! edge, so this thread does nothing but numerics and scheduling.
 mod api;
 mod config;
-pub mod constraint;
 mod disk_tier;
-mod draft_cost;
 mod handle;
 mod pool;
 mod prefix;
 mod row;
-mod scheduler;
+mod runner;
 pub mod speculate;
 mod step;
-mod step_cost;
 mod step_masks;
 mod warmup;
 mod worker;
+
+/// Constrained decoding's matcher traits, as the scheduler defines them.
+pub use tether_sched::constraint;
 
 /// Whether `TETHER_TRACE_STEPS=1` asks for traces on stderr: every engine
 /// step (rows, tokens, time) and, at the server's edge, where each

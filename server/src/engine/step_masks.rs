@@ -13,8 +13,10 @@
 //! outputs").
 use mlx::{Array, Dtype};
 
-use super::constraint::{TokenConstraint, TokenMask};
-use super::row::{Row, Work};
+use tether_sched::constraint::{TokenConstraint, TokenMask};
+use tether_sched::Work;
+
+use super::row::Row;
 
 /// One per sampled position of a constrained row: the next token, then one
 /// after each draft.
@@ -26,7 +28,7 @@ pub(super) type RowMasks = Vec<TokenMask>;
 pub(super) fn cut_forbidden_drafts(rows: &mut [Row], work: &mut [Option<Work>]) -> Vec<(usize, String)> {
     let mut failed = Vec::new();
     for (i, (row, w)) in rows.iter_mut().zip(work.iter_mut()).enumerate() {
-        let (Some(c), Some(Work::Decode { drafts })) = (&mut row.constraint, w) else { continue };
+        let (Some(c), Some(Work::Decode { drafts })) = (&mut row.progress.constraint, w) else { continue };
         if drafts.is_empty() {
             continue;
         }
@@ -57,10 +59,10 @@ impl MasksInFlight {
         for (i, (row, w)) in rows.iter_mut().zip(work).enumerate() {
             let drafts = match w {
                 Some(Work::Decode { drafts }) => drafts.clone(),
-                Some(Work::Prefill { tokens }) if *tokens == row.prompt_remaining() && !row.is_prewarm() => Vec::new(),
+                Some(w @ Work::Prefill { .. }) if row.progress.samples_after(w) => Vec::new(),
                 _ => continue,
             };
-            if let Some(c) = row.constraint.take() {
+            if let Some(c) = row.progress.constraint.take() {
                 jobs.push((i, c, drafts));
             }
         }
@@ -86,7 +88,7 @@ impl MasksInFlight {
         let made = self.thread.join().expect("the mask thread panicked");
         made.into_iter()
             .map(|(i, c, masks)| {
-                rows[i].constraint = Some(c);
+                rows[i].progress.constraint = Some(c);
                 (i, masks)
             })
             .collect()
@@ -248,8 +250,8 @@ mod tests {
     /// are never used), and the matcher ends where it began.
     #[test]
     fn masks_follow_the_drafts_the_grammar_allows() {
-        use super::super::constraint::{testing::Exactly, ConstraintSpec};
         use super::constrain;
+        use tether_sched::constraint::{testing::Exactly, ConstraintSpec};
         let mut c = Exactly(vec![1, 2, 3]).start().unwrap();
         let allows_only = |m: &super::TokenMask| (0..32).filter(|&t| m.allows(t)).collect::<Vec<_>>();
         let masks = constrain(c.as_mut(), &[1, 5, 2]).unwrap();

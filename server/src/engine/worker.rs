@@ -6,12 +6,13 @@ use std::collections::VecDeque;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::time::Duration;
 
-use super::api::{EngineError, EngineEvent, EngineModelInfo, EngineStats, Finish, FinishInfo, StopReason, SubmitRequest};
+use tether_sched::{EngineError, EngineEvent, Finish, FinishInfo, Scheduler, SchedulerConfig, WaitingView};
+
+use super::api::{EngineModelInfo, EngineStats, SubmitRequest};
 use super::config::EngineConfig;
 use super::handle::{Command, Submission};
 use super::prefix::{PrefixCache, Scope};
 use super::row::{Admitted, Row};
-use super::scheduler::{Scheduler, SchedulerConfig, WaitingView};
 use super::speculate::DraftModel;
 use crate::loaded::LoadedModel;
 use crate::model::{KvBatch, Transformer};
@@ -250,8 +251,7 @@ impl Engine {
         let mut i = 0;
         while i < self.running.len() {
             match self.running[i].stop_requested() {
-                Some(StopReason::StopString) => self.finish(i, Finish::Stop),
-                Some(StopReason::Cancel) => self.finish(i, Finish::Cancelled),
+                Some(reason) => self.finish(i, reason.finish()),
                 None => i += 1,
             }
         }
@@ -259,10 +259,7 @@ impl Engine {
             std::mem::take(&mut self.waiting).into_iter().partition(|w| w.stop.requested().is_some() || w.events.is_closed());
         self.waiting = waiting.into();
         for w in stopped {
-            let reason = match w.stop.requested() {
-                Some(StopReason::StopString) => Finish::Stop,
-                _ => Finish::Cancelled,
-            };
+            let reason = w.stop.requested().map_or(Finish::Cancelled, |r| r.finish());
             let event =
                 EngineEvent::Finished(FinishInfo { reason, prompt_tokens: w.request.prompt.len(), cached_tokens: 0, completion_tokens: 0, speculative: None });
             self.deliver_final(w.events, event);
@@ -281,7 +278,7 @@ impl Engine {
         let admitted = {
             let waiting: Vec<WaitingView<'_>> =
                 self.waiting.iter().zip(&kv_bytes).map(|(w, &kv_bytes)| WaitingView { id: w.id, session: w.request.session.as_deref(), kv_bytes }).collect();
-            let running: Vec<_> = self.running.iter().map(Row::view).collect();
+            let running: Vec<_> = self.running.iter().map(|r| r.view(None)).collect();
             self.scheduler.admit(&waiting, &running)
         };
         for id in admitted {
@@ -304,7 +301,7 @@ impl Engine {
                 // copies the hit in anyway) and when no other request of the
                 // session would look for it meanwhile.
                 let lend = self.batch.is_none() && !self.has_request_of(scope);
-                if let Some(hit) = self.prefix.lookup(scope, &row.request.prompt, self.scheduler.prefill_token_seconds(), lend) {
+                if let Some(hit) = self.prefix.lookup(scope, row.progress.prompt(), self.scheduler.prefill_token_seconds(), lend) {
                     row.resume_from(hit);
                 }
             }

@@ -17,9 +17,9 @@ use llguidance::{JsonCompileOptions, Matcher, ParserFactory, TokenParser};
 use protocol::ResponseFormat;
 use serde_json::{json, Value};
 
-use crate::engine::constraint::{Constraint, ConstraintSpec, TokenConstraint, TokenMask};
 use crate::tokenizer::TextTokenizer;
 use crate::tools::{self, CallGrammar};
+use tether_sched::constraint::{Constraint, ConstraintSpec, TokenConstraint, TokenMask};
 pub use tok_env::VocabEnv;
 use triggered::Triggered;
 

@@ -4,7 +4,7 @@
 //! tag), and the output is free again, for text or the next trigger. This
 //! is how `tool_choice: "auto"` lets the model decide whether to call a
 //! tool while every call it starts matches the tools' schemas.
-use crate::engine::constraint::{Constraint, ConstraintSpec, TokenConstraint, TokenMask};
+use tether_sched::constraint::{Constraint, ConstraintSpec, TokenConstraint, TokenMask};
 
 #[derive(Clone, Debug)]
 pub struct Triggered {
@@ -118,7 +118,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::engine::constraint::testing::Exactly;
+    use tether_sched::constraint::testing::Exactly;
 
     fn matcher() -> Box<dyn TokenConstraint> {
         Triggered { trigger: 9, inner: Arc::new(Exactly(vec![4, 5, 6])), vocab: 32 }.start().unwrap()

@@ -25,6 +25,9 @@ pub use draft_model::{draft_cache_keep, DraftModel, DraftModelSpec, DraftRow};
 pub use forced::ForcedDrafts;
 pub use lookup::PromptLookup;
 
+pub use tether_sched::{accept_matching, SpecStats};
+use tether_sched::{Drafting, Verified, START_DEPTH};
+
 use crate::model::{KvCache, Transformer};
 
 /// Where a request's draft tokens come from.
@@ -129,99 +132,37 @@ impl Proposal {
     }
 }
 
-/// Weight of the past in a row's decayed acceptance, per verification.
-const ACCEPTANCE_DECAY: f64 = 0.7;
+/// Where one row's drafts come from; its depth and counters are its
+/// progress's [`Drafting`].
+pub struct Drafter(Source);
 
-/// A row's speculation: its draft source, adaptive depth and statistics.
-pub struct DraftState {
-    source: Source,
-    max_draft: usize,
-    /// Drafts to ask for next time: grows while drafts are accepted whole,
-    /// shrinks to just past the last accepted position otherwise, so rows
-    /// whose text does not repeat stop paying for long drafts.
-    depth: usize,
-    /// Share of drafted tokens accepted, decayed over verifications: what
-    /// a draft of this row is worth (see the scheduler's `DraftView::pays`).
-    recent_acceptance: Option<f64>,
-    pub stats: SpecStats,
-}
-
-/// Per-request speculation counters.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct SpecStats {
-    /// Draft tokens verified.
-    pub drafted: u64,
-    /// Draft tokens accepted.
-    pub accepted: u64,
-    /// Per draft position: how often a draft was offered there, and accepted.
-    pub offered_at: Vec<u64>,
-    pub accepted_at: Vec<u64>,
-    /// Decode forwards this row took part in (with or without drafts).
-    pub decode_forwards: u64,
-    /// Tokens those forwards produced.
-    pub decode_tokens: u64,
-}
-
-impl SpecStats {
-    /// Acceptance rate at each draft position.
-    pub fn acceptance_by_position(&self) -> Vec<f32> {
-        self.offered_at.iter().zip(&self.accepted_at).map(|(&o, &a)| if o == 0 { 0.0 } else { a as f32 / o as f32 }).collect()
-    }
-
-    /// Tokens produced per target forward of this row's decode.
-    pub fn tokens_per_forward(&self) -> f32 {
-        if self.decode_forwards == 0 {
-            0.0
-        } else {
-            self.decode_tokens as f32 / self.decode_forwards as f32
-        }
-    }
-}
-
-const START_DEPTH: usize = 4;
-
-impl DraftState {
+impl Drafter {
     /// `None` when the request does not speculate (or asks for a draft
     /// model the engine does not have) and is not `constrained`: a
-    /// constrained row always has a state, for its grammar's forced tokens
+    /// constrained row always has a drafter, for its grammar's forced tokens
     /// (see `Row::drafts`), with no guesses of its own when speculation is off.
-    pub fn new(spec: &Speculation, draft_model: Option<&Transformer>, constrained: bool) -> Option<DraftState> {
+    pub fn new(spec: &Speculation, draft_model: Option<&Transformer>, constrained: bool) -> Option<(Drafter, Drafting)> {
         let constrained = constrained && spec.grammar_drafts;
         let max_draft = spec.max_draft.max(1);
         // Guesses start shallow and earn depth; forced tokens are certain.
         let (source, depth) = match &spec.kind {
             DraftKind::Off if constrained => (Source::Host(Box::new(NoGuesses)), 0),
             DraftKind::Off => return None,
-            DraftKind::Echo => (Source::Host(Box::new(PromptLookup::default())), START_DEPTH.min(max_draft)),
+            DraftKind::Echo => (Source::Host(Box::new(PromptLookup::default())), START_DEPTH),
             DraftKind::Forced(tokens) => (Source::Host(Box::new(ForcedDrafts::new(tokens.clone()))), max_draft),
             DraftKind::Model => match draft_model {
-                Some(model) => (Source::Model(model.new_cache()), START_DEPTH.min(max_draft)),
+                Some(model) => (Source::Model(model.new_cache()), START_DEPTH),
                 None if constrained => (Source::Host(Box::new(NoGuesses)), 0),
                 None => return None,
             },
         };
-        Some(DraftState { source, max_draft, depth, recent_acceptance: None, stats: SpecStats::default() })
+        Some((Drafter(source), Drafting::new(max_draft, depth)))
     }
 
-    /// Drafts it would verify now (its adaptive depth).
-    pub fn depth(&self) -> usize {
-        self.depth
-    }
-
-    /// The most drafts one verification may carry.
-    pub fn max_draft(&self) -> usize {
-        self.max_draft
-    }
-
-    /// Share of its drafted tokens accepted, decayed; `None` before it drafted.
-    pub fn recent_acceptance(&self) -> Option<f64> {
-        self.recent_acceptance
-    }
-
-    /// This step's drafts, at most `room` of them.
-    pub fn propose(&mut self, history: &[u32], generated: usize, room: usize) -> Proposal {
-        let max = self.depth.min(room);
-        match &mut self.source {
+    /// This step's drafts: at most the row's adaptive `depth` and `room`.
+    pub fn propose(&mut self, depth: usize, history: &[u32], generated: usize, room: usize) -> Proposal {
+        let max = depth.min(room);
+        match &mut self.0 {
             _ if max == 0 => Proposal::Ready(Vec::new()),
             Source::Host(source) => {
                 let mut drafts = source.propose(history, generated, max);
@@ -234,103 +175,17 @@ impl DraftState {
 
     /// The row's KV cache in the draft model, if it drafts with one.
     pub fn model_cache(&mut self) -> Option<&mut KvCache> {
-        match &mut self.source {
+        match &mut self.0 {
             Source::Model(cache) => Some(cache),
             Source::Host(_) => None,
         }
     }
 
-    /// After a verification of `drafted` drafts proposed after a history of
-    /// `history_len` tokens, of which `accepted` held and `emitted` tokens
-    /// came out: rolls the draft model's cache back, records, adapts depth.
-    pub fn verified(&mut self, history_len: usize, drafted: usize, accepted: usize, emitted: usize) {
-        if let (Source::Model(cache), true) = (&mut self.source, drafted > 0) {
-            cache.truncate(draft_cache_keep(history_len, drafted, accepted));
+    /// After a verification: rolls the draft model's cache back past the
+    /// rejected drafts.
+    pub fn verified(&mut self, v: Verified) {
+        if let (Source::Model(cache), true) = (&mut self.0, v.drafted > 0) {
+            cache.truncate(draft_cache_keep(v.history_len, v.drafted, v.accepted));
         }
-        self.record(drafted, accepted, emitted);
-    }
-
-    /// Records a verification of `drafted` drafts of which the first
-    /// `accepted` held, producing `emitted` tokens, and adapts the depth.
-    fn record(&mut self, drafted: usize, accepted: usize, emitted: usize) {
-        let s = &mut self.stats;
-        s.decode_forwards += 1;
-        s.decode_tokens += emitted as u64;
-        if drafted == 0 {
-            return;
-        }
-        s.drafted += drafted as u64;
-        s.accepted += accepted as u64;
-        let rate = accepted as f64 / drafted as f64;
-        self.recent_acceptance = Some(self.recent_acceptance.map_or(rate, |r| ACCEPTANCE_DECAY * r + (1.0 - ACCEPTANCE_DECAY) * rate));
-        if s.offered_at.len() < drafted {
-            s.offered_at.resize(drafted, 0);
-            s.accepted_at.resize(drafted, 0);
-        }
-        for i in 0..drafted {
-            s.offered_at[i] += 1;
-            if i < accepted {
-                s.accepted_at[i] += 1;
-            }
-        }
-        self.depth = if accepted == drafted { (self.depth + 2).min(self.max_draft) } else { (accepted + 1).clamp(1, self.max_draft) };
-    }
-}
-
-/// Verification: how many leading drafts equal the target's own draws.
-/// `targets[i]` is the target's token after the row's input position `i`
-/// (the pending token, then each draft): the argmax for greedy rows, the
-/// position-keyed draw for sampled ones ([`crate::sample::Sampler::draw`]).
-/// Draft `i` is judged by `targets[i]`; the tokens to emit are
-/// `targets[..=accepted]`.
-pub fn accept_matching(drafts: &[u32], targets: &[u32]) -> usize {
-    drafts.iter().zip(targets).take_while(|(d, t)| d == t).count()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn acceptance_stops_at_first_mismatch() {
-        assert_eq!(accept_matching(&[5, 6, 7], &[5, 6, 9, 1]), 2);
-        assert_eq!(accept_matching(&[5, 6, 7], &[5, 6, 7, 1]), 3);
-        assert_eq!(accept_matching(&[5], &[4, 1]), 0);
-        assert_eq!(accept_matching(&[], &[4]), 0);
-    }
-
-    #[test]
-    fn depth_adapts() {
-        let mut s = DraftState::new(&Speculation { kind: DraftKind::Echo, max_draft: 8, ..Default::default() }, None, false).unwrap();
-        assert_eq!(s.depth, 4);
-        s.record(4, 4, 5);
-        assert_eq!(s.depth, 6);
-        s.record(6, 6, 7);
-        s.record(8, 8, 9);
-        assert_eq!(s.depth, 8, "capped at max_draft");
-        s.record(8, 2, 3);
-        assert_eq!(s.depth, 3);
-        s.record(3, 0, 1);
-        assert_eq!(s.depth, 1);
-        assert_eq!(s.stats.drafted, 29);
-        assert_eq!(s.stats.accepted, 20);
-        assert_eq!(s.stats.acceptance_by_position()[0], 4.0 / 5.0);
-        assert_eq!(s.stats.decode_tokens, 25);
-        assert!((s.stats.tokens_per_forward() - 5.0).abs() < 1e-6);
-    }
-
-    #[test]
-    fn drafts_pay_while_accepted_more_often_than_the_bar() {
-        let pays = |s: &DraftState, bar| crate::engine::scheduler::DraftView { ready: s.depth(), recent_acceptance: s.recent_acceptance() }.pays(bar);
-        let mut s = DraftState::new(&Speculation { kind: DraftKind::Echo, max_draft: 8, ..Default::default() }, None, false).unwrap();
-        assert!(pays(&s, Some(0.9)), "a row that has not drafted yet may");
-        s.record(4, 1, 2); // a quarter accepted
-        assert!(pays(&s, Some(0.1)) && !pays(&s, Some(0.5)) && pays(&s, None));
-        for _ in 0..6 {
-            s.record(4, 4, 5); // then all of them, for a while
-        }
-        assert!(pays(&s, Some(0.9)), "acceptance is weighted toward recent verifications");
-        s.record(0, 0, 1); // a decode without drafts changes nothing
-        assert!(pays(&s, Some(0.9)));
     }
 }

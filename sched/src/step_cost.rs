@@ -39,7 +39,7 @@ const BULK_PREFILL_TOKENS: usize = 256;
 const MOST_SHRINK: f64 = 0.5;
 
 #[derive(Debug)]
-pub(super) struct StepCost {
+pub(crate) struct StepCost {
     /// Target time of a mixed step over a decode-only step; at most 1: no limit.
     inflation: f64,
     /// Fewest prompt tokens a mixed step carries, so a prompt always moves.

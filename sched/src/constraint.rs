@@ -1,8 +1,9 @@
-//! Constrained decoding, as the engine sees it: a per-request matcher over
-//! token ids that says which tokens may come next, follows the tokens the
-//! row emits, and names the tokens it leaves no choice about. The engine
-//! knows nothing of grammars or text; `crate::grammar` implements these
-//! traits with llguidance.
+//! Constrained decoding, as the scheduler and the engine see it: a
+//! per-request matcher over token ids that says which tokens may come next,
+//! follows the tokens the row emits, and names the tokens it leaves no
+//! choice about. The engine
+//! knows nothing of grammars or text; the server's `grammar` module
+//! implements these traits with llguidance.
 //!
 //! Each step, a constrained row's drafts are first checked against its
 //! matcher (a draft the grammar forbids ends the row's drafts there: it could
@@ -84,8 +85,8 @@ mod tests {
 }
 
 /// A constraint for unit tests: one fixed token sequence, masks of 32 ids.
-#[cfg(test)]
-pub(crate) mod testing {
+#[cfg(any(test, feature = "testing"))]
+pub mod testing {
     use super::*;
 
     /// A grammar of one fixed token sequence.

@@ -25,7 +25,7 @@ const MIN_WEIGHT: f64 = 8.0;
 const MIN_TOKEN_VARIANCE: f64 = 1.0;
 
 #[derive(Debug, Default)]
-pub(super) struct DraftCost {
+pub(crate) struct DraftCost {
     /// Decayed sums over decode-only steps: weight, tokens, seconds,
     /// tokens squared, tokens times seconds.
     w: f64,

@@ -1,6 +1,6 @@
 //! The scheduler: which waiting requests get rows, and what each running
 //! row does in the next step. Plain data in, plain data out: no MLX, no
-//! channels, no clocks; the step runner (`worker.rs`) feeds it views of the
+//! channels, no clocks; the engine feeds it views of the
 //! queue and the rows and the time each step took, and carries out the
 //! [`StepPlan`] it returns.
 //!
@@ -12,9 +12,9 @@
 //! prompt joining does not stall the streams already running.
 use std::collections::HashMap;
 
-use super::api::RequestId;
-use super::draft_cost::DraftCost;
-use super::step_cost::StepCost;
+use crate::draft_cost::DraftCost;
+use crate::request::RequestId;
+use crate::step_cost::StepCost;
 
 /// Prompts this short are prefilled whole even while streams decode (see
 /// [`Scheduler::plan`]).
