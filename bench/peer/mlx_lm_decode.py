@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Single-stream prefill/decode throughput of mlx-lm, in-process (no server).
 
-The peer side of `tether bench` (server/src/bench.rs), measured the same way:
+The peer side of `tether bench` (server/src/cli/bench/throughput.rs), measured the same way:
   - a prompt of exactly P tokens: the same fixed English text, encoded without
     special tokens or BOS and repeated/truncated at the token level;
   - G greedy tokens, never stopping at end-of-text: mlx-lm's `generate_step`
@@ -30,7 +30,7 @@ from mlx.utils import tree_flatten
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-# Keep identical to PROMPT_TEXT in server/src/bench.rs.
+# Keep identical to PROMPT_TEXT in server/src/cli/bench/throughput.rs.
 PROMPT_TEXT = (
     "The history of computing is a story of abstraction. Early machines were programmed "
     "by rewiring panels; later, stored programs let the same hardware run many tasks. Compilers turned "

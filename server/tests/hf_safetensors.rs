@@ -17,16 +17,16 @@ mod common;
 
 use common::*;
 use tether::generate::{greedy_tokens, prefill};
-use tether::loaded::LoadedModel;
+use tether::loaded::ModelWithTokenizer;
 use tether::model::{LoadOptions, WeightFormat};
 use tether::tokenizer::TextTokenizer;
 
 const MAX_RELATIVE_ERROR: f64 = 1e-3;
 
-fn load(name: &str) -> LoadedModel {
+fn load(name: &str) -> ModelWithTokenizer {
     mlx::set_default_device(mlx::Device::Cpu).unwrap();
     let opts = LoadOptions { dtype: mlx::Dtype::F32, weights: WeightFormat::Dense };
-    LoadedModel::load_path(name, &peer_dir(name), opts).unwrap_or_else(|e| panic!("loading {name}: {e}"))
+    ModelWithTokenizer::load_path(name, &peer_dir(name), opts).unwrap_or_else(|e| panic!("loading {name}: {e}"))
 }
 
 /// Logits at the last prompt position and greedy tokens of the fixture's
@@ -138,7 +138,8 @@ const PARIS: usize = 7042;
 fn smollm2_mlx_4bit_folder_matches_mlx_lm() {
     mlx::set_default_device(mlx::Device::Cpu).unwrap();
     let name = "smollm2-135m-mlx4";
-    let model = LoadedModel::load_path(name, &peer_dir(name), LoadOptions::for_device(mlx::Device::Cpu)).unwrap_or_else(|e| panic!("loading {name}: {e}"));
+    let model =
+        ModelWithTokenizer::load_path(name, &peer_dir(name), LoadOptions::for_device(mlx::Device::Cpu)).unwrap_or_else(|e| panic!("loading {name}: {e}"));
     let prompt = model.encode_prompt("The capital of France is").unwrap();
     assert_eq!(prompt, [504, 3575, 282, 4649, 314]);
 

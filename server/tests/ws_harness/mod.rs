@@ -68,7 +68,7 @@ fn load_harness(model: &'static str, reference_prompts: &[(&str, usize)]) -> Har
     let opts = load_options();
     let mut reference = HashMap::new();
     {
-        let m = LoadedModel::load(model, opts).unwrap();
+        let m = tether::loaded::ModelWithTokenizer::load(model, opts).unwrap();
         for &(prompt, n) in reference_prompts {
             let ids = m.encode_prompt(prompt).unwrap();
             let out = tether::generate::greedy_tokens(&m.transformer, &ids, n).unwrap();

@@ -5,13 +5,15 @@
 //! outputs are identical.
 use serde::Serialize;
 
-use crate::engine::speculate::{DraftKind, SpecStats, Speculation};
-use crate::engine::{EngineEvent, EngineHandle, SubmitRequest};
-use crate::server::FimTokens;
-use crate::tokenizer::{ChatMessage, TextTokenizer};
+use tether::engine::speculate::{DraftKind, SpecStats, Speculation};
+use tether::engine::{EngineEvent, EngineHandle, SubmitRequest};
+use tether::server::FimTokens;
+use tether::tokenizer::{ChatMessage, TextTokenizer};
+
+use super::throughput::StepProfile;
 
 /// The file both workloads work on.
-const SOURCE: &str = include_str!("../../bench/workloads/orders.py");
+const SOURCE: &str = include_str!("../../../../bench/workloads/orders.py");
 
 /// One rename per stream, so concurrent rows write different text.
 const RENAMES: [(&str, &str); 8] = [
@@ -39,51 +41,51 @@ const FIM_HOLES: [&str; 8] = [
 
 #[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
-pub enum Workload {
+enum Workload {
     Edit,
     Fim,
 }
 
 #[derive(Debug, Serialize)]
-pub struct SpecRun {
-    pub engine: &'static str,
-    pub workload: Workload,
-    pub streams: usize,
-    pub speculation: &'static str,
-    pub prompt_tokens: usize,
-    pub completion_tokens: usize,
+struct SpecRun {
+    engine: &'static str,
+    workload: Workload,
+    streams: usize,
+    speculation: &'static str,
+    prompt_tokens: usize,
+    completion_tokens: usize,
     /// From submitting all streams to the last one finishing.
-    pub wall_s: f64,
-    pub tok_s: f64,
+    wall_s: f64,
+    tok_s: f64,
     /// Generated tokens per decode forward, over all streams.
-    pub tokens_per_forward: f64,
-    pub drafted: u64,
-    pub accepted: u64,
-    pub step: crate::bench::StepProfile,
+    tokens_per_forward: f64,
+    drafted: u64,
+    accepted: u64,
+    step: StepProfile,
     #[serde(skip)]
-    pub outputs: Vec<Vec<u32>>,
+    outputs: Vec<Vec<u32>>,
 }
 
 #[derive(Debug, Serialize)]
-pub struct SpecComparison {
-    pub workload: Workload,
-    pub streams: usize,
+struct SpecComparison {
+    workload: Workload,
+    streams: usize,
     /// Wall time with speculation off over on.
-    pub speculation: &'static str,
-    pub speedup: f64,
-    pub tokens_per_forward: f64,
-    pub outputs_equal: bool,
+    speculation: &'static str,
+    speedup: f64,
+    tokens_per_forward: f64,
+    outputs_equal: bool,
     /// Streams whose output matched speculation off token for token.
-    pub equal_streams: usize,
+    equal_streams: usize,
     /// Where the earliest mismatch came, in generated tokens (None: none
     /// did). On a GPU a verification forward of several tokens can round
     /// differently from one-token decoding (its kernels vary with the row
     /// count), so near-ties can flip; on the CPU outputs match.
-    pub first_mismatch_at: Option<usize>,
+    first_mismatch_at: Option<usize>,
 }
 
 /// The prompts of `streams` concurrent requests of `workload`.
-pub fn prompts(tok: &TextTokenizer, fim: Option<&FimTokens>, workload: Workload, streams: usize) -> anyhow::Result<Vec<(Vec<u32>, usize)>> {
+fn prompts(tok: &TextTokenizer, fim: Option<&FimTokens>, workload: Workload, streams: usize) -> anyhow::Result<Vec<(Vec<u32>, usize)>> {
     (0..streams)
         .map(|s| match workload {
             Workload::Edit => {
@@ -114,7 +116,7 @@ pub fn prompts(tok: &TextTokenizer, fim: Option<&FimTokens>, workload: Workload,
 }
 
 /// Runs every prompt at once with `speculation` and waits for all.
-pub fn run(engine: &EngineHandle, tok: &TextTokenizer, workload: Workload, prompts: &[(Vec<u32>, usize)], speculation: Speculation) -> anyhow::Result<SpecRun> {
+fn run(engine: &EngineHandle, tok: &TextTokenizer, workload: Workload, prompts: &[(Vec<u32>, usize)], speculation: Speculation) -> anyhow::Result<SpecRun> {
     let name = speculation.kind.name();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let before = rt.block_on(engine.stats()).unwrap_or_default();
@@ -160,7 +162,7 @@ pub fn run(engine: &EngineHandle, tok: &TextTokenizer, workload: Workload, promp
         tokens_per_forward: if forwards == 0 { 1.0 } else { decoded as f64 / forwards as f64 },
         drafted: stats.iter().map(|s| s.drafted).sum(),
         accepted: stats.iter().map(|s| s.accepted).sum(),
-        step: crate::bench::StepProfile::between(&before, &after),
+        step: StepProfile::between(&before, &after),
         outputs: results.into_iter().map(|(ids, _)| ids).collect(),
     })
 }
@@ -172,7 +174,7 @@ fn first_mismatch(a: &[u32], b: &[u32]) -> Option<usize> {
 
 /// Off, then each of `sources`, for each workload and stream count; prints
 /// one JSON line per run and per comparison with off.
-pub fn run_all(
+pub(super) fn run_all(
     engine: &EngineHandle,
     tok: &TextTokenizer,
     fim: Option<&FimTokens>,

@@ -11,22 +11,61 @@ use std::ops::ControlFlow;
 
 use serde::Serialize;
 
-use crate::generate::{generate, prefill, GenerateOptions};
-use crate::loaded::LoadedModel;
-use crate::model::{KvQuantization, Transformer};
-use crate::sample::SamplingParams;
+use tether::generate::{generate, prefill, GenerateOptions};
+use tether::loaded::ModelWithTokenizer;
+use tether::model::{KvQuantization, Transformer};
+use tether::sample::SamplingParams;
+
+use super::throughput::prompt_tokens;
+use super::BenchArgs;
+
+/// Quality rows, then speed rows, one JSON line each.
+pub(super) fn run(args: &BenchArgs) -> anyhow::Result<()> {
+    let mut model = args.model.load_here()?;
+    let (group, start) = (args.kv.kv_group_size, args.kv.kv_quantized_start);
+    // Both code widths unless --kv-bits names one.
+    let bits = args.kv.quantization()?.map_or(vec![8, 4], |q| vec![q.bits]);
+    let variants = variants(&bits, group, start);
+    let text = std::fs::read_to_string(&args.kv_text).map_err(|e| anyhow::anyhow!("reading {:?}: {e}", args.kv_text))?;
+    let mut text = model.tokenizer.encode(&text, false)?;
+    anyhow::ensure!(text.len() >= args.kv_text_tokens, "{:?} holds {} tokens, fewer than --kv-text-tokens", args.kv_text, text.len());
+    text.truncate(args.kv_text_tokens);
+    let fixture: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&args.kv_prompts).map_err(|e| anyhow::anyhow!("reading {:?}: {e}", args.kv_prompts))?)?;
+    let reference_prompts: Vec<Vec<u32>> = serde_json::from_value(
+        fixture["cases"]
+            .as_array()
+            .ok_or_else(|| anyhow::anyhow!("{:?} has no cases", args.kv_prompts))?
+            .iter()
+            .map(|c| c["prompt_ids"].clone())
+            .collect::<Vec<_>>()
+            .into(),
+    )?;
+    // The windows pass the start, so their whole history turns to codes.
+    let windows = text_windows(&text, 20, start + 64)?;
+    for row in quality(&mut model, &text, &[("reference", reference_prompts), ("text_windows", windows)], &variants)? {
+        println!("{}", serde_json::to_string(&row)?);
+    }
+    let history = prompt_tokens(&model.tokenizer, args.prompt_tokens)?;
+    // At a long history the from-0 variants hold what the others do.
+    let speed_variants: Vec<_> = variants.iter().copied().filter(|v| v.quantization.is_none_or(|q| q.start == start)).collect();
+    for row in speed(&mut model, &history, &speed_variants, args.gen_tokens, 3)? {
+        println!("{}", serde_json::to_string(&row)?);
+    }
+    Ok(())
+}
 
 /// One way of holding KV state.
 #[derive(Clone, Copy)]
-pub struct KvVariant {
-    pub name: &'static str,
-    pub quantization: Option<KvQuantization>,
+struct KvVariant {
+    name: &'static str,
+    quantization: Option<KvQuantization>,
 }
 
 /// The variants a run compares: full precision, then codes of each of
 /// `bits` past `start` (the server's setting) and from the first token (the
 /// worst case).
-pub fn variants(bits: &[u8], group: usize, start: usize) -> Vec<KvVariant> {
+fn variants(bits: &[u8], group: usize, start: usize) -> Vec<KvVariant> {
     const NAMES: [(u8, &str, &str); 2] = [(8, "int8", "int8-from-0"), (4, "int4", "int4-from-0")];
     let mut out = vec![KvVariant { name: "float32", quantization: None }];
     for &(b, past_start, from_0) in NAMES.iter().filter(|(b, ..)| bits.contains(b)) {
@@ -37,39 +76,39 @@ pub fn variants(bits: &[u8], group: usize, start: usize) -> Vec<KvVariant> {
 }
 
 #[derive(Serialize)]
-pub struct Quality {
-    pub kind: &'static str,
-    pub kv: &'static str,
+struct Quality {
+    kind: &'static str,
+    kv: &'static str,
     /// The codes' group (`None`: full precision).
-    pub kv_group: Option<usize>,
-    pub model: String,
+    kv_group: Option<usize>,
+    model: String,
     /// Which prompts the greedy comparison ran on.
-    pub prompt_set: &'static str,
-    pub text_tokens: usize,
-    pub perplexity: f64,
+    prompt_set: &'static str,
+    text_tokens: usize,
+    perplexity: f64,
     /// Relative to full precision's, in percent.
-    pub perplexity_change_pct: f64,
-    pub prompts: usize,
+    perplexity_change_pct: f64,
+    prompts: usize,
     /// Prompts whose greedy continuation equals full precision's, token by token.
-    pub greedy_identical: usize,
+    greedy_identical: usize,
     /// Mean tokens in common before the first difference.
-    pub greedy_mean_common_prefix: f64,
+    greedy_mean_common_prefix: f64,
     /// Where a prompt's tokens first differ: full precision's margin
     /// between its best and second-best logit there, median over the
     /// prompts that differ (a near-tie flips on any perturbation).
-    pub median_margin_at_first_difference: Option<f32>,
+    median_margin_at_first_difference: Option<f32>,
 }
 
 #[derive(Serialize)]
-pub struct Speed {
-    pub kind: &'static str,
-    pub kv: &'static str,
-    pub model: String,
-    pub history_tokens: usize,
-    pub gen_tokens: usize,
+struct Speed {
+    kind: &'static str,
+    kv: &'static str,
+    model: String,
+    history_tokens: usize,
+    gen_tokens: usize,
     /// One per round, in run order.
-    pub decode_tok_s: Vec<f64>,
-    pub kv_bytes: usize,
+    decode_tok_s: Vec<f64>,
+    kv_bytes: usize,
 }
 
 /// Mean negative log-likelihood per predicted token of `tokens`, read in
@@ -124,7 +163,12 @@ fn greedy_with_margins(model: &Transformer, prompt: &[u32], n: usize) -> anyhow:
 /// Quality of each variant against the first (full precision): the
 /// perplexity of `text`, and per set of prompts (the caller's: reference
 /// prompts, windows of the text) greedy agreement of 64 tokens after each.
-pub fn quality(model: &mut LoadedModel, text: &[u32], prompt_sets: &[(&'static str, Vec<Vec<u32>>)], variants: &[KvVariant]) -> anyhow::Result<Vec<Quality>> {
+fn quality(
+    model: &mut ModelWithTokenizer,
+    text: &[u32],
+    prompt_sets: &[(&'static str, Vec<Vec<u32>>)],
+    variants: &[KvVariant],
+) -> anyhow::Result<Vec<Quality>> {
     const GREEDY: usize = 64;
     let mut out: Vec<Quality> = Vec::new();
     let mut reference: Option<(f64, Vec<Vec<GreedyPath>>)> = None;
@@ -162,7 +206,7 @@ pub fn quality(model: &mut LoadedModel, text: &[u32], prompt_sets: &[(&'static s
 }
 
 /// `count` windows of `len` tokens spread evenly over `text`.
-pub fn text_windows(text: &[u32], count: usize, len: usize) -> anyhow::Result<Vec<Vec<u32>>> {
+fn text_windows(text: &[u32], count: usize, len: usize) -> anyhow::Result<Vec<Vec<u32>>> {
     anyhow::ensure!(text.len() >= len, "the text has {} tokens; windows of {len} need more", text.len());
     let stride = ((text.len() - len) / count.max(1)).max(1);
     Ok((0..count).map(|i| text[i * stride..i * stride + len].to_vec()).collect())
@@ -170,7 +214,7 @@ pub fn text_windows(text: &[u32], count: usize, len: usize) -> anyhow::Result<Ve
 
 /// Decode speed of each variant after a `history`-token prompt, `rounds`
 /// rounds with the variants alternating.
-pub fn speed(model: &mut LoadedModel, history: &[u32], variants: &[KvVariant], gen: usize, rounds: usize) -> anyhow::Result<Vec<Speed>> {
+fn speed(model: &mut ModelWithTokenizer, history: &[u32], variants: &[KvVariant], gen: usize, rounds: usize) -> anyhow::Result<Vec<Speed>> {
     let opts = GenerateOptions { max_tokens: gen, sampling: SamplingParams::default(), stop_ids: vec![], prefill_chunk: 512 };
     let mut out: Vec<Speed> = variants
         .iter()
@@ -192,7 +236,7 @@ pub fn speed(model: &mut LoadedModel, history: &[u32], variants: &[KvVariant], g
             if row.kv_bytes == 0 {
                 // What the history itself holds, once (the bytes do not vary by round).
                 let mut cache = model.transformer.new_cache();
-                crate::generate::prefill(&model.transformer, &mut cache, history, 512)?;
+                prefill(&model.transformer, &mut cache, history, 512)?;
                 mlx::eval(&cache.buffers())?;
                 row.kv_bytes = cache.nbytes();
             }

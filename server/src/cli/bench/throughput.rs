@@ -1,13 +1,19 @@
-//! Single-stream prefill/decode throughput, measured the way the peer script
+//! `tether bench`'s throughput runs: single-stream prefill/decode on this
+//! thread, concurrent streams through the engine, and a multi-turn agent
+//! session's time to first token.
+//!
+//! Single-stream is measured the way the peer script
 //! (bench/peer/mlx_lm_decode.py) measures mlx-lm: a prompt of exactly P tokens,
 //! G greedy tokens with end-of-text ignored, one warm-up run first.
 use std::ops::ControlFlow;
 
 use serde::Serialize;
 
-use crate::generate::{generate, GenerateOptions};
-use crate::loaded::LoadedModel;
-use crate::sample::SamplingParams;
+use tether::engine::{EngineEvent, EngineHandle, EngineStats, Scope, SubmitRequest};
+use tether::generate::{generate, GenerateOptions};
+use tether::loaded::ModelWithTokenizer;
+use tether::sample::SamplingParams;
+use tether::tokenizer::TextTokenizer;
 
 /// Text the benchmark prompt is cut from (repeated as needed).
 const PROMPT_TEXT: &str = "The history of computing is a story of abstraction. Early machines were programmed \
@@ -16,34 +22,30 @@ human-readable code into machine instructions, operating systems shared one comp
 and networks joined computers into systems larger than any one of them. ";
 
 #[derive(Debug, Serialize)]
-pub struct DecodeBench {
-    pub engine: &'static str,
-    pub model: String,
-    pub device: String,
-    pub weights: String,
-    pub prompt_tokens: usize,
-    pub gen_tokens: usize,
-    pub prefill_tok_s: f64,
-    pub decode_tok_s: f64,
+pub(super) struct DecodeBench {
+    engine: &'static str,
+    model: String,
+    device: String,
+    weights: String,
+    prompt_tokens: usize,
+    gen_tokens: usize,
+    prefill_tok_s: f64,
+    decode_tok_s: f64,
     /// Bytes of weights one decode step reads (layers, final norm, LM head).
-    pub weight_bytes: usize,
+    weight_bytes: usize,
     /// weight_bytes x decode_tok_s: the memory traffic decode sustains.
-    pub decode_gb_s: f64,
+    decode_gb_s: f64,
 }
 
 /// Exactly `n` tokens of benchmark text.
-pub fn prompt_tokens(model: &LoadedModel, n: usize) -> anyhow::Result<Vec<u32>> {
-    prompt_tokens_with(&model.tokenizer, n)
-}
-
-pub fn prompt_tokens_with(tokenizer: &crate::tokenizer::TextTokenizer, n: usize) -> anyhow::Result<Vec<u32>> {
+pub(super) fn prompt_tokens(tokenizer: &TextTokenizer, n: usize) -> anyhow::Result<Vec<u32>> {
     let one = tokenizer.encode(PROMPT_TEXT, false)?;
     anyhow::ensure!(!one.is_empty(), "benchmark text encodes to no tokens");
     Ok(one.iter().copied().cycle().take(n).collect())
 }
 
-pub fn run_decode_bench(model: &LoadedModel, prompt_len: usize, gen: usize) -> anyhow::Result<DecodeBench> {
-    let prompt = prompt_tokens(model, prompt_len)?;
+pub(super) fn run_decode_bench(model: &ModelWithTokenizer, prompt_len: usize, gen: usize) -> anyhow::Result<DecodeBench> {
+    let prompt = prompt_tokens(&model.tokenizer, prompt_len)?;
     // No stop ids: every run produces exactly `gen` tokens.
     let opts = GenerateOptions { max_tokens: gen, sampling: SamplingParams::default(), stop_ids: vec![], prefill_chunk: 512 };
     generate(&model.transformer, &prompt, &GenerateOptions { max_tokens: 8, ..opts.clone() }, |_| ControlFlow::Continue(()))?;
@@ -65,19 +67,19 @@ pub fn run_decode_bench(model: &LoadedModel, prompt_len: usize, gen: usize) -> a
 }
 
 /// Mean engine-thread milliseconds per step and phase over a run (see
-/// [`crate::engine::StepTimes`]): says whether a run was bound by the host
+/// [`tether::engine::StepTimes`]): says whether a run was bound by the host
 /// recording graphs or by the device running them.
 #[derive(Debug, Default, Serialize)]
-pub struct StepProfile {
-    pub steps: u64,
-    pub build_ms: f64,
-    pub eval_ms: f64,
-    pub publish_ms: f64,
+pub(super) struct StepProfile {
+    steps: u64,
+    build_ms: f64,
+    eval_ms: f64,
+    publish_ms: f64,
 }
 
 impl StepProfile {
     /// The steps between two snapshots of one engine's statistics.
-    pub fn between(before: &crate::engine::EngineStats, after: &crate::engine::EngineStats) -> StepProfile {
+    pub(super) fn between(before: &EngineStats, after: &EngineStats) -> StepProfile {
         let steps = after.steps.saturating_sub(before.steps);
         let per_step = |a: u64, b: u64| if steps == 0 { 0.0 } else { a.saturating_sub(b) as f64 / steps as f64 / 1e3 };
         let (a, b) = (&after.step_time, &before.step_time);
@@ -91,23 +93,22 @@ impl StepProfile {
 }
 
 #[derive(Debug, Serialize)]
-pub struct StreamsBench {
-    pub engine: &'static str,
-    pub model: String,
-    pub device: String,
-    pub streams: usize,
-    pub prompt_tokens: usize,
-    pub gen_tokens: usize,
+pub(super) struct StreamsBench {
+    engine: &'static str,
+    model: String,
+    device: String,
+    streams: usize,
+    prompt_tokens: usize,
+    gen_tokens: usize,
     /// All generated tokens over the wall time from submission to the last token.
-    pub aggregate_tok_s: f64,
-    pub mean_ttft_ms: f64,
-    pub step: StepProfile,
+    aggregate_tok_s: f64,
+    mean_ttft_ms: f64,
+    step: StepProfile,
 }
 
 /// Aggregate decode throughput of `streams` concurrent requests through the
 /// engine thread (continuous batching), in-process.
-pub fn run_streams_bench(engine: &crate::engine::EngineHandle, name: &str, prompt: Vec<u32>, streams: usize, gen: usize) -> anyhow::Result<StreamsBench> {
-    use crate::engine::{EngineEvent, SubmitRequest};
+pub(super) fn run_streams_bench(engine: &EngineHandle, name: &str, prompt: Vec<u32>, streams: usize, gen: usize) -> anyhow::Result<StreamsBench> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
         let before = engine.stats().await.unwrap_or_default();
@@ -161,28 +162,27 @@ pub fn run_streams_bench(engine: &crate::engine::EngineHandle, name: &str, promp
 }
 
 #[derive(Debug, Serialize)]
-pub struct AgentTurn {
-    pub engine: &'static str,
-    pub cache: bool,
-    pub turn: usize,
-    pub history_tokens: usize,
-    pub cached_tokens: usize,
-    pub ttft_ms: f64,
+pub(super) struct AgentTurn {
+    engine: &'static str,
+    cache: bool,
+    turn: usize,
+    history_tokens: usize,
+    cached_tokens: usize,
+    ttft_ms: f64,
 }
 
 /// A multi-turn agent session: each turn sends the whole history plus
 /// `new_tokens` new ones and generates `gen` tokens; returns time to first
 /// token per turn, with the session's prefix cache on or off.
-pub fn run_agent_bench(
-    engine: &crate::engine::EngineHandle,
-    tokenizer: &crate::tokenizer::TextTokenizer,
+pub(super) fn run_agent_bench(
+    engine: &EngineHandle,
+    tokenizer: &TextTokenizer,
     turns: usize,
     new_tokens: usize,
     gen: usize,
     cache: bool,
 ) -> anyhow::Result<Vec<AgentTurn>> {
-    use crate::engine::{EngineEvent, Scope, SubmitRequest};
-    let text = prompt_tokens_with(tokenizer, new_tokens * turns + 7)?;
+    let text = prompt_tokens(tokenizer, new_tokens * turns + 7)?;
     let scope = format!("agent-bench-{}", std::process::id());
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let mut history: Vec<u32> = Vec::new();
