@@ -10,7 +10,6 @@
 mod api;
 mod config;
 pub mod constraint;
-mod disk_tier;
 mod draft_cost;
 mod handle;
 mod pool;
@@ -37,7 +36,6 @@ pub use api::{
     TokenLogprob,
 };
 pub use config::{EngineConfig, KvLayout};
-pub use disk_tier::DiskTierConfig;
 pub use handle::EngineHandle;
 pub use pool::EnginePool;
-pub use prefix::{DiskStats, HostStats, PrefixStats, Scope};
+pub use prefix::{DiskStats, DiskTierConfig, HostStats, PrefixStats, Scope};

@@ -1,7 +1,7 @@
 //! One request inside the engine: its KV cache, sampler and progress.
 use super::api::{EngineEvent, Finish, FinishInfo, RequestId, StopHandle, StopReason, SubmitRequest, TokenLogprob};
 use super::constraint::TokenConstraint;
-use super::prefix::Hit;
+use super::prefix::{Hit, LentHistory};
 use super::scheduler::{DraftView, RowView};
 use super::speculate::{DraftState, Proposal};
 use crate::model::{KvCache, Transformer};
@@ -31,9 +31,9 @@ pub(super) struct Row {
     pub tokens: Vec<u32>,
     /// Prompt tokens that came from the prefix cache.
     pub cached_tokens: usize,
-    /// Set when those tokens' state was the session's own entry, lent whole
+    /// Held when those tokens' state was the session's own entry, lent whole
     /// (it left the cache): a cancelled turn gives that history back.
-    pub lent_history: bool,
+    pub lent: Option<LentHistory>,
     /// Draft source and counters of a speculating row (every constrained
     /// row speculates: the grammar's forced tokens are its drafts).
     pub draft: Option<DraftState>,
@@ -79,7 +79,7 @@ impl Row {
             pending_token: None,
             tokens,
             cached_tokens: 0,
-            lent_history: false,
+            lent: None,
             draft,
             constraint,
         })
@@ -141,23 +141,17 @@ impl Row {
         self.cache = cache;
         self.prefilled = len;
         self.cached_tokens = len;
-        self.lent_history = lent;
+        self.lent = lent;
     }
 
-    /// The history a cancelled turn was lent, to go back to the prefix
-    /// cache: its tokens and state as they were before the turn (what the
-    /// turn computed is freed, as for any cancelled turn). `None` when
-    /// nothing was lent, or when a sliding-window cache has already dropped
-    /// positions a continuation of that history needs.
-    pub fn into_lent_history(self) -> Option<(Vec<u32>, KvCache)> {
-        let len = self.cached_tokens;
-        let (mut tokens, mut cache) = (self.tokens, self.cache);
-        if !self.lent_history || cache.len() < len || cache.earliest_truncation() > len {
-            return None;
+    /// Hands the history a cancelled turn was lent back to its lease,
+    /// which returns it to the prefix cache (what the turn computed is
+    /// freed, as for any cancelled turn); frees everything when nothing
+    /// was lent.
+    pub fn give_back_lent_history(self) {
+        if let Some(lease) = self.lent {
+            lease.give_back(self.tokens, self.cache);
         }
-        tokens.truncate(len);
-        cache.truncate(len);
-        Some((tokens, cache))
     }
 
     /// The tokens whose keys and values the cache holds, with the cache.
