@@ -21,8 +21,10 @@
 //! idle ones: room for a new entry is made from detached sessions'
 //! entries first, least recently used first ([`Index::room_for`]), and
 //! the budget is enforced the same way when moka has not caught up
-//! ([`Index::over_budget`]). Scopes are live unless marked idle; the shared
-//! scope is never idle.
+//! ([`Index::over_budget`]). Scopes are live unless marked idle (the edge
+//! marks a session idle when its socket detaches and it waits for a resume
+//! within its TTL, and live when one re-attaches); the shared scope is
+//! never idle.
 //!
 //! Invariants (checked after every operation by the randomized test in
 //! `index/tests.rs`):
