@@ -9,7 +9,6 @@
 //! edge, so this thread does nothing but numerics and scheduling.
 mod api;
 mod config;
-mod disk_tier;
 mod handle;
 mod pool;
 mod prefix;
@@ -37,7 +36,6 @@ pub use api::{
     TokenLogprob,
 };
 pub use config::{EngineConfig, KvLayout};
-pub use disk_tier::DiskTierConfig;
 pub use handle::EngineHandle;
 pub use pool::EnginePool;
-pub use prefix::{DiskStats, HostStats, PrefixStats, Scope};
+pub use prefix::{DiskStats, DiskTierConfig, HostStats, PrefixStats, Scope};

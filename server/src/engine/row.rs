@@ -4,7 +4,7 @@
 use tether_sched::{EngineEvent, Finish, FinishInfo, RequestId, RequestProgress, RowView, StopHandle, StopReason};
 
 use super::api::SubmitRequest;
-use super::prefix::Hit;
+use super::prefix::{Hit, LentHistory};
 use super::speculate::{Drafter, Proposal};
 use crate::model::{KvCache, Transformer};
 use crate::sample::Sampler;
@@ -23,9 +23,10 @@ pub(super) struct Row {
     /// on when caches are batched; `cache` is empty meanwhile.
     pub slot: Option<usize>,
     pub sampler: Sampler,
-    /// Set when its prefix-cache tokens' state was the session's own entry,
-    /// lent whole (it left the cache): a cancelled turn gives that history back.
-    pub lent_history: bool,
+    /// Held when its prefix-cache tokens' state was the session's own
+    /// entry, lent whole (it left the cache): a cancelled turn gives that
+    /// history back.
+    pub lent: Option<LentHistory>,
     /// Where a speculating row's drafts come from (its depth and counters
     /// are in its progress).
     pub drafter: Option<Drafter>,
@@ -55,7 +56,7 @@ impl Row {
         };
         let (drafter, drafting) = Drafter::new(&request.speculation, draft_model, progress.constraint.is_some()).unzip();
         progress.drafting = drafting;
-        Ok(Row { progress, request, events, stop, kv_bytes, cache, slot: None, sampler, lent_history: false, drafter })
+        Ok(Row { progress, request, events, stop, kv_bytes, cache, slot: None, sampler, lent: None, drafter })
     }
 
     pub fn id(&self) -> RequestId {
@@ -84,23 +85,17 @@ impl Row {
         let (cache, len, lent) = hit.into_parts();
         self.cache = cache;
         self.progress.resume_from_cache(len);
-        self.lent_history = lent;
+        self.lent = lent;
     }
 
-    /// The history a cancelled turn was lent, to go back to the prefix
-    /// cache: its tokens and state as they were before the turn (what the
-    /// turn computed is freed, as for any cancelled turn). `None` when
-    /// nothing was lent, or when a sliding-window cache has already dropped
-    /// positions a continuation of that history needs.
-    pub fn into_lent_history(self) -> Option<(Vec<u32>, KvCache)> {
-        let len = self.progress.cached_tokens;
-        let (mut tokens, mut cache) = (self.progress.tokens, self.cache);
-        if !self.lent_history || cache.len() < len || cache.earliest_truncation() > len {
-            return None;
+    /// Hands the history a cancelled turn was lent back to its lease,
+    /// which returns it to the prefix cache as it was before the turn (what
+    /// the turn computed is freed, as for any cancelled turn). Nothing when
+    /// nothing was lent.
+    pub fn give_back_lent_history(self) {
+        if let Some(lease) = self.lent {
+            lease.give_back(self.progress.tokens, self.cache);
         }
-        tokens.truncate(len);
-        cache.truncate(len);
-        Some((tokens, cache))
     }
 
     /// The tokens whose keys and values the cache holds, with the cache.

@@ -359,20 +359,18 @@ impl Engine {
     /// (the history it was lent goes back).
     pub(super) fn finish(&mut self, i: usize, reason: Finish) {
         let cancelled = reason == Finish::Cancelled;
-        let scope = self.running[i].request.cache_scope.clone().filter(|_| !cancelled || self.running[i].lent_history);
+        let scope = self.running[i].request.cache_scope.clone().filter(|_| !cancelled);
         let row = self.take_row(i, scope.is_some());
         let event = row.final_event(reason);
         let events = row.events.clone();
-        let state = match scope {
-            Some(scope) if cancelled => row.into_lent_history().map(|state| (scope, state)),
-            Some(scope) => Some((scope, row.into_cached_state())),
-            None => {
-                drop(row); // frees the KV cache before the consumer hears about it
-                None
+        match scope {
+            Some(scope) => {
+                let (tokens, cache) = row.into_cached_state();
+                self.prefix.insert(scope, tokens, cache);
             }
-        };
-        if let Some((scope, (tokens, cache))) = state {
-            self.prefix.insert(scope, tokens, cache);
+            // Frees the KV cache before the consumer hears about it (a lent
+            // history goes back through its lease).
+            None => row.give_back_lent_history(),
         }
         self.deliver_final(events, event);
     }
@@ -411,7 +409,7 @@ impl Engine {
         }
     }
 
-    fn snapshot(&self) -> EngineStats {
+    fn snapshot(&mut self) -> EngineStats {
         EngineStats {
             running: self.running.len(),
             waiting: self.waiting.len(),

@@ -1,0 +1,356 @@
+//! The prefix cache whole, over real (tiny) MLX state: hits, lending,
+//! both tiers, restores and the budgets. The index's own rules are tested
+//! without MLX, at random, in `index/tests.rs`.
+use mlx::{Array, Dtype};
+
+use super::*;
+
+/// A 2-layer cache of `tokens.len()` positions whose values are `salt`
+/// plus the position: 64 KiB of buffers (256 positions of capacity).
+fn state(tokens: &[u32], salt: f32) -> KvCache {
+    let (heads, dim, len) = (2, 8, tokens.len());
+    let data: Vec<f32> = (0..heads * len * dim).map(|i| salt + ((i / dim) % len) as f32).collect();
+    let a = Array::from_f32(&data, &[1, heads, len, dim]).unwrap();
+    let mut cache = KvCache::new(2, heads, dim, Dtype::F32);
+    cache.fill(&[(a.clone(), a.clone()), (a.clone(), a)], len, 0).unwrap();
+    cache
+}
+
+fn first_value(cache: &KvCache) -> f32 {
+    cache.positions(1).unwrap().unwrap().1.to_vec_f32().unwrap()[0]
+}
+
+fn session(n: u32) -> Scope {
+    Scope::Session(format!("s{n}"))
+}
+
+/// Tokens of session `n`'s history: distinct per session.
+fn history(n: u32) -> Vec<u32> {
+    (0..64).map(|t| n * 1000 + t).collect()
+}
+
+struct Folder(std::path::PathBuf);
+impl Drop for Folder {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A cache whose RAM holds one 64 KiB entry, with a disk tier of `disk_kib`.
+fn tiered(name: &str, disk_kib: usize) -> (Folder, PrefixCache) {
+    let dir = std::env::temp_dir().join(format!("tether-prefix-test-{}-{name}", std::process::id()));
+    let config = DiskTierConfig { dir: dir.clone(), budget_bytes: disk_kib << 10 };
+    (Folder(dir), PrefixCache::with_disk_tier(100 << 10, 16, 7, Some(&config)).unwrap())
+}
+
+/// Session `n`'s turn ends: its state is stored, its socket detaches.
+fn store(cache: &mut PrefixCache, n: u32, salt: f32) {
+    cache.insert(session(n), history(n), state(&history(n), salt));
+    cache.set_scope_live(&session(n), false);
+}
+
+/// A hit that must be a snapshot (the entry stays), as state and length.
+fn snapshot(hit: Hit) -> (KvCache, usize) {
+    let (cache, len, lent) = hit.into_parts();
+    assert!(lent.is_none(), "a snapshot was asked for");
+    (cache, len)
+}
+
+/// Session `n` comes back and asks with one more token than its
+/// history, so the whole history (its 4 blocks) can match; then goes idle.
+fn ask(cache: &mut PrefixCache, n: u32) -> Option<(KvCache, usize)> {
+    let mut prompt = history(n);
+    prompt.push(1);
+    cache.set_scope_live(&session(n), true);
+    let hit = cache.lookup(&session(n), &prompt, None, false).map(snapshot);
+    cache.set_scope_live(&session(n), false);
+    hit
+}
+
+#[test]
+fn evicted_entries_go_to_disk_and_come_back_whole() {
+    let (_dir, mut cache) = tiered("round-trip", 1 << 10);
+    for n in 0..3 {
+        store(&mut cache, n, n as f32 * 100.0);
+    }
+    let s = cache.stats();
+    assert_eq!((s.entries, s.disk.entries, s.disk.writes), (1, 2, 2), "{s:?}");
+    for n in [0, 2, 1] {
+        let (kv, len) = ask(&mut cache, n).expect("a hit from RAM or disk");
+        assert_eq!(len, 64);
+        assert_eq!(first_value(&kv), n as f32 * 100.0, "session {n}'s own state");
+    }
+    let s = cache.stats();
+    assert_eq!(s.hits, 3);
+    assert_eq!((s.disk.hits, s.disk.entries, s.entries), (2, 2, 1), "a session's files stay until superseded: {s:?}");
+    assert_eq!(s.disk.failed_reads, 0);
+    // A turn's end supersedes its file; RAM stays within its budget.
+    let mut longer = history(0);
+    longer.extend([7, 7, 7, 7]);
+    cache.insert(session(0), longer.clone(), state(&longer, 0.0));
+    let s = cache.stats();
+    assert_eq!((s.entries, s.disk.entries, s.bytes), (1, 2, 64 << 10), "{s:?}");
+    for n in 0..3 {
+        assert_eq!(first_value(&ask(&mut cache, n).unwrap().0), n as f32 * 100.0);
+    }
+    // Shared state read back from disk comes back into RAM.
+    let shared: Vec<u32> = (0..64).map(|t| 9000 + t).collect();
+    cache.insert(Scope::Shared, shared.clone(), state(&shared, 5.0));
+    let id = cache.index.ids_of(&Scope::Shared, None)[0];
+    cache.evict(id);
+    let on_disk = cache.stats().disk.entries;
+    let mut prompt = shared.clone();
+    prompt.push(1);
+    assert_eq!(first_value(&cache.lookup(&session(3), &prompt, None, false).map(snapshot).unwrap().0), 5.0);
+    assert_eq!(cache.stats().disk.entries, on_disk - 1, "it came back into RAM");
+}
+
+/// A session's history after a shared prompt goes to disk without the
+/// prompt's positions, and comes back whole with them from the shared
+/// entry; with that entry gone the file cannot serve: a miss.
+#[test]
+fn a_sessions_file_leaves_out_the_shared_prompt() {
+    let dir = std::env::temp_dir().join(format!("tether-prefix-test-{}-past-shared", std::process::id()));
+    let _folder = Folder(dir.clone());
+    let config = DiskTierConfig { dir, budget_bytes: 1 << 20 };
+    let mut cache = PrefixCache::with_disk_tier(1 << 20, 16, 7, Some(&config)).unwrap();
+    let shared: Vec<u32> = (0..128).map(|t| 9000 + t).collect();
+    cache.insert(Scope::Shared, shared.clone(), state(&shared, 0.0));
+    let mut own = shared.clone();
+    own.extend((0..64).map(|t| 500 + t));
+    let original = state(&own, 0.0);
+    cache.insert(session(0), own.clone(), original.clone());
+    let id = cache.index.ids_of(&session(0), None)[0];
+    cache.evict(id);
+    let s = cache.stats();
+    assert_eq!((s.entries, s.disk.entries), (1, 1), "{s:?}");
+    assert!((s.disk.written_bytes as usize) < original.nbytes() * 4 / 5, "{} of {} bytes", s.disk.written_bytes, original.nbytes());
+    let mut prompt = own.clone();
+    prompt.push(1);
+    let (back, len) = cache.lookup(&session(0), &prompt, None, false).map(snapshot).expect("a hit from disk");
+    assert_eq!(len, 192);
+    for layer in 0..2 {
+        let (k, v) = back.positions(layer).unwrap().unwrap();
+        let (k0, v0) = original.positions(layer).unwrap().unwrap();
+        assert_eq!((k.to_vec_f32().unwrap(), v.to_vec_f32().unwrap()), (k0.to_vec_f32().unwrap(), v0.to_vec_f32().unwrap()));
+    }
+    assert_eq!(cache.stats().disk.hits, 1);
+    cache.drop_scope(&Scope::Shared);
+    assert!(cache.lookup(&session(0), &prompt, None, false).is_none(), "no base, no hit");
+    assert_eq!(cache.stats().disk.failed_reads, 1);
+}
+
+/// Evicted entries go to the host tier first, as their files' bytes,
+/// and come back whole; over its budget its oldest go on to disk, and
+/// come back from there; without a disk tier they are dropped.
+#[test]
+fn the_host_tier_keeps_evicted_entries_before_the_disk() {
+    let (_dir, cache) = tiered("host", 1 << 10);
+    // Room for one 64 KiB entry's file (its buffers and a header).
+    let mut cache = cache.with_host_tier(100 << 10);
+    for n in 0..3 {
+        store(&mut cache, n, n as f32 * 100.0);
+    }
+    let s = cache.stats();
+    assert_eq!((s.entries, s.host.entries, s.disk.entries), (1, 1, 1), "{s:?}");
+    assert_eq!((s.host.moves, s.disk.writes), (2, 1), "{s:?}");
+    assert!(s.host.bytes > 64 << 10 && s.host.bytes < 100 << 10, "{s:?}");
+    for n in [0, 1, 2] {
+        assert_eq!(first_value(&ask(&mut cache, n).expect("a hit").0), n as f32 * 100.0, "session {n}'s own state");
+    }
+    let s = cache.stats();
+    assert_eq!((s.hits, s.host.hits, s.disk.hits), (3, 1, 1), "{s:?}");
+
+    let mut cache = PrefixCache::new(100 << 10, 16, 7).with_host_tier(100 << 10);
+    for n in 0..3 {
+        store(&mut cache, n, n as f32 * 100.0);
+    }
+    let s = cache.stats();
+    assert_eq!((s.entries, s.host.entries, s.disk.entries), (1, 1, 0), "{s:?}");
+    assert!(ask(&mut cache, 0).is_none(), "the oldest went nowhere");
+    assert_eq!(first_value(&ask(&mut cache, 1).expect("a hit from the host tier").0), 100.0);
+    assert_eq!(cache.stats().host.hits, 1);
+}
+
+/// A file is read when computing what it adds would take longer, and
+/// passed over (a miss here: nothing in RAM matches) when computing is
+/// faster, as on a GPU.
+#[test]
+fn a_file_is_read_only_when_reading_beats_computing() {
+    let (_dir, mut cache) = tiered("cost", 1 << 10);
+    for n in 0..3 {
+        store(&mut cache, n, n as f32);
+    }
+    let mut prompt = history(0);
+    prompt.push(1);
+    // 64 tokens at a nanosecond each: far less than reading ~64 KiB.
+    assert!(cache.lookup(&session(0), &prompt, Some(1e-9), false).is_none());
+    assert_eq!((cache.stats().disk.skipped, cache.stats().disk.hits), (1, 0));
+    // At a second a token the file wins.
+    assert_eq!(first_value(&cache.lookup(&session(0), &prompt, Some(1.0), false).map(snapshot).unwrap().0), 0.0);
+    let d = cache.stats().disk;
+    assert_eq!((d.skipped, d.hits), (1, 1));
+    assert!(d.read_bytes > 0 && d.read_seconds > 0.0, "the read rate is measured: {d:?}");
+}
+
+/// A session's own entry in RAM is handed to its turn and leaves the
+/// cache; shared entries and files are never lent; the turn's end
+/// stores its state again.
+#[test]
+fn a_sessions_own_entry_is_lent_whole() {
+    let (_dir, mut cache) = tiered("lend", 1 << 10);
+    store(&mut cache, 0, 3.0);
+    let mut prompt = history(0);
+    prompt.push(1);
+    let Some(Hit::Lent { cache: kv, len, .. }) = cache.lookup(&session(0), &prompt, None, true) else { panic!("its own entry is lent") };
+    assert_eq!((len, first_value(&kv)), (64, 3.0));
+    let s = cache.stats();
+    assert_eq!((s.entries, s.bytes, s.hits, s.lent), (0, 0, 1, 1), "it left the cache: {s:?}");
+    assert!(cache.lookup(&session(0), &prompt, None, true).is_none(), "nothing is left to hit");
+    cache.insert(session(0), history(0), kv);
+    assert!(matches!(cache.lookup(&session(0), &prompt, None, false), Some(Hit::Shared { len: 64, .. })), "stored again, a snapshot when not lent");
+    // Shared state serves every session: never lent.
+    let shared: Vec<u32> = (0..64).map(|t| 9000 + t).collect();
+    cache.insert(Scope::Shared, shared.clone(), state(&shared, 5.0));
+    let mut asked = shared.clone();
+    asked.push(1);
+    assert!(matches!(cache.lookup(&session(1), &asked, None, true), Some(Hit::Shared { .. })));
+    assert!(cache.lookup(&session(2), &asked, None, true).is_some(), "the shared entry stays");
+    // A file comes back as the turn's own buffers already: it stays on
+    // disk until superseded and is not lent.
+    let id = cache.index.ids_of(&session(0), None)[0];
+    cache.evict(id);
+    let Some(Hit::Shared { cache: kv, .. }) = cache.lookup(&session(0), &prompt, None, true) else { panic!("a hit from disk") };
+    assert_eq!(first_value(&kv), 3.0);
+    let s = cache.stats();
+    assert_eq!((s.lent, s.disk.hits, s.disk.entries), (1, 1, 1), "{s:?}");
+}
+
+/// A cancelled turn hands its lease the state it holds: the history it
+/// was lent goes back, cut to what was lent, at the cache's next
+/// operation; a lease dropped empty (the turn stored its own state, or
+/// failed) gives nothing back.
+#[test]
+fn a_lent_history_goes_back_through_its_lease() {
+    let mut cache = PrefixCache::new(1 << 20, 16, 7);
+    cache.insert(session(0), history(0), state(&history(0), 3.0));
+    let mut prompt = history(0);
+    prompt.extend([1, 2, 3]);
+    let Some(Hit::Lent { cache: kv, len, lease }) = cache.lookup(&session(0), &prompt, None, true) else { panic!("its own entry is lent") };
+    assert_eq!((len, cache.stats().entries), (64, 0));
+    // The turn wrote its prompt's last tokens (values as in `state`), then
+    // was cancelled.
+    drop(kv);
+    lease.give_back(prompt.clone(), state(&prompt, 3.0));
+    assert_eq!(cache.stats().entries, 1, "the history is back");
+    let Some(Hit::Lent { cache: kv, len, lease }) = cache.lookup(&session(0), &prompt, None, true) else { panic!("lent again") };
+    assert_eq!((len, kv.len(), first_value(&kv)), (64, 64, 3.0), "cut to what was lent");
+    drop(lease);
+    assert!(cache.lookup(&session(0), &prompt, None, false).is_none(), "an empty lease gives nothing back");
+    assert_eq!(cache.stats().lent, 2);
+}
+
+/// At its budget the cache evicts as many entries as a new one needs
+/// room for and no more, least recently used first, with moka's own
+/// bookkeeping caught up only every few stores (the engine's cadence).
+#[test]
+fn a_full_cache_evicts_one_entry_for_one() {
+    let mut cache = PrefixCache::new(10 * (64 << 10) + (32 << 10), 16, 7);
+    for n in 0..30 {
+        store(&mut cache, n, 0.0);
+        if n % 3 == 0 {
+            cache.maintain(); // the engine's cadence: every few steps
+        }
+    }
+    cache.maintain();
+    let s = cache.stats();
+    assert_eq!((s.entries, s.evictions), (10, 20), "{s:?}");
+    for n in 20..30 {
+        assert!(ask(&mut cache, n).is_some(), "session {n} is among the last ten stored");
+    }
+}
+
+/// A turn that forks off its history's last partial block replaces the
+/// entry it forked from; one that forks inside a whole block keeps it
+/// (that block still serves prompts that follow the older branch).
+#[test]
+fn a_fork_off_the_last_partial_block_replaces_its_entry() {
+    let mut cache = PrefixCache::new(1 << 20, 16, 7);
+    let first = history(0)[..56].to_vec(); // 3 whole blocks and 8 tokens
+    cache.insert(session(0), first.clone(), state(&first, 0.0));
+    let regenerated = [&first[..48], &[9; 20]].concat();
+    cache.insert(session(0), regenerated, state(&[0; 68], 1.0));
+    assert_eq!(cache.stats().entries, 1, "the first turn's entry holds no whole block of its own");
+    let edited = [&first[..40], &[5; 30]].concat();
+    cache.insert(session(0), edited, state(&[0; 70], 2.0));
+    assert_eq!(cache.stats().entries, 2, "the regenerated turn's third block is its own");
+    let mut prompt = first[..48].to_vec();
+    prompt.push(1);
+    let (hit, len) = snapshot(cache.lookup(&session(0), &prompt, None, false).expect("the older branch still serves"));
+    assert_eq!((len, first_value(&hit)), (48, 1.0));
+}
+
+#[test]
+fn without_a_disk_tier_evicted_entries_are_gone() {
+    let mut cache = PrefixCache::new(100 << 10, 16, 7);
+    for n in 0..2 {
+        store(&mut cache, n, 0.0);
+    }
+    assert!(ask(&mut cache, 0).is_none());
+    assert!(ask(&mut cache, 1).is_some());
+    assert_eq!(cache.stats().disk, DiskStats::default());
+}
+
+#[test]
+fn the_disk_budget_drops_the_oldest_files() {
+    // Room for one file of ~64 KiB (the buffers as held: 256 positions
+    // of room, 2 layers, keys and values).
+    let (_dir, mut cache) = tiered("budget", 100);
+    for n in 0..3 {
+        store(&mut cache, n, 0.0);
+    }
+    let s = cache.stats();
+    assert_eq!((s.disk.entries, s.disk.evictions), (1, 1), "{s:?}");
+    assert!(ask(&mut cache, 0).is_none(), "the oldest file went");
+    assert!(ask(&mut cache, 1).is_some(), "the newer one serves");
+}
+
+#[test]
+fn a_damaged_or_missing_file_is_a_miss() {
+    let (_dir, mut cache) = tiered("damaged", 1 << 10);
+    for n in 0..3 {
+        store(&mut cache, n, 0.0);
+    }
+    let folder = cache.tiers.disk.as_mut().unwrap().dir().to_path_buf();
+    // Wait for the writes: a read of each queues behind them.
+    cache.tiers.disk.as_mut().unwrap().read(1).unwrap();
+    let damaged = folder.join("1.kv");
+    let mut bytes = std::fs::read(&damaged).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x40;
+    std::fs::write(&damaged, bytes).unwrap();
+    std::fs::remove_file(folder.join("2.kv")).unwrap();
+    assert!(ask(&mut cache, 0).is_none(), "damaged: a miss, not wrong state");
+    assert!(ask(&mut cache, 1).is_none(), "missing: a miss");
+    assert_eq!(cache.stats().disk.failed_reads, 2);
+    assert!(ask(&mut cache, 2).is_some(), "the entry in RAM is untouched");
+    assert!(ask(&mut cache, 0).is_none(), "a failed entry is gone, not retried");
+    assert_eq!(cache.stats().disk.failed_reads, 2);
+}
+
+#[test]
+fn a_closed_session_leaves_no_files() {
+    let (_dir, mut cache) = tiered("closed", 1 << 10);
+    for n in 0..3 {
+        store(&mut cache, n, 0.0);
+    }
+    for n in 0..3 {
+        cache.drop_scope(&session(n));
+    }
+    let s = cache.stats();
+    assert_eq!((s.entries, s.disk.entries, s.disk.bytes), (0, 0, 0));
+    let folder = cache.tiers.disk.as_mut().unwrap().dir().to_path_buf();
+    // The removals are queued: a read of a removed file queues behind them.
+    assert!(cache.tiers.disk.as_mut().unwrap().read(1).is_err());
+    assert_eq!(std::fs::read_dir(folder).unwrap().count(), 0);
+}
