@@ -38,6 +38,8 @@ pub use api::{
 };
 pub use config::{EngineConfig, KvLayout};
 pub use disk_tier::DiskTierConfig;
+#[cfg(test)]
+pub(crate) use handle::Command;
 pub use handle::EngineHandle;
 pub use pool::EnginePool;
 pub use prefix::{DiskStats, HostStats, PrefixStats, Scope};
