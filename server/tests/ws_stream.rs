@@ -38,24 +38,23 @@ async fn streaming_deltas_concatenate_to_the_greedy_text() {
 
     let sent = Instant::now();
     c.generate("count-1", json!({"prompt": COUNT, "speculation": {"source": "off"}, "max_tokens": 24})).await;
-    let first = c.deltas("count-1", 1).await;
-    let first_at = sent.elapsed();
-    let mut out = c.collect("count-1").await;
+    let out = c.collect("count-1").await;
     let done_at = sent.elapsed();
-    out.deltas.insert(0, first.into_iter().next().unwrap());
     out.assert_contiguous();
 
     let (ids, text) = h.greedy(COUNT, 24);
     assert_eq!(out.token_ids(), ids, "streamed tokens differ from greedy_tokens");
     assert_eq!(out.text(), text);
     // Real streaming: one frame per generated token (speculation is off here:
-    // accepted drafts arrive together), the first well before the end.
+    // accepted drafts arrive together), in order.
     assert_eq!(out.deltas.len(), 24);
-    assert!(first_at < done_at, "first delta {first_at:?}, done {done_at:?}");
     let done = out.done();
     assert_eq!(done.finish_reason, FinishReason::Length);
     assert_eq!(done.usage.completion_tokens, 24);
     assert_eq!(done.usage.prompt_tokens as usize, h.tokenizer.encode(COUNT, true).unwrap().len());
+    // No clock decides here: on two busy cores a stalled relay can take all 24
+    // tokens in one millisecond. That deltas reach a client before the end is
+    // shown by cancelling mid-stream (ws_lifecycle's cancel test).
     assert!(done.timing.queue_ms <= done.timing.ttft_ms && done.timing.ttft_ms <= done.timing.total_ms, "{:?}", done.timing);
     assert!(done.timing.total_ms as u128 <= done_at.as_millis() + 5);
 }

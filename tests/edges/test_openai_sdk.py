@@ -20,6 +20,16 @@ def client(server, api_key="sk-anything"):
     return openai.OpenAI(base_url=server.base_url, api_key=api_key, max_retries=0, timeout=120)
 
 
+def assert_answered(r, max_tokens):
+    """A chat completion that answered: non-empty text, and usage that adds
+    up. The test prompts are questions a greedy SmolLM2 answers at length,
+    so a small `max_tokens` is always what ends them."""
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content and choice.message.content.strip(), r
+    assert choice.finish_reason == "length" and r.usage.completion_tokens == max_tokens, r
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens, r.usage
+
+
 def test_models_lists_the_served_model(smollm2):
     models = client(smollm2).models.list()
     assert [m.id for m in models.data] == [MODEL]
@@ -62,7 +72,10 @@ def test_an_answer_appended_as_returned_continues_the_conversation(smollm2):
     # What SDK users do: the returned message (with refusal, annotations...) goes back as is.
     history = QUESTION + [first.choices[0].message.model_dump(exclude_none=False), {"role": "user", "content": "And Spain?"}]
     second = c.chat.completions.create(model=MODEL, messages=history, max_tokens=4, temperature=0)
-    assert second.choices[0].message.content is not None
+    assert_answered(second, max_tokens=4)
+    # The returned message is in the prompt: the second turn's prompt holds
+    # the first turn's prompt and answer, and more.
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens, (first.usage, second.usage)
     # An assistant turn that called a tool, and the tool's result, continue it too.
     status, got = smollm2.post("/v1/chat/completions", {"model": MODEL, "max_tokens": 2, "messages": QUESTION + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
@@ -78,9 +91,14 @@ def test_stop_strings_and_logprobs(smollm2):
     c = client(smollm2)
     r = c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0, logprobs=True, top_logprobs=2, stop=["Paris"])
     choice = r.choices[0]
-    assert "Paris" not in choice.message.content
+    # The greedy answer names Paris; with the stop string it ends just before.
+    unstopped = c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0).choices[0].message.content
+    assert "Paris" in unstopped, unstopped
+    assert choice.message.content == unstopped[: unstopped.index("Paris")] and choice.message.content.strip(), (choice.message.content, unstopped)
+    assert choice.finish_reason == "stop"
+    # One entry per generated token, the one that completed the stop string included.
     content = choice.logprobs.content
-    assert len(content) >= 1
+    assert len(content) == r.usage.completion_tokens > 0, (len(content), r.usage)
     for entry in content:
         assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
@@ -111,6 +129,8 @@ def test_completions_stream_with_logprobs(smollm2):
 
 def test_errors_are_the_sdks_exceptions(smollm2):
     c = client(smollm2)
+    before = c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, temperature=0)
+    assert_answered(before, max_tokens=2)
     with pytest.raises(openai.NotFoundError) as e:
         c.chat.completions.create(model="gpt-nope", messages=QUESTION)
     assert e.value.code == "model_not_found" and e.value.param == "model"
@@ -126,16 +146,18 @@ def test_errors_are_the_sdks_exceptions(smollm2):
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * 9000}], max_tokens=4)
     assert e.value.code == "context_length_exceeded"
-    # The server is unharmed.
-    assert c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2).choices[0].message.content is not None
+    # The server is unharmed: the same greedy answer as before the errors.
+    after = c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, temperature=0)
+    assert_answered(after, max_tokens=2)
+    assert after.choices[0].message.content == before.choices[0].message.content
 
 
 def test_bearer_tokens(guarded):
     with pytest.raises(openai.AuthenticationError) as e:
         client(guarded, api_key="sk-wrong").models.list()
     assert e.value.code == "invalid_api_key"
-    r = client(guarded, api_key=TOKEN).chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2)
-    assert r.choices[0].message.content is not None
+    r = client(guarded, api_key=TOKEN).chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, temperature=0)
+    assert_answered(r, max_tokens=2)
 
 
 def test_a_client_that_hangs_up_mid_stream_frees_its_request(smollm2):

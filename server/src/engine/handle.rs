@@ -168,3 +168,16 @@ impl EngineHandle {
         }
     }
 }
+
+#[cfg(test)]
+impl EngineHandle {
+    /// A handle with no engine thread behind it, for unit tests of the edge:
+    /// the test reads the commands the edge sends from the receiver, and
+    /// plays the engine by sending events through each submission's `events`.
+    pub(crate) fn for_tests(info: EngineModelInfo, config: EngineConfig) -> (EngineHandle, mpsc::Receiver<Command>) {
+        let (tx, rx) = mpsc::sync_channel(config.max_waiting.max(1) + 64);
+        let handle =
+            EngineHandle { tx, next_id: Arc::new(AtomicU64::new(1)), info: Arc::new(info), config: Arc::new(config), thread: Arc::new(Mutex::new(None)) };
+        (handle, rx)
+    }
+}

@@ -36,6 +36,8 @@ pub use api::{
     TokenLogprob,
 };
 pub use config::{EngineConfig, KvLayout};
+#[cfg(test)]
+pub(crate) use handle::Command;
 pub use handle::EngineHandle;
 pub use pool::EnginePool;
 pub use prefix::{DiskStats, DiskTierConfig, HostStats, PrefixStats, Scope};

@@ -28,6 +28,8 @@ mod replay;
 mod request;
 mod session;
 mod sessions;
+#[cfg(test)]
+mod testing;
 mod ws;
 
 use std::net::SocketAddr;
@@ -145,53 +147,60 @@ pub struct ServerHandle {
 /// Must be called inside a Tokio runtime. The engine is shared, not owned:
 /// stopping the server leaves it running.
 pub async fn serve(config: ServerConfig, engines: impl Into<EnginePool>, tokenizer: Arc<TextTokenizer>) -> anyhow::Result<ServerHandle> {
-    let engines: EnginePool = engines.into();
     config.validate().map_err(anyhow::Error::msg)?;
     let listener = TcpListener::bind((config.host.as_str(), config.port)).await?;
     let addr = listener.local_addr()?;
-    let info = engines.info().clone();
-    let fim = FimTokens::detect(&tokenizer);
-    let model = ModelInfo {
-        name: config.model_name.clone().unwrap_or_else(|| info.name.clone()),
-        architecture: info.architecture.clone(),
-        context_length: info.context_length.min(u32::MAX as usize) as u32,
-        vocab_size: info.vocab_size.min(u32::MAX as usize) as u32,
-        fim: fim.is_some(),
-    };
-    let limits = config.limits(info.context_length);
-    let session_limits = SessionLimits {
-        max_in_flight: config.max_in_flight,
-        replay_frames: config.replay_frames,
-        replay_bytes: config.replay_bytes,
-        stall_timeout: config.stall_timeout,
-    };
-    let forget = engines.clone();
-    let state = Arc::new(ServerState {
-        sessions: SessionRegistry::new(config.max_sessions, config.session_ttl, session_limits)
-            .with_on_forget(move |id| forget.for_session(id).drop_scope(Scope::Session(id.to_string()))),
-        responses: openai::ResponseStore::new(config.session_ttl),
-        http_buckets: rate::TenantBuckets::new(config.rate_limit_per_sec, config.rate_limit_burst),
-        config,
-        grammars: crate::grammar::Grammars::new(tokenizer.clone(), info.vocab_size),
-        engines,
-        tool_prompting: crate::tools::ToolPrompting::detect(&tokenizer),
-        tokenizer,
-        fim,
-        model,
-        limits,
-        metrics: Metrics::new(),
-        draining: AtomicBool::new(false),
-        stop_accepting: watch::Sender::new(false),
-        stop: watch::Sender::new(false),
-        in_flight: AtomicUsize::new(0),
-        connections: AtomicUsize::new(0),
-        next_conn: AtomicU64::new(1),
-    });
+    let state = ServerState::new(config, engines.into(), tokenizer);
     let grammars = state.clone();
     tokio::task::spawn_blocking(move || grammars.grammars.prepare());
     let accept = tokio::spawn(accept_loop(state.clone(), listener));
     let reaper = tokio::spawn(reaper_loop(state.clone()));
     Ok(ServerHandle { addr, state, accept, reaper })
+}
+
+impl ServerState {
+    /// The state of a server for `config` (already validated) in front of
+    /// `engines`; nothing is started.
+    fn new(config: ServerConfig, engines: EnginePool, tokenizer: Arc<TextTokenizer>) -> Arc<ServerState> {
+        let info = engines.info().clone();
+        let fim = FimTokens::detect(&tokenizer);
+        let model = ModelInfo {
+            name: config.model_name.clone().unwrap_or_else(|| info.name.clone()),
+            architecture: info.architecture.clone(),
+            context_length: info.context_length.min(u32::MAX as usize) as u32,
+            vocab_size: info.vocab_size.min(u32::MAX as usize) as u32,
+            fim: fim.is_some(),
+        };
+        let limits = config.limits(info.context_length);
+        let session_limits = SessionLimits {
+            max_in_flight: config.max_in_flight,
+            replay_frames: config.replay_frames,
+            replay_bytes: config.replay_bytes,
+            stall_timeout: config.stall_timeout,
+        };
+        let forget = engines.clone();
+        Arc::new(ServerState {
+            sessions: SessionRegistry::new(config.max_sessions, config.session_ttl, session_limits)
+                .with_on_forget(move |id| forget.for_session(id).drop_scope(Scope::Session(id.to_string()))),
+            responses: openai::ResponseStore::new(config.session_ttl),
+            http_buckets: rate::TenantBuckets::new(config.rate_limit_per_sec, config.rate_limit_burst),
+            config,
+            grammars: crate::grammar::Grammars::new(tokenizer.clone(), info.vocab_size),
+            engines,
+            tool_prompting: crate::tools::ToolPrompting::detect(&tokenizer),
+            tokenizer,
+            fim,
+            model,
+            limits,
+            metrics: Metrics::new(),
+            draining: AtomicBool::new(false),
+            stop_accepting: watch::Sender::new(false),
+            stop: watch::Sender::new(false),
+            in_flight: AtomicUsize::new(0),
+            connections: AtomicUsize::new(0),
+            next_conn: AtomicU64::new(1),
+        })
+    }
 }
 
 async fn accept_loop(state: Arc<ServerState>, listener: TcpListener) {

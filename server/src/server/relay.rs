@@ -283,3 +283,6 @@ impl Relay {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -451,3 +451,6 @@ impl Writer for FrameWriter {
         self.registration.cancel_origin()
     }
 }
+
+#[cfg(test)]
+mod tests;

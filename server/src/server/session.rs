@@ -591,3 +591,6 @@ pub fn new_secret(prefix: &str) -> String {
     }
     s
 }
+
+#[cfg(test)]
+mod tests;

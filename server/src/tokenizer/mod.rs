@@ -20,7 +20,7 @@ mod spm;
 mod stream;
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use std::collections::HashMap;
 use std::path::Path;

