@@ -107,3 +107,30 @@ pub(super) fn scale_embeddings(h: Array, c: &ModelConfig, dtype: Dtype) -> mlx::
         false => Ok(h),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_last_layer_of_each_group_is_global() {
+        let window = SlidingWindow { size: 512, global_every: 6, local_rope_theta: 10_000.0 };
+        let global: Vec<usize> = (0..18).filter(|&l| !window.is_local(l)).collect();
+        assert_eq!(global, [5, 11, 17]);
+    }
+
+    #[test]
+    fn a_window_query_sees_itself_and_the_window_before_it() {
+        mlx::set_default_device(mlx::Device::Cpu).unwrap();
+        // Queries at positions 4 and 5 over the keys held from position 2
+        // (2..=5), on a layer of window 3.
+        let mask = window_mask(4, 2, 2, 3, Dtype::F32).unwrap();
+        assert_eq!(mask.shape(), [1, 1, 2, 4]);
+        let seen: Vec<bool> = mask.to_vec_f32().unwrap().into_iter().map(|m| m == 0.0).collect();
+        #[rustfmt::skip]
+        assert_eq!(seen, [
+            true, true, true, false, // query 4: keys 2, 3, 4
+            false, true, true, true, // query 5: keys 3, 4, 5
+        ]);
+    }
+}

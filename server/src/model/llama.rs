@@ -105,3 +105,29 @@ pub(super) fn hf_rope_periods(c: &ModelConfig) -> mlx::Result<Option<Array>> {
         None => Ok(None),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_llama3_rope_scaling_is_read_and_others_are_refused() {
+        assert_eq!(hf_rope_scaling(&Value::Null).unwrap(), None);
+        assert_eq!(hf_rope_scaling(&serde_json::json!({"rope_type": "default"})).unwrap(), None);
+        let llama3 = hf_rope_scaling(&serde_json::json!({"rope_type": "llama3", "factor": 8.0})).unwrap().unwrap();
+        assert_eq!((llama3.factor, llama3.low_freq_factor, llama3.high_freq_factor, llama3.original_context), (8.0, 1.0, 4.0, 8192.0));
+        assert!(hf_rope_scaling(&serde_json::json!({"type": "yarn", "factor": 4.0})).is_err());
+        assert!(hf_rope_scaling(&serde_json::json!({"rope_type": "llama3"})).is_err(), "factor is required");
+    }
+
+    #[test]
+    fn scaling_slows_the_slow_pairs_and_keeps_the_fast_ones() {
+        let s = Llama3RopeScaling { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_context: 8192.0 };
+        let (base, dims) = (500_000.0, 64);
+        let periods = s.periods(base, dims);
+        let unscaled = |i: usize| base.powf(2.0 * i as f64 / dims as f64) as f32;
+        assert_eq!(periods[0], unscaled(0), "the fastest pair turns as before");
+        let last = dims / 2 - 1;
+        assert!((periods[last] / unscaled(last) - 8.0).abs() < 1e-3, "the slowest pair turns `factor` times slower");
+    }
+}
