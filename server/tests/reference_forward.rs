@@ -20,12 +20,7 @@ fn check_model(name: &str, fixture: &str, weights: WeightFormat) {
     if matches!(weights, WeightFormat::Dense) && mlx::cpu_panels_supported() {
         // What runs dense float32 models on this CPU: the panel kernel, for
         // prefill chunks and one-row decode alike.
-        let all_panels = model
-            .layers
-            .iter()
-            .flat_map(|l| [&l.qkv, &l.attn_out, &l.gate_up, &l.down])
-            .chain([&model.lm_head])
-            .all(|l| matches!(l.weight, Weight::Panels { .. }));
+        let all_panels = model.linears().all(|l| matches!(l.weight, Weight::Panels { .. }));
         assert!(all_panels, "{name}: dense projections are not laid out in panels");
     }
     let fx = read_json(fixture);

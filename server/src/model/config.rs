@@ -1,5 +1,8 @@
 //! Hyperparameters of the decoder-only transformers Tether runs.
 
+pub use super::gemma3::SlidingWindow;
+pub use super::llama::Llama3RopeScaling;
+
 /// The architectures the forward pass implements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Architecture {
@@ -45,61 +48,6 @@ pub enum Activation {
     Silu,
     /// GeGLU with GELU's tanh approximation (Gemma).
     GeluTanh,
-}
-
-/// Sliding-window attention on some layers (Gemma 3): a local layer's query
-/// sees only the last `size` positions (itself included) and its RoPE turns
-/// at its own base; every `global_every`-th layer (the last of each group)
-/// attends to everything at the model's main RoPE base.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct SlidingWindow {
-    pub size: usize,
-    pub global_every: usize,
-    pub local_rope_theta: f32,
-}
-
-impl SlidingWindow {
-    /// Whether layer `layer` (from 0) attends within the window.
-    pub fn is_local(&self, layer: usize) -> bool {
-        !(layer + 1).is_multiple_of(self.global_every)
-    }
-}
-
-/// Llama 3's RoPE scaling (`rope_scaling` with `rope_type: "llama3"`): the
-/// slow-turning pairs (periods longer than the original context over
-/// `low_freq_factor`) turn `factor` times slower, the fast ones (shorter than
-/// the context over `high_freq_factor`) are kept, and those between blend
-/// the two, so a model trained on `original_context` positions reaches
-/// `factor` times as far.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Llama3RopeScaling {
-    pub factor: f64,
-    pub low_freq_factor: f64,
-    pub high_freq_factor: f64,
-    pub original_context: f64,
-}
-
-impl Llama3RopeScaling {
-    /// Each pair's rotation period (position / period = angle) for a head of
-    /// `dims` rotated dimensions: `base^(2i / dims)`, scaled as above.
-    pub fn periods(&self, base: f64, dims: usize) -> Vec<f32> {
-        let (low_wavelength, high_wavelength) = (self.original_context / self.low_freq_factor, self.original_context / self.high_freq_factor);
-        (0..dims / 2)
-            .map(|i| {
-                let inv = base.powf(-2.0 * i as f64 / dims as f64);
-                let wavelength = 2.0 * std::f64::consts::PI / inv;
-                let scaled = if wavelength < high_wavelength {
-                    inv
-                } else if wavelength > low_wavelength {
-                    inv / self.factor
-                } else {
-                    let smooth = (self.original_context / wavelength - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor);
-                    (1.0 - smooth) * inv / self.factor + smooth * inv
-                };
-                (1.0 / scaled) as f32
-            })
-            .collect()
-    }
 }
 
 #[derive(Clone, Debug, PartialEq)]

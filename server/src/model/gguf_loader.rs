@@ -2,12 +2,14 @@
 use gguf::{GgufFile, TensorInfo};
 use mlx::Dtype;
 
-use super::config::{Activation, Architecture, ModelConfig, SlidingWindow};
+use super::config::{Activation, Architecture, ModelConfig};
 use super::embedding::Embedding;
 use super::linear::{Linear, Weight};
-use super::transformer::{Layer, QkNorm, Transformer};
+use super::qwen3::QkNorm;
+use super::transformer::{LayerWeights, Transformer};
 use super::weights::{affine_to_mlx, dense, five_bit_codes_here, WeightFormat};
 use super::LoadError;
+use super::{gemma3, llama};
 
 /// Reads the hyperparameters under the file's `general.architecture` prefix.
 pub fn read_config(file: &GgufFile) -> Result<ModelConfig, LoadError> {
@@ -22,22 +24,7 @@ pub fn read_config(file: &GgufFile) -> Result<ModelConfig, LoadError> {
     let n_kv_heads = file.get_u64(&key("attention.head_count_kv")).map(|v| v as usize).unwrap_or(n_heads);
     let embedding = tensor(file, "token_embd.weight")?;
     let head_dim = file.get_u64(&key("attention.key_length")).map(|v| v as usize).unwrap_or(d_model / n_heads.max(1));
-    let gemma = arch == Architecture::Gemma3;
-    // Gemma 3's local layers: the window is in the file; the layer pattern
-    // (five local, one global) and the local RoPE base are the family's own
-    // (llama.cpp hard-codes them too; a file may name them).
-    let sliding_window = match file.get_u64(&key("attention.sliding_window")) {
-        Some(size) if gemma => Some(SlidingWindow {
-            size: size as usize,
-            global_every: file.get_u64(&key("attention.sliding_window_pattern")).map_or(6, |v| v as usize),
-            local_rope_theta: file.get_f32(&key("rope.freq_base_swa")).unwrap_or(10_000.0),
-        }),
-        _ => None,
-    };
-    if gemma && file.get_str(&key("rope.scaling.type")).is_some_and(|t| t != "none") {
-        return Err(LoadError::Invalid(format!("{arch_name}: RoPE scaling is not supported for this architecture yet")));
-    }
-    let config = ModelConfig {
+    let mut config = ModelConfig {
         arch,
         n_layers: int("block_count")?,
         d_model,
@@ -52,18 +39,21 @@ pub fn read_config(file: &GgufFile) -> Result<ModelConfig, LoadError> {
         // Llama 3.x GGUFs carry their scaling as per-pair factors instead
         // (`rope_freqs.weight`, read by `load`).
         rope_scaling: None,
-        // llama.cpp's converter permutes llama Q/K rows for adjacent-pair RoPE;
-        // qwen2 keeps the split-half (NeoX) layout.
-        rope_traditional: arch == Architecture::Llama,
+        rope_traditional: false,
         qkv_bias: file.tensor("blk.0.attn_q.bias").is_some(),
         qk_norm: file.tensor("blk.0.attn_q_norm.weight").is_some(),
         tied_embeddings: file.tensor("output.weight").is_none(),
-        // Gemma's GGUF norms already hold 1 + w (its converter adds the one).
-        embedding_scale: if gemma { (d_model as f32).sqrt() } else { 1.0 },
-        activation: if gemma { Activation::GeluTanh } else { Activation::Silu },
-        post_norms: gemma,
-        sliding_window,
+        embedding_scale: 1.0,
+        activation: Activation::Silu,
+        post_norms: false,
+        sliding_window: None,
     };
+    // What each family sets beyond the fields every file names.
+    match arch {
+        Architecture::Llama => llama::gguf_args(&mut config),
+        Architecture::Gemma3 => gemma3::gguf_args(file, arch_name, &mut config)?,
+        Architecture::Qwen2 | Architecture::Qwen3 => {}
+    }
     config.validate().map_err(LoadError::Invalid)?;
     Ok(config)
 }
@@ -133,14 +123,7 @@ pub fn load(file: &GgufFile, dtype: Dtype, format: WeightFormat) -> Result<Trans
         Some(q) => Embedding::Quantized(q.clone()),
         None => Embedding::Dense(loader.dense("token_embd.weight", &[c.vocab_size, d])?),
     };
-    // Attention scales scores by 1/sqrt(head_dim). Gemma 3 27B (62 layers)
-    // was trained with 1/sqrt(d_model / heads) instead (llama.cpp tells it
-    // by its layer count too); RoPE is linear, so folding the ratio into the
-    // query norm's weights scales the scores the same at no cost per step.
-    let query_scale = match c.arch == Architecture::Gemma3 && c.n_layers == 62 {
-        true => ((hd as f64) / (d as f64 / c.n_heads as f64)).sqrt() as f32,
-        false => 1.0,
-    };
+    let query_scale = gemma3::query_norm_scale(c);
     let mut layers = Vec::with_capacity(c.n_layers);
     for i in 0..c.n_layers {
         let p = format!("blk.{i}");
@@ -163,7 +146,7 @@ pub fn load(file: &GgufFile, dtype: Dtype, format: WeightFormat) -> Result<Trans
             }
             Ok(Some(loader.dense(&format!("{p}.{name}.weight"), &[d])?))
         };
-        layers.push(Layer {
+        layers.push(LayerWeights {
             post_attn_norm: post_norm("post_attention_norm")?,
             post_ffn_norm: post_norm("post_ffw_norm")?,
             qk_norm,
@@ -193,18 +176,8 @@ pub fn load(file: &GgufFile, dtype: Dtype, format: WeightFormat) -> Result<Trans
     } else {
         loader.linear("output", c.vocab_size, d)?
     };
-    // Llama 3.x: each pair's period is the base one times its factor.
-    let rope_periods = match file.tensor("rope_freqs.weight") {
-        Some(t) => {
-            check_shape(t, &[hd / 2])?;
-            let factors = file.dequantize_f32(t)?;
-            let periods: Vec<f32> =
-                factors.iter().enumerate().map(|(i, f)| ((c.rope_theta as f64).powf(2.0 * i as f64 / hd as f64) * *f as f64) as f32).collect();
-            Some(mlx::Array::from_f32(&periods, &[hd / 2])?)
-        }
-        None => None,
-    };
-    let t = Transformer { config, dtype, embedding, layers, final_norm, lm_head, rope_periods, kv_quantization: None };
+    let rope_periods = llama::gguf_rope_periods(file, c)?;
+    let t = Transformer::assemble(config, dtype, embedding, layers, final_norm, lm_head, rope_periods);
     mlx::eval(&t.embedding.arrays().into_iter().chain([&t.final_norm]).collect::<Vec<_>>())?;
     Ok(t)
 }

@@ -1,28 +1,44 @@
 //! Model architectures, their weights and loaders.
 //!
 //! A model on disk is either a GGUF file or an HF-style safetensors folder;
-//! both load into the same [`Transformer`].
+//! both load into the same [`Transformer`]. Its layers are written once
+//! (`layers.rs`); each family file (`llama.rs`, `qwen2.rs`, `qwen3.rs`,
+//! `gemma3.rs`) holds only what that family does differently, and the
+//! loaders build each model's blocks with its family's parts. How rows
+//! attend (the CPU's kernel, MLX's attention, batched slots) is
+//! `attention.rs`, its backend picked once at load.
+mod attention;
 mod batch_step;
 mod config;
 mod embedding;
+mod gemma3;
 mod gguf_loader;
 mod kv_batch;
 mod kv_cache;
 pub mod kv_file;
+mod layers;
 mod linear;
+mod llama;
+mod qwen2;
+mod qwen3;
 mod safetensors_loader;
 mod transformer;
 mod weights;
 
 use std::path::Path;
 
+pub use attention::AttentionBackend;
 pub use batch_step::{alone_queries, queries_per_slot, BatchedRows, ALONE_QUERIES_MULTIPLE, GATHERED_ROWS_MULTIPLE, SHARED_ATTENTION_SCORES, SMALL_QUERIES};
 pub use config::{Activation, Architecture, ModelConfig, SlidingWindow};
 pub use embedding::Embedding;
 pub use kv_batch::{capacity_class, capacity_classes, KvBatch};
 pub use kv_cache::{KvCache, KvQuantization, StoredCache, CAPACITY_STEP as KV_CAPACITY_STEP};
+/// The old name of a decoder layer (now a [`Block`] of an [`Attention`] and an [`Mlp`]).
+pub use layers::Block as Layer;
+pub use layers::{Attention, Block, Gate, Mlp, Rope, RopeFreqs};
 pub use linear::{Linear, Weight};
-pub use transformer::{Layer, RowInput, StepLogits, Transformer};
+pub use qwen3::QkNorm;
+pub use transformer::{RowInput, StepLogits, Transformer};
 pub use weights::WeightFormat;
 
 #[derive(Debug, thiserror::Error)]

@@ -8,11 +8,13 @@ use std::path::Path;
 use mlx::{Array, Dtype, QuantizedWeights};
 use serde_json::Value;
 
-use super::config::{Activation, Architecture, Llama3RopeScaling, ModelConfig};
+use super::config::{Activation, Architecture, ModelConfig};
 use super::embedding::Embedding;
 use super::linear::{Linear, Weight};
-use super::transformer::{Layer, QkNorm, Transformer};
+use super::qwen3::QkNorm;
+use super::transformer::{LayerWeights, Transformer};
 use super::LoadError;
+use super::{gemma3, llama, qwen2, qwen3};
 
 pub fn read_config(dir: &Path) -> Result<(ModelConfig, Option<(i32, i32)>), LoadError> {
     let path = dir.join("config.json");
@@ -21,14 +23,12 @@ pub fn read_config(dir: &Path) -> Result<(ModelConfig, Option<(i32, i32)>), Load
     let arch_name = v["architectures"].get(0).and_then(Value::as_str).or_else(|| v["model_type"].as_str()).unwrap_or("");
     let arch = Architecture::parse(arch_name).ok_or_else(|| LoadError::UnsupportedArchitecture(arch_name.to_string()))?;
     if arch == Architecture::Gemma3 {
-        // Gemma's checkpoints store norm weights as offsets from 1 and its
-        // layer pattern in fields of their own; only its GGUF form is read.
-        return Err(LoadError::Invalid("Gemma 3 loads from its GGUF file; Hugging Face folders of it are not supported".into()));
+        gemma3::hf_args()?;
     }
     let int = |k: &str| v[k].as_u64().map(|x| x as usize).ok_or_else(|| LoadError::Invalid(format!("config.json: missing {k}")));
     let d_model = int("hidden_size")?;
     let n_heads = int("num_attention_heads")?;
-    let config = ModelConfig {
+    let mut config = ModelConfig {
         arch,
         n_layers: int("num_hidden_layers")?,
         d_model,
@@ -40,43 +40,25 @@ pub fn read_config(dir: &Path) -> Result<(ModelConfig, Option<(i32, i32)>), Load
         context_length: int("max_position_embeddings").unwrap_or(4096),
         rms_eps: v["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32,
         rope_theta: v["rope_theta"].as_f64().unwrap_or(10000.0) as f32,
-        rope_scaling: rope_scaling(&v["rope_scaling"])?,
+        rope_scaling: llama::hf_rope_scaling(&v["rope_scaling"])?,
         rope_traditional: false,
-        qkv_bias: arch == Architecture::Qwen2,
-        qk_norm: arch == Architecture::Qwen3,
+        qkv_bias: false,
+        qk_norm: false,
         tied_embeddings: v["tie_word_embeddings"].as_bool().unwrap_or(false),
         embedding_scale: 1.0,
         activation: Activation::Silu,
         post_norms: false,
         sliding_window: None,
     };
+    // What each family sets beyond the fields every config names.
+    match arch {
+        Architecture::Qwen2 => qwen2::hf_args(&mut config),
+        Architecture::Qwen3 => qwen3::hf_args(&mut config),
+        Architecture::Llama | Architecture::Gemma3 => {}
+    }
     config.validate().map_err(LoadError::Invalid)?;
     let quant = v.get("quantization").map(|q| (q["group_size"].as_i64().unwrap_or(64) as i32, q["bits"].as_i64().unwrap_or(4) as i32));
     Ok((config, quant))
-}
-
-/// `rope_scaling` of config.json: none, or Llama 3's; other kinds are refused
-/// rather than run unscaled (which would be silently wrong).
-fn rope_scaling(v: &Value) -> Result<Option<Llama3RopeScaling>, LoadError> {
-    if v.is_null() {
-        return Ok(None);
-    }
-    let kind = v["rope_type"].as_str().or_else(|| v["type"].as_str()).unwrap_or("");
-    match kind {
-        "default" => Ok(None),
-        "llama3" => {
-            let num = |k: &str, default: Option<f64>| {
-                v[k].as_f64().or(default).ok_or_else(|| LoadError::Invalid(format!("config.json: rope_scaling.{k} is missing")))
-            };
-            Ok(Some(Llama3RopeScaling {
-                factor: num("factor", None)?,
-                low_freq_factor: num("low_freq_factor", Some(1.0))?,
-                high_freq_factor: num("high_freq_factor", Some(4.0))?,
-                original_context: num("original_max_position_embeddings", Some(8192.0))?,
-            }))
-        }
-        other => Err(LoadError::Invalid(format!("config.json: rope_scaling type {other:?} is not supported (supported: llama3)"))),
-    }
 }
 
 struct Tensors {
@@ -156,7 +138,7 @@ pub fn load(dir: &Path, dtype: Dtype) -> Result<Transformer, LoadError> {
             true => Some(QkNorm { q: t.float(&format!("{p}.self_attn.q_norm.weight"))?, k: t.float(&format!("{p}.self_attn.k_norm.weight"))? }),
             false => None,
         };
-        layers.push(Layer {
+        layers.push(LayerWeights {
             post_attn_norm: None,
             post_ffn_norm: None,
             qk_norm,
@@ -183,9 +165,6 @@ pub fn load(dir: &Path, dtype: Dtype) -> Result<Transformer, LoadError> {
     if embedding.vocab() != config.vocab_size {
         return Err(LoadError::Invalid(format!("embedding has {} rows, config says vocab {}", embedding.vocab(), config.vocab_size)));
     }
-    let rope_periods = match config.rope_scaling {
-        Some(s) => Some(Array::from_f32(&s.periods(config.rope_theta as f64, config.head_dim), &[config.head_dim / 2])?),
-        None => None,
-    };
-    Ok(Transformer { config, dtype, embedding, layers, final_norm, lm_head, rope_periods, kv_quantization: None })
+    let rope_periods = llama::hf_rope_periods(&config)?;
+    Ok(Transformer::assemble(config, dtype, embedding, layers, final_norm, lm_head, rope_periods))
 }
