@@ -7,7 +7,7 @@
 use std::time::Instant;
 
 use tether::loaded::LoadedModel;
-use tether::model::LoadOptions;
+use tether::models::LoadOptions;
 
 fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);

@@ -7,7 +7,7 @@
 //! (TETHER_CPU_ATTENTION=0 for MLX's per-row attention instead of the fused kernel.)
 use std::time::Instant;
 
-use tether::model::{load_transformer, LoadOptions};
+use tether::models::{load_transformer, LoadOptions};
 use tether::registry::{models_dir, KNOWN_MODELS};
 
 fn main() {

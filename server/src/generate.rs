@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use mlx::Array;
 
-use crate::model::{KvCache, Transformer};
+use crate::models::{KvCache, Transformer};
 use crate::sample::{Sampler, SamplingParams};
 
 #[derive(Clone, Debug)]

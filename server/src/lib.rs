@@ -6,7 +6,7 @@ pub mod engine;
 pub mod generate;
 pub mod grammar;
 pub mod loaded;
-pub mod model;
+pub mod models;
 pub mod registry;
 pub mod sample;
 pub mod server;

@@ -12,7 +12,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use crate::model::{self, LoadOptions, Transformer};
+use crate::models::{self, LoadOptions, Transformer};
 use crate::tokenizer::{ChatMessage, TextTokenizer};
 
 #[derive(Debug, thiserror::Error)]
@@ -20,7 +20,7 @@ pub enum ModelError {
     #[error(transparent)]
     Fetch(#[from] crate::registry::FetchError),
     #[error("loading {path}: {source}")]
-    Load { path: String, source: model::LoadError },
+    Load { path: String, source: models::LoadError },
     #[error("tokenizer of {path}: {source}")]
     Tokenizer { path: String, source: crate::tokenizer::TokenizerError },
     #[error("model and tokenizer disagree: {0}")]
@@ -43,7 +43,7 @@ impl LoadedModel {
     }
 
     pub fn load_path(name: &str, path: &Path, opts: LoadOptions) -> Result<LoadedModel, ModelError> {
-        let transformer = model::load_transformer(path, opts).map_err(|source| ModelError::Load { path: path.display().to_string(), source })?;
+        let transformer = models::load_transformer(path, opts).map_err(|source| ModelError::Load { path: path.display().to_string(), source })?;
         Ok(LoadedModel { name: name.to_string(), path: path.to_path_buf(), transformer })
     }
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 use common::*;
 use tether::engine::{EngineConfig, EngineError, EngineEvent, EngineHandle, Finish, KvLayout, Scope, StopReason, SubmitRequest};
 use tether::generate::greedy_tokens;
-use tether::model::{load_transformer, LoadOptions};
+use tether::models::{load_transformer, LoadOptions};
 
 fn start(config: EngineConfig) -> EngineHandle {
     start_smollm2_engine(config)
@@ -170,12 +170,12 @@ async fn stop_ids_and_context_limit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_budget_bounds_running_rows_in_both_layouts() {
     let probe = start(EngineConfig::default());
-    let block_bytes = probe.info().kv_bytes_per_token * tether::model::KV_CAPACITY_STEP;
+    let block_bytes = probe.info().kv_bytes_per_token * tether::models::KV_CAPACITY_STEP;
     probe.shutdown_and_join();
     let prompt = prompts().remove(0);
     // Each request fits one cache block; the budget holds three.
     let max_tokens = 24;
-    assert!(prompt.len() + max_tokens <= tether::model::KV_CAPACITY_STEP);
+    assert!(prompt.len() + max_tokens <= tether::models::KV_CAPACITY_STEP);
     for (kv_layout, limit) in [(KvLayout::Rows, 3), (KvLayout::Batched, 2)] {
         let engine = start(EngineConfig { kv_budget_bytes: 3 * block_bytes, kv_layout, ..Default::default() });
         let handles: Vec<_> = (0..4).map(|_| tokio::spawn(collect(engine.submit(request(prompt.clone(), max_tokens)).unwrap().events))).collect();
@@ -189,7 +189,7 @@ async fn kv_budget_bounds_running_rows_in_both_layouts() {
         }
         assert_eq!(most, limit, "{kv_layout:?}: rows running at once");
 
-        let mut rx = engine.submit(request(prompt.clone(), 3 * tether::model::KV_CAPACITY_STEP)).unwrap().events;
+        let mut rx = engine.submit(request(prompt.clone(), 3 * tether::models::KV_CAPACITY_STEP)).unwrap().events;
         match rx.recv().await {
             Some(EngineEvent::Failed(e)) => assert!(matches!(e, EngineError::OverKvBudget { .. }), "{e}"),
             other => panic!("a request over the budget must fail, got {other:?}"),

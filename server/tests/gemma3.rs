@@ -11,7 +11,7 @@ use common::*;
 use tether::engine::speculate::{DraftKind, Speculation};
 use tether::engine::{EngineConfig, KvLayout, Scope, SubmitRequest};
 use tether::generate::prefill;
-use tether::model::{load_transformer, LoadOptions};
+use tether::models::{load_transformer, LoadOptions};
 
 const MODEL: &str = "gemma3-270m";
 
@@ -157,7 +157,7 @@ fn a_session_four_windows_long_keeps_a_window_and_matches_a_recompute() {
 /// `n` greedy tokens after a cache's history, whose last token is `last`:
 /// that token is rolled back and run again for its logits, so both caches
 /// take the same path from there.
-fn greedy_after(model: &tether::model::Transformer, cache: &mut tether::model::KvCache, last: u32, n: usize) -> Vec<u32> {
+fn greedy_after(model: &tether::models::Transformer, cache: &mut tether::models::KvCache, last: u32, n: usize) -> Vec<u32> {
     cache.truncate(cache.len() - 1);
     let logits = model.forward(&[last], cache, 1).unwrap();
     greedy_from(model, cache, logits, n)

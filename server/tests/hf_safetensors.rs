@@ -18,7 +18,7 @@ mod common;
 use common::*;
 use tether::generate::{greedy_tokens, prefill};
 use tether::loaded::ModelWithTokenizer;
-use tether::model::{LoadOptions, WeightFormat};
+use tether::models::{LoadOptions, WeightFormat};
 use tether::tokenizer::TextTokenizer;
 
 const MAX_RELATIVE_ERROR: f64 = 1e-3;

@@ -15,7 +15,7 @@ mod common;
 use common::*;
 use tether::engine::{EngineConfig, EngineError, EngineEvent, EngineHandle, KvLayout, Scope, SubmitRequest};
 use tether::generate::{greedy_tokens, prefill};
-use tether::model::{load_transformer, KvQuantization, LoadOptions};
+use tether::models::{load_transformer, KvQuantization, LoadOptions};
 
 fn prompts() -> Vec<Vec<u32>> {
     let fx = read_json("greedy/smollm2.json");

@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use tether::generate::{greedy_tokens, prefill};
-use tether::model::{load_transformer, LoadOptions, Transformer, Weight, WeightFormat};
+use tether::models::{load_transformer, LoadOptions, Transformer, Weight, WeightFormat};
 
 const MAX_RELATIVE_ERROR: f64 = 1e-3;
 

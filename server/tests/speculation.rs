@@ -7,7 +7,7 @@ use common::*;
 use tether::engine::speculate::{DraftKind, DraftModelSpec, SpecStats, Speculation};
 use tether::engine::{EngineConfig, EngineHandle, Finish, FinishInfo, KvLayout, Scope, SubmitRequest};
 use tether::generate::greedy_tokens;
-use tether::model::{load_transformer, LoadOptions};
+use tether::models::{load_transformer, LoadOptions};
 use tether::sample::SamplingParams;
 
 const GEN: usize = 24;

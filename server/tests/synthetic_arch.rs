@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use common::*;
 use serde_json::{json, Value};
 use tether::generate::{greedy_tokens, prefill};
-use tether::model::{load_transformer, LoadOptions, WeightFormat};
+use tether::models::{load_transformer, LoadOptions, WeightFormat};
 
 const MAX_RELATIVE_ERROR: f64 = 1e-3;
 

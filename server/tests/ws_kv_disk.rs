@@ -15,7 +15,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use tether::engine::{DiskTierConfig, EngineConfig, EngineHandle, EngineStats};
 use tether::loaded::LoadedModel;
-use tether::model::KvQuantization;
+use tether::models::KvQuantization;
 use tether::server::ServerConfig;
 use ws_harness::*;
 
@@ -75,7 +75,7 @@ async fn wait_for(engine: &EngineHandle, what: &str, done: impl Fn(&EngineStats)
 }
 
 fn start_engine(config: EngineConfig) -> EngineHandle {
-    EngineHandle::start(config, || Ok(LoadedModel::load(MODEL, tether::model::LoadOptions::for_device(mlx::default_device()))?)).unwrap()
+    EngineHandle::start(config, || Ok(LoadedModel::load(MODEL, tether::models::LoadOptions::for_device(mlx::default_device()))?)).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -117,7 +117,7 @@ pub(super) struct KvArgs {
 }
 
 impl KvArgs {
-    pub(super) fn quantization(&self) -> anyhow::Result<Option<tether::model::KvQuantization>> {
+    pub(super) fn quantization(&self) -> anyhow::Result<Option<tether::models::KvQuantization>> {
         let bits = match self.kv_bits {
             32 => return Ok(None),
             8 => 8,
@@ -125,6 +125,6 @@ impl KvArgs {
             b => anyhow::bail!("--kv-bits must be 32, 8 or 4, got {b}"),
         };
         anyhow::ensure!(self.kv_group_size > 0, "--kv-group-size must be at least 1");
-        Ok(Some(tether::model::KvQuantization { bits, group: self.kv_group_size, start: self.kv_quantized_start }))
+        Ok(Some(tether::models::KvQuantization { bits, group: self.kv_group_size, start: self.kv_quantized_start }))
     }
 }

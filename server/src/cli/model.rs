@@ -8,7 +8,7 @@ use clap::{Args, ValueEnum};
 use tether::engine::speculate::DraftModelSpec;
 use tether::engine::{EngineConfig, EngineHandle};
 use tether::loaded::{self, LoadedModel, ModelWithTokenizer};
-use tether::model::{LoadOptions, WeightFormat};
+use tether::models::{LoadOptions, WeightFormat};
 use tether::registry;
 use tether::tokenizer::TextTokenizer;
 

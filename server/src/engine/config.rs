@@ -46,10 +46,10 @@ pub struct EngineConfig {
     /// Where running rows keep their KV caches.
     pub kv_layout: KvLayout,
     /// When rows' KV caches turn to codes (`None`: never; the CPU only).
-    pub kv_quantization: Option<crate::model::KvQuantization>,
+    pub kv_quantization: Option<crate::models::KvQuantization>,
     /// Batched layout: most attention scores (slots x heads x queries x
     /// capacity) the rows attending together may hold; a prompt chunk that
-    /// would take more attends alone (see [`crate::model::BatchedRows`]).
+    /// would take more attends alone (see [`crate::models::BatchedRows`]).
     pub shared_attention_scores: usize,
     /// While rows are decoding, a step carries only as many prompt tokens
     /// as keep it within this multiple of a decode-only step (measured as
@@ -68,7 +68,7 @@ pub enum KvLayout {
     Rows,
     /// Slots of one shared buffer, from a row's first prompt chunk to its
     /// last token; attention for all rows in one op per layer
-    /// ([`crate::model::KvBatch`]): a GPU step is bound by kernel launches,
+    /// ([`crate::models::KvBatch`]): a GPU step is bound by kernel launches,
     /// and this keeps their count independent of the batch.
     Batched,
 }
@@ -103,7 +103,7 @@ impl Default for EngineConfig {
             draft_model: None,
             kv_layout: KvLayout::Auto,
             kv_quantization: None,
-            shared_attention_scores: crate::model::SHARED_ATTENTION_SCORES,
+            shared_attention_scores: crate::models::SHARED_ATTENTION_SCORES,
             max_itl_inflation: 1.5,
         }
     }

@@ -6,7 +6,7 @@ use tether_sched::{EngineEvent, Finish, FinishInfo, RequestId, RequestProgress, 
 use super::api::SubmitRequest;
 use super::prefix::{Hit, LentHistory};
 use super::speculate::{Drafter, Proposal};
-use crate::model::{KvCache, Transformer};
+use crate::models::{KvCache, Transformer};
 use crate::sample::Sampler;
 
 pub(super) struct Row {
@@ -19,7 +19,7 @@ pub(super) struct Row {
     pub kv_bytes: usize,
     /// The row's KV cache, unless it is in the engine's batch (`slot`).
     pub cache: KvCache,
-    /// Its slot in the engine's [`crate::model::KvBatch`], from admission
+    /// Its slot in the engine's [`crate::models::KvBatch`], from admission
     /// on when caches are batched; `cache` is empty meanwhile.
     pub slot: Option<usize>,
     pub sampler: Sampler,

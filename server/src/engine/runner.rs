@@ -10,7 +10,7 @@ use tether_sched::{Sampled, StepOutput, Work};
 use super::row::Row;
 use super::step_masks::{cut_forbidden_drafts, MasksInFlight, RowMasks};
 use super::worker::Engine;
-use crate::model::{BatchedRows, KvBatch, RowInput};
+use crate::models::{BatchedRows, KvBatch, RowInput};
 
 /// Where a step's run spent its time.
 pub(super) struct RunTimes {

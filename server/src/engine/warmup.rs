@@ -18,7 +18,7 @@
 use std::time::Instant;
 
 use super::config::EngineConfig;
-use crate::model::{
+use crate::models::{
     alone_queries, capacity_classes, queries_per_slot, BatchedRows, ModelConfig, RowInput, Transformer, ALONE_QUERIES_MULTIPLE, GATHERED_ROWS_MULTIPLE,
     SHARED_ATTENTION_SCORES,
 };
@@ -79,7 +79,7 @@ pub(super) fn attention_shapes(config: &EngineConfig, model: &ModelConfig, kv_by
 }
 
 /// The shapes of a chunk attending alone beside the shared attention (see
-/// [`crate::model::BatchedRows`]), as (queries, capacity): every multiple of
+/// [`crate::models::BatchedRows`]), as (queries, capacity): every multiple of
 /// [`ALONE_QUERIES_MULTIPLE`] up to a step's most prompt tokens, over every
 /// capacity class up to the model's context, within the KV budget and the
 /// lone slot's scores' bound (as for [`attention_shapes`]).
@@ -150,7 +150,7 @@ pub(super) fn warm_up(model: &Transformer, config: &EngineConfig, batched: bool)
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{capacity_class, Architecture};
+    use crate::models::{capacity_class, Architecture};
 
     /// Qwen2.5-1.5B's attention: 12 query heads, 2 KV heads of 128.
     fn qwen_1_5b() -> ModelConfig {
@@ -172,7 +172,7 @@ mod tests {
             qk_norm: false,
             tied_embeddings: true,
             embedding_scale: 1.0,
-            activation: crate::model::Activation::Silu,
+            activation: crate::models::Activation::Silu,
             post_norms: false,
             sliding_window: None,
         }

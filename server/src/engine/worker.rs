@@ -15,7 +15,7 @@ use super::prefix::{PrefixCache, Scope};
 use super::row::{Admitted, Row};
 use super::speculate::DraftModel;
 use crate::loaded::LoadedModel;
-use crate::model::{KvBatch, Transformer};
+use crate::models::{KvBatch, Transformer};
 
 /// How long the loop waits for a command while it has nothing it can do
 /// now but will have soon: every running row's consumer is full, or final
@@ -238,7 +238,7 @@ impl Engine {
     /// in the form its cache ends in: codes once it passes the quantization's start.
     /// (The conversion itself briefly holds both forms; a row converts once.)
     fn reserved_bytes(&self, r: &SubmitRequest) -> usize {
-        let tokens = (r.prompt.len() + r.max_tokens).next_multiple_of(crate::model::KV_CAPACITY_STEP);
+        let tokens = (r.prompt.len() + r.max_tokens).next_multiple_of(crate::models::KV_CAPACITY_STEP);
         match self.config.kv_quantization {
             Some(q) if tokens > q.start => tokens * q.bytes_per_token(&self.model.config),
             _ => tokens * self.kv_bytes_per_token,
@@ -434,7 +434,7 @@ fn scheduler_config(config: &EngineConfig, batched_kv: bool) -> SchedulerConfig 
         kv_budget_bytes: config.kv_budget_bytes,
         // Chunks that fit the shared attention's smallest multi-query shape
         // (more would each attend alone: a dozen kernels a layer apiece).
-        widened_chunk_max: crate::model::SMALL_QUERIES,
+        widened_chunk_max: crate::models::SMALL_QUERIES,
         batched_kv,
         max_itl_inflation: config.max_itl_inflation,
     }

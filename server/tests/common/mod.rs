@@ -34,7 +34,7 @@ pub fn ids(v: &serde_json::Value) -> Vec<u32> {
 /// ||a - b|| / ||b||
 /// `n` greedy tokens of `prompt` from the pipelined decode loop
 /// (`tether::generate::generate`), reading the prompt in chunks of `chunk`.
-pub fn pipelined_greedy(model: &tether::model::Transformer, prompt: &[u32], n: usize, chunk: usize) -> Vec<u32> {
+pub fn pipelined_greedy(model: &tether::models::Transformer, prompt: &[u32], n: usize, chunk: usize) -> Vec<u32> {
     let opts = tether::generate::GenerateOptions { max_tokens: n, sampling: tether::sample::SamplingParams::default(), stop_ids: vec![], prefill_chunk: chunk };
     let mut streamed = Vec::new();
     tether::generate::generate(model, prompt, &opts, |id| {
@@ -62,7 +62,7 @@ pub fn start_engine(name: &'static str, config: tether::engine::EngineConfig) ->
     let path = model_path(name);
     tether::engine::EngineHandle::start(config, move || {
         mlx::set_default_device(mlx::Device::Cpu)?;
-        let opts = tether::model::LoadOptions::for_device(mlx::Device::Cpu);
+        let opts = tether::models::LoadOptions::for_device(mlx::Device::Cpu);
         Ok(tether::loaded::LoadedModel::load_path(name, &path, opts)?)
     })
     .unwrap()
@@ -113,7 +113,7 @@ pub async fn run_request(engine: &tether::engine::EngineHandle, req: tether::eng
 
 /// `n` greedy tokens from `logits` (the last position's) on, each fed back
 /// through `cache`.
-pub fn greedy_from(model: &tether::model::Transformer, cache: &mut tether::model::KvCache, mut logits: mlx::Array, n: usize) -> Vec<u32> {
+pub fn greedy_from(model: &tether::models::Transformer, cache: &mut tether::models::KvCache, mut logits: mlx::Array, n: usize) -> Vec<u32> {
     let mut out = Vec::new();
     for _ in 0..n {
         let next = logits.argmax(-1, false).unwrap().to_vec_i32().unwrap()[0] as u32;

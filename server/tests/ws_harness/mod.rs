@@ -14,7 +14,7 @@ use protocol::{Delta, Done, ErrorCode, ErrorFrame, ServerMessage, SessionReady};
 use serde_json::{json, Value};
 use tether::engine::{EngineConfig, EngineHandle, EngineStats};
 use tether::loaded::LoadedModel;
-use tether::model::LoadOptions;
+use tether::models::LoadOptions;
 use tether::server::{ServerConfig, ServerHandle, ServerState};
 use tether::tokenizer::TextTokenizer;
 use tokio::net::TcpStream;

@@ -13,7 +13,7 @@ use serde::Serialize;
 
 use tether::generate::{generate, prefill, GenerateOptions};
 use tether::loaded::ModelWithTokenizer;
-use tether::model::{KvQuantization, Transformer};
+use tether::models::{KvQuantization, Transformer};
 use tether::sample::SamplingParams;
 
 use super::throughput::prompt_tokens;

@@ -13,14 +13,14 @@
 //! named after the process, and removes it when the engine stops; folders
 //! left by a process that no longer runs are removed when a tier starts.
 //! What a file holds, and how a damaged one is told apart, is
-//! [`crate::model::kv_file`]'s.
+//! [`crate::models::kv_file`]'s.
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::thread::JoinHandle;
 
-use crate::model::kv_file::{self, Encoded};
+use crate::models::kv_file::{self, Encoded};
 
 /// Where the tier writes and how many bytes of files it may keep.
 #[derive(Clone, Debug)]
@@ -223,7 +223,7 @@ mod tests {
     /// A small KV file whose values are `salt`, and its bytes.
     fn file(salt: f32) -> (Encoded, Vec<u8>) {
         let a = mlx::Array::full(&[1, 1, 3, 4], salt, mlx::Dtype::F32).unwrap();
-        let mut cache = crate::model::KvCache::new(1, 1, 4, mlx::Dtype::F32);
+        let mut cache = crate::models::KvCache::new(1, 1, 4, mlx::Dtype::F32);
         cache.fill(&[(a.clone(), a)], 3, 0).unwrap();
         let file = kv_file::encode(&cache, 1, &[1, 2, 3], 0).unwrap();
         let mut bytes = Vec::new();

@@ -20,7 +20,7 @@
 use std::sync::mpsc;
 
 use super::index::Scope;
-use crate::model::KvCache;
+use crate::models::KvCache;
 
 /// A prefix-cache hit: KV state holding the first `len` tokens of the prompt.
 pub enum Hit {

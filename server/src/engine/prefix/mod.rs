@@ -45,7 +45,7 @@ pub use stats::{DiskStats, HostStats, PrefixStats};
 use store::Store;
 use tiers::Tiers;
 
-use crate::model::KvCache;
+use crate::models::KvCache;
 
 pub struct PrefixCache {
     index: Index,

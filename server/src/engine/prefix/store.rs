@@ -22,8 +22,8 @@ use std::time::Instant;
 
 use super::index::{EntryId, Place, Scope};
 use super::PrefixCache;
-use crate::model::kv_file::{self, Encoded, KvFileError};
-use crate::model::KvCache;
+use crate::models::kv_file::{self, Encoded, KvFileError};
+use crate::models::KvCache;
 
 /// An entry's state as the store holds it.
 enum Held {

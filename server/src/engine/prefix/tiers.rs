@@ -6,7 +6,7 @@
 //!
 //! The host tier (a byte budget of its own) comes first: an evicted entry
 //! is kept in memory as its file's bytes, which leave out the shared
-//! prefix (see [`crate::model::kv_file`]), so an agent's idle session takes
+//! prefix (see [`crate::models::kv_file`]), so an agent's idle session takes
 //! a quarter of its RAM entry's bytes or less there and comes back with a
 //! copy, not a read. On a GPU it is the host memory beside the device's.
 //! Over its budget, its oldest entries go on to disk (or are dropped
@@ -28,7 +28,7 @@ use std::collections::HashMap;
 use super::disk_tier::DiskTier;
 use super::index::{EntryId, Place, Scope};
 use super::PrefixCache;
-use crate::model::kv_file::Encoded;
+use crate::models::kv_file::Encoded;
 
 /// What a disk read is taken to cost before this tier has timed one: a
 /// local SSD's order of magnitude, including the checksum and the copy in.

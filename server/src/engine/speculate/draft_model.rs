@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use mlx::{Array, Dtype};
 
-use crate::model::{KvCache, LoadOptions, RowInput, Transformer};
+use crate::models::{KvCache, LoadOptions, RowInput, Transformer};
 
 /// Which model drafts, loaded on the engine thread beside the target.
 #[derive(Clone, Debug)]
@@ -33,7 +33,7 @@ pub struct DraftRow<'a> {
 impl DraftModel {
     /// Loads the draft and checks it can draft for a target of `target_vocab` tokens.
     pub fn load(spec: &DraftModelSpec, target_vocab: usize) -> anyhow::Result<DraftModel> {
-        let model = crate::model::load_transformer(&spec.path, spec.options)?;
+        let model = crate::models::load_transformer(&spec.path, spec.options)?;
         anyhow::ensure!(
             model.config.vocab_size == target_vocab,
             "the draft model {} has {} tokens in its vocabulary, the target {}: they must share a tokenizer",

@@ -28,7 +28,7 @@ pub use lookup::PromptLookup;
 pub use tether_sched::{accept_matching, SpecStats};
 use tether_sched::{Drafting, Verified, START_DEPTH};
 
-use crate::model::{KvCache, Transformer};
+use crate::models::{KvCache, Transformer};
 
 /// Where a request's draft tokens come from.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]

@@ -252,7 +252,7 @@ mod tests {
     use mlx::Dtype;
 
     use super::*;
-    use crate::model::KvQuantization;
+    use crate::models::KvQuantization;
 
     /// A cache of 2 layers (the second a window layer when `window`) holding
     /// `len` tokens whose values name their position, written in two steps
