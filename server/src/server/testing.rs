@@ -30,8 +30,9 @@ pub fn ids(text: &str) -> Vec<u32> {
     tokenizer().encode(text, false).unwrap()
 }
 
-/// A server's state for `config`, and the commands its one engine receives.
-pub fn state(config: ServerConfig) -> (Arc<ServerState>, Receiver<Command>) {
+/// An engine handle for the tiny vocabulary with no thread behind it, and
+/// the commands the edge sends it.
+pub fn engine() -> (EngineHandle, Receiver<Command>) {
     let info = EngineModelInfo {
         name: "tiny".into(),
         architecture: "test".into(),
@@ -41,7 +42,12 @@ pub fn state(config: ServerConfig) -> (Arc<ServerState>, Receiver<Command>) {
         weight_bytes: 0,
         draft_model: None,
     };
-    let (engine, commands) = EngineHandle::for_tests(info, EngineConfig::default());
+    EngineHandle::for_tests(info, EngineConfig::default())
+}
+
+/// A server's state for `config`, and the commands its one engine receives.
+pub fn state(config: ServerConfig) -> (Arc<ServerState>, Receiver<Command>) {
+    let (engine, commands) = engine();
     (ServerState::new(config, engine.into(), tokenizer()), commands)
 }
 

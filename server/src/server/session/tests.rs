@@ -10,22 +10,13 @@ use std::time::{Duration, Instant};
 use protocol::ErrorCode;
 
 use super::{Frame, Registration, Session, SessionLimits};
-use crate::engine::{Command, EngineConfig, EngineHandle, EngineModelInfo, Scope, StopHandle, StopReason};
+use crate::engine::{Command, Scope, StopHandle, StopReason};
 use crate::server::conn::ConnCtl;
 
 const LIMITS: SessionLimits = SessionLimits { max_in_flight: 4, replay_frames: 64, replay_bytes: 1 << 20, stall_timeout: Duration::from_secs(30) };
 
 fn session(limits: SessionLimits) -> (Arc<Session>, Arc<ConnCtl>, Receiver<Command>) {
-    let info = EngineModelInfo {
-        name: "tiny".into(),
-        architecture: "test".into(),
-        context_length: 256,
-        vocab_size: 258,
-        kv_bytes_per_token: 0,
-        weight_bytes: 0,
-        draft_model: None,
-    };
-    let (engine, commands) = EngineHandle::for_tests(info, EngineConfig::default());
+    let (engine, commands) = crate::server::testing::engine();
     let conn = ConnCtl::new(1);
     (Arc::new(Session::new("s_test".into(), "rt_first".into(), conn.clone(), engine, limits)), conn, commands)
 }
