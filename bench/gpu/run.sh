@@ -50,6 +50,12 @@
 # extra `serve` flags), then mlx_lm.server (MLX_LM=0: not), on the random
 # Qwen2.5-1.5B-shaped bf16 checkpoint. Needs aiohttp's wheels.
 # TETHER_TRACE_STEPS=1: each server logs its steps (tether-serve-*.log).
+# MODE=builds: builds side by side after a refactor, in-process through the
+# engine on the random Qwen2.5-1.5B-shaped bf16 checkpoint: one stream and 32
+# streams (decode tok/s), and the speculation benchmark at 1 and 8 streams,
+# which checks that outputs with drafts equal those without; each build of
+# TETHER_BINS ("old new") in turn, ROUNDS (2) times. Needs only the wheel's
+# halves and a Qwen tokenizer in $KEEP.
 # MODE=agent: the 12-turn agent workload of bench/load.py (WORKLOAD=agent in
 # bench/load.sh) on the random Qwen2.5-1.5B-shaped bf16 checkpoint: `tether
 # serve` (session prefix cache on, and off) beside mlx_lm.server (its prompt
@@ -110,17 +116,32 @@ fi
 
 # The agent workload needs only the 1.5B bf16 checkpoint; the other modes all four.
 MODELS=${MODELS:-qwen2.5-0.5b qwen2.5-1.5b}
-case "${MODE:-decode}" in admit|agent|serving|streams|graphs) MODELS=qwen2.5-1.5b ;; esac
+case "${MODE:-decode}" in admit|agent|serving|streams|graphs|builds) MODELS=qwen2.5-1.5b ;; esac
 [ "${MODE:-decode}" = structured ] && MODELS=qwen2.5-0.5b
 [ "${MODE:-decode}" = sessions ] && MODELS=qwen2.5-1.5b
 LOAD_ARGS=${LOAD_ARGS:-}
 for m in $MODELS; do
   [ -f /opt/models/$m-bf16/model.safetensors ] || "$PY" "$here/make_random_model.py" /opt/models/$m-bf16 $m "$KEEP"
-  case "${MODE:-decode}" in admit|agent|serving|graphs|structured|sessions) continue ;; esac
+  case "${MODE:-decode}" in admit|agent|serving|graphs|structured|sessions|builds) continue ;; esac
   [ -f /opt/models/$m-4bit/config.json ] || "$PY" -m mlx_lm convert --hf-path /opt/models/$m-bf16 --mlx-path /opt/models/$m-4bit -q --q-bits 4 --q-group-size 64 >"$OUT/convert-$m.log" 2>&1
 done
 
 : > "$OUT/results.jsonl"
+if [ "${MODE:-decode}" = builds ]; then
+  model=/opt/models/qwen2.5-1.5b-bf16
+  for round in $(seq "${ROUNDS:-2}"); do
+    for bin in ${TETHER_BINS:-$TETHER_BIN}; do
+      tag="\"build\":\"$(basename "$bin")\",\"round\":$round,"
+      for streams in 1 32; do
+        "$bin" bench --model "$model" --device gpu --streams "$streams" --prompt-tokens 128 --gen-tokens 256 2>>"$OUT/tether.log" \
+          | sed "s/^{/{$tag/" | tee -a "$OUT/results.jsonl"
+      done
+      "$bin" bench --model "$model" --device gpu --speculation-streams 1,8 --max-draft 8 2>>"$OUT/tether.log" \
+        | sed "s/^{/{$tag/" | tee -a "$OUT/results.jsonl"
+    done
+  done
+  exit 0
+fi
 if [ "${MODE:-decode}" = structured ]; then
   [ -d /opt/py/aiohttp ] || "$PY" -m pip install -q --no-deps --target /opt/py "$KEEP"/aiohttp/*.whl
   log() { echo "[structured] $*" >&2; }
