@@ -67,42 +67,6 @@ pub trait LayerKv: Kv {
     fn advance(&mut self, n: usize);
 }
 
-impl Kv for KvCache {
-    fn offset(&self) -> usize {
-        self.len()
-    }
-
-    fn trim(&mut self, n: usize) {
-        self.truncate(self.len() - n);
-    }
-
-    fn buffers(&self) -> Vec<&Array> {
-        KvCache::buffers(self)
-    }
-
-    fn nbytes(&self) -> usize {
-        KvCache::nbytes(self)
-    }
-}
-
-impl LayerKv for KvCache {
-    fn reserve(&mut self, n: usize) -> mlx::Result<()> {
-        KvCache::reserve(self, n)
-    }
-
-    fn first(&self, layer: usize) -> usize {
-        KvCache::first(self, layer)
-    }
-
-    fn update_and_fetch(&mut self, layer: usize, keys: &Array, values: &Array) -> mlx::Result<(Array, Array)> {
-        self.append(layer, keys, values)
-    }
-
-    fn advance(&mut self, n: usize) {
-        KvCache::advance(self, n)
-    }
-}
-
 /// Both kinds a row's KV comes in (see the module notes).
 pub enum RowKv {
     /// A cache of the row's own.
@@ -112,14 +76,6 @@ pub enum RowKv {
 }
 
 impl RowKv {
-    /// The row's own cache, `None` for a slot.
-    pub fn own(&mut self) -> Option<&mut KvCache> {
-        match self {
-            RowKv::Own(cache) => Some(cache),
-            RowKv::Slot(_) => None,
-        }
-    }
-
     /// The batch slot it holds, if it holds one.
     pub fn slot(&self) -> Option<usize> {
         match self {
