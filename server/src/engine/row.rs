@@ -1,12 +1,12 @@
 //! One running request inside the engine: its progress (in `tether_sched`,
 //! what decisions are made from) beside what only the engine holds: its KV
-//! cache or batch slot, its sampler, its draft source and its consumer.
+//! KV (a cache of its own or a batch slot), its sampler, its draft source and its consumer.
 use tether_sched::{EngineEvent, Finish, FinishInfo, RequestId, RequestProgress, RowView, StopHandle, StopReason};
 
 use super::api::SubmitRequest;
 use super::prefix::{Hit, LentHistory};
 use super::speculate::{Drafter, Proposal};
-use crate::models::{KvCache, Transformer};
+use crate::models::{Kv, KvCache, RowKv, Transformer};
 use crate::sample::Sampler;
 
 pub(super) struct Row {
@@ -17,11 +17,10 @@ pub(super) struct Row {
     pub stop: StopHandle,
     /// KV bytes the request can grow to (see the scheduler's reservations).
     pub kv_bytes: usize,
-    /// The row's KV cache, unless it is in the engine's batch (`slot`).
-    pub cache: KvCache,
-    /// Its slot in the engine's [`crate::models::KvBatch`], from admission
-    /// on when caches are batched; `cache` is empty meanwhile.
-    pub slot: Option<usize>,
+    /// The row's keys and values: a cache of its own, or from admission on
+    /// when caches are batched, a slot of the engine's
+    /// [`crate::models::KvBatch`] (freed when the row is dropped).
+    pub kv: RowKv,
     pub sampler: Sampler,
     /// Held when its prefix-cache tokens' state was the session's own
     /// entry, lent whole (it left the cache): a cancelled turn gives that
@@ -56,7 +55,7 @@ impl Row {
         };
         let (drafter, drafting) = Drafter::new(&request.speculation, draft_model, progress.constraint.is_some()).unzip();
         progress.drafting = drafting;
-        Ok(Row { progress, request, events, stop, kv_bytes, cache, slot: None, sampler, lent: None, drafter })
+        Ok(Row { progress, request, events, stop, kv_bytes, kv: RowKv::Own(cache), sampler, lent: None, drafter })
     }
 
     pub fn id(&self) -> RequestId {
@@ -83,7 +82,7 @@ impl Row {
     /// Starts this row from a prefix-cache hit of `len` prompt tokens.
     pub fn resume_from(&mut self, hit: Hit) {
         let (cache, len, lent) = hit.into_parts();
-        self.cache = cache;
+        self.kv = RowKv::Own(cache);
         self.progress.resume_from_cache(len);
         self.lent = lent;
     }
@@ -91,20 +90,23 @@ impl Row {
     /// Hands the history a cancelled turn was lent back to its lease,
     /// which returns it to the prefix cache as it was before the turn (what
     /// the turn computed is freed, as for any cancelled turn). Nothing when
-    /// nothing was lent.
+    /// nothing was lent. (Only a row with a cache of its own is lent one.)
     pub fn give_back_lent_history(self) {
-        if let Some(lease) = self.lent {
-            lease.give_back(self.progress.tokens, self.cache);
+        if let (Some(lease), RowKv::Own(cache)) = (self.lent, self.kv) {
+            lease.give_back(self.progress.tokens, cache);
         }
     }
 
-    /// The tokens whose keys and values the cache holds, with the cache.
-    pub fn into_cached_state(self) -> (Vec<u32>, KvCache) {
-        let len = self.progress.cached_len(self.cache.len());
-        let (mut tokens, mut cache) = (self.progress.tokens, self.cache);
+    /// The tokens whose keys and values its own cache holds, with the
+    /// cache; `None` for a row whose KV is still a batch slot (see the
+    /// engine's `take_row`).
+    pub fn into_cached_state(self) -> Option<(Vec<u32>, KvCache)> {
+        let len = self.progress.cached_len(self.kv.offset());
+        let RowKv::Own(mut cache) = self.kv else { return None };
+        let mut tokens = self.progress.tokens;
         tokens.truncate(len);
         cache.truncate(len);
-        (tokens, cache)
+        Some((tokens, cache))
     }
 
     /// This decode step's drafts: as many as the source offers within the

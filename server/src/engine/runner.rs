@@ -10,7 +10,7 @@ use tether_sched::{Sampled, StepOutput, Work};
 use super::row::Row;
 use super::step_masks::{cut_forbidden_drafts, MasksInFlight, RowMasks};
 use super::worker::Engine;
-use crate::models::{BatchedRows, KvBatch, RowInput};
+use crate::models::{BatchedRows, Kv, KvBatch, RowInput, RowKv};
 
 /// Where a step's run spent its time.
 pub(super) struct RunTimes {
@@ -44,7 +44,7 @@ enum LogitsAt {
 /// The KV buffers a step writes that no draw depends on: those of rows that
 /// read a prompt chunk without sampling, and the batched KV when it ran.
 fn written_kv<'a>(scheduled: &[Scheduled], running: &'a [Row], batch: Option<&'a KvBatch>) -> Vec<&'a mlx::Array> {
-    let mut out: Vec<&mlx::Array> = scheduled.iter().filter(|s| !s.samples).flat_map(|s| running[s.row].cache.buffers()).collect();
+    let mut out: Vec<&mlx::Array> = scheduled.iter().filter(|s| !s.samples).flat_map(|s| running[s.row].kv.buffers()).collect();
     out.extend(batch.map(KvBatch::buffers).unwrap_or_default());
     out
 }
@@ -70,7 +70,9 @@ impl Engine {
         // One forward for every scheduled row, then one eval.
         let mut inputs = Vec::new();
         let mut scheduled: Vec<Scheduled> = Vec::new();
-        let slots = self.batch.as_ref().map_or(0, KvBatch::slots);
+        // Held through the step: no row is dropped meanwhile (see SlotLease).
+        let mut batch = self.batch.as_ref().map(|b| b.borrow_mut());
+        let slots = batch.as_deref().map_or(0, KvBatch::slots);
         let (mut slot_tokens, mut slot_logits_wanted) = (vec![Vec::new(); slots], vec![0; slots]);
         for (i, row) in self.running.iter_mut().enumerate() {
             let Some(w) = &work[i] else { continue };
@@ -80,21 +82,22 @@ impl Engine {
                 Work::Decode { drafts } => 1 + drafts.len(),
                 Work::Prefill { .. } => 1,
             };
-            let logits_at = match row.slot {
-                Some(slot) => {
+            let logits_at = match &mut row.kv {
+                RowKv::Slot(lease) => {
+                    let slot = lease.slot();
                     slot_tokens[slot] = tokens;
                     slot_logits_wanted[slot] = if samples { positions } else { 0 };
                     LogitsAt::Slot(slot)
                 }
-                None => {
+                RowKv::Own(cache) => {
                     let ids = mlx::Array::from_i32(&tokens, &[1, tokens.len()])?;
-                    inputs.push(RowInput { ids, cache: &mut row.cache, n_logits: positions });
+                    inputs.push(RowInput { ids, cache, n_logits: positions });
                     LogitsAt::Row(inputs.len() - 1)
                 }
             };
             scheduled.push(Scheduled { row: i, samples, logits_at, masks: None });
         }
-        let batched = match &mut self.batch {
+        let batched = match batch.as_deref_mut() {
             Some(kv) if slot_tokens.iter().any(|t| !t.is_empty()) => {
                 Some(BatchedRows { kv, tokens: slot_tokens, logits: slot_logits_wanted, shared_scores: self.config.shared_attention_scores })
             }
@@ -122,7 +125,7 @@ impl Engine {
             // while more than a few operations are queued). Ready: the draws
             // join the forward's one evaluation, which saves a round trip.
             if !in_flight.is_finished() {
-                let batch = self.batch.as_ref().filter(|_| ran_batched);
+                let batch = batch.as_deref().filter(|_| ran_batched);
                 let mut outputs: Vec<&mlx::Array> = logits.iter().flatten().collect();
                 outputs.extend(written_kv(&scheduled, &self.running, batch));
                 mlx::async_eval(&outputs)?;
@@ -177,7 +180,7 @@ impl Engine {
             draws.push((s.row, draw, keep));
         }
         let mut to_eval: Vec<&mlx::Array> = draws.iter().map(|(_, d, _)| d).collect();
-        to_eval.extend(written_kv(&scheduled, &self.running, self.batch.as_ref().filter(|_| ran_batched)));
+        to_eval.extend(written_kv(&scheduled, &self.running, batch.as_deref().filter(|_| ran_batched)));
         let built = Instant::now();
         mlx::eval(&to_eval)?;
 

@@ -12,6 +12,7 @@ use tether_sched::{Applied, End, EngineEvent, Finish, RowWork, StepPlan, StepTim
 use super::runner::RunTimes;
 use super::speculate::{DraftRow, Proposal};
 use super::worker::Engine;
+use crate::models::Kv;
 
 impl Engine {
     pub(super) fn step(&mut self) -> mlx::Result<()> {
@@ -106,10 +107,7 @@ impl Engine {
         for update in applied.updates {
             let row = &mut self.running[update.row];
             if update.rejected_drafts > 0 {
-                match (row.slot, &mut self.batch) {
-                    (Some(slot), Some(kv)) => kv.truncate(slot, kv.len(slot) - update.rejected_drafts),
-                    _ => row.cache.truncate(row.cache.len() - update.rejected_drafts),
-                }
+                row.kv.trim(update.rejected_drafts);
             }
             if let (Some(drafter), Some(verified)) = (&mut row.drafter, update.verified) {
                 drafter.verified(verified);

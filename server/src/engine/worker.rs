@@ -15,7 +15,7 @@ use super::prefix::{PrefixCache, Scope};
 use super::row::{Admitted, Row};
 use super::speculate::DraftModel;
 use crate::loaded::LoadedModel;
-use crate::models::{KvBatch, Transformer};
+use crate::models::{Kv, RowKv, SharedKvBatch, SlotLease, Transformer};
 
 /// How long the loop waits for a command while it has nothing it can do
 /// now but will have soon: every running row's consumer is full, or final
@@ -40,7 +40,7 @@ pub(super) struct Engine {
     prefix: PrefixCache,
     pub(super) draft: Option<DraftModel>,
     /// Decoding rows' KV caches, when they are batched (see [`super::KvLayout`]).
-    pub(super) batch: Option<KvBatch>,
+    pub(super) batch: Option<SharedKvBatch>,
     /// `TETHER_TRACE_STEPS=1`: log every step's rows, tokens and time.
     pub(super) trace_steps: bool,
     /// Turns constrained rows' token bitmasks into allowed sets on the device.
@@ -116,7 +116,7 @@ impl Engine {
                 .map_err(|e| anyhow::anyhow!("opening the KV disk tier in {:?} failed: {e}", config.kv_disk.as_ref().map(|d| &d.dir)))?
                 .with_host_tier(config.kv_host_bytes),
             draft,
-            batch: batched.then(|| model.transformer.new_kv_batch()),
+            batch: batched.then(|| std::rc::Rc::new(std::cell::RefCell::new(model.transformer.new_kv_batch()))),
             scheduler: Scheduler::new(scheduler_config(&config, batched)),
             trace_steps: super::tracing(),
             mask_expander: Default::default(),
@@ -326,28 +326,22 @@ impl Engine {
     /// prompt needs no move. A prefix-cache hit is copied in. The slot gets
     /// the whole prompt's room now (see [`KvBatch::admit`]).
     fn seat(&mut self, row: &mut Row) -> mlx::Result<()> {
-        let Some(kv) = &mut self.batch else { return Ok(()) };
-        let slot = kv.admit(&row.cache, row.request.prompt.len() + 1)?;
-        row.slot = Some(slot);
-        row.cache = self.model.new_cache();
+        let (Some(batch), RowKv::Own(cache)) = (&self.batch, &row.kv) else { return Ok(()) };
+        row.kv = RowKv::Slot(SlotLease::admit(batch, cache, row.request.prompt.len() + 1)?);
         Ok(())
     }
 
     /// Removes row `i` from the running set. A row whose cache is batched
     /// gets it back as its own when `keep_cache` (to store it in the prefix
-    /// cache); otherwise its slot is just freed.
+    /// cache); otherwise its slot is freed when the row is dropped.
     fn take_row(&mut self, i: usize, keep_cache: bool) -> Row {
         let mut row = self.running.remove(i);
-        if let (Some(slot), Some(kv)) = (row.slot.take(), &mut self.batch) {
-            if keep_cache {
-                match kv.release(slot) {
-                    Ok(cache) => row.cache = cache,
-                    // The turn still finishes; only its cache entry is lost.
-                    Err(_) => kv.forget(slot),
-                }
-            } else {
-                kv.forget(slot);
-            }
+        if keep_cache {
+            row.kv = match std::mem::replace(&mut row.kv, RowKv::Own(self.model.new_cache())) {
+                // On an error the turn still finishes; only its cache entry is lost.
+                RowKv::Slot(lease) => RowKv::Own(lease.release().unwrap_or_else(|_| self.model.new_cache())),
+                own => own,
+            };
         }
         row
     }
@@ -365,8 +359,9 @@ impl Engine {
         let events = row.events.clone();
         match scope {
             Some(scope) => {
-                let (tokens, cache) = row.into_cached_state();
-                self.prefix.insert(scope, tokens, cache);
+                if let Some((tokens, cache)) = row.into_cached_state() {
+                    self.prefix.insert(scope, tokens, cache);
+                }
             }
             // Frees the KV cache before the consumer hears about it (a lent
             // history goes back through its lease).
@@ -399,13 +394,14 @@ impl Engine {
     }
 
     fn fail_all(&mut self, error: EngineError) {
-        if let Some(kv) = &mut self.batch {
-            *kv = self.model.new_kv_batch();
-        }
         for row in std::mem::take(&mut self.running) {
             let events = row.events.clone();
-            drop(row);
+            drop(row); // its slot, if it held one, goes back to the batch
             self.deliver_final(events, EngineEvent::Failed(error.clone()));
+        }
+        // Whatever state a failed step left in the batch goes with it.
+        if let Some(kv) = &self.batch {
+            *kv.borrow_mut() = self.model.new_kv_batch();
         }
     }
 
@@ -413,7 +409,7 @@ impl Engine {
         EngineStats {
             running: self.running.len(),
             waiting: self.waiting.len(),
-            kv_bytes: self.running.iter().map(|r| r.cache.nbytes()).sum::<usize>() + self.batch.as_ref().map_or(0, KvBatch::nbytes),
+            kv_bytes: self.running.iter().map(|r| r.kv.nbytes()).sum::<usize>() + self.batch.as_ref().map_or(0, |b| b.borrow().nbytes()),
             active_memory: mlx::memory::active(),
             peak_memory: mlx::memory::peak(),
             cache_memory: mlx::memory::cache(),

@@ -20,6 +20,7 @@ use mlx::{Array, Dtype};
 
 use super::batch_step::{AloneSlot, BatchStep, BatchedRows};
 use super::gemma3;
+use super::kv::{Kv, LayerKv};
 use super::kv_batch::KvBatch;
 use super::layers::{Attention, Heads, RopeTables};
 use super::transformer::RowInput;
@@ -109,7 +110,7 @@ impl<'s, 'r, 'c> StepAttention<'s, 'r, 'c> {
             None => None,
         };
         let batch_tokens = slots.as_ref().map_or(0, |s| s.step.tokens) as i32;
-        let offsets: Vec<i32> = inputs.iter().map(|r| r.cache.len() as i32).collect();
+        let offsets: Vec<i32> = inputs.iter().map(|r| r.cache.offset() as i32).collect();
         for (r, &n) in inputs.iter_mut().zip(&lens) {
             r.cache.reserve(n)?;
         }
@@ -165,7 +166,7 @@ impl<'s, 'r, 'c> StepAttention<'s, 'r, 'c> {
                     let (s, n) = (rows.starts[r], rows.lens[r] as i32);
                     let mine = qkv.slice(&[0, s, 0], &[1, s + n, width])?;
                     let at = (rows.offsets[r] as usize, row.cache.first(layer));
-                    parts.push(attention_own(attention, &mine, at, mask, self.dtype, |k, v| row.cache.append(layer, k, v))?);
+                    parts.push(attention_own(attention, &mine, at, mask, self.dtype, |k, v| row.cache.update_and_fetch(layer, k, v))?);
                 }
             }
         }

@@ -34,6 +34,8 @@
 use mlx::fast::{KeyLayout, KvCodes, KEY_BLOCK};
 use mlx::{Array, Dtype};
 
+use super::kv::{Kv, LayerKv};
+
 /// Capacity grows in multiples of this many tokens.
 pub const CAPACITY_STEP: usize = 256;
 const _: () = assert!(CAPACITY_STEP.is_multiple_of(KEY_BLOCK), "caches with keys in blocks hold whole blocks");
@@ -470,35 +472,7 @@ impl KvCache {
         }
     }
 
-    /// Writes `[1, kv_heads, n, head_dim]` keys/values for layer `layer` at the
-    /// current length and returns views of all it holds, the positions
-    /// `first(layer) .. len + n`.
-    /// `reserve(n)` must have been called for this step; `advance(n)` commits.
-    pub fn append(&mut self, layer: usize, k: &Array, v: &Array) -> mlx::Result<(Array, Array)> {
-        if self.keys == KeyLayout::Blocks || self.codes != KvCodes::Float {
-            return Err(mlx::Error {
-                op: "kv_cache",
-                message: "append writes floats in position order; a cache with keys in blocks or codes takes write_step".into(),
-            });
-        }
-        let n = k.dim(2);
-        let (at, end) = (self.len - self.first(layer), self.len + n - self.first(layer));
-        if end > self.layer_capacity(layer) {
-            return Err(mlx::Error { op: "kv_cache", message: format!("append of {n} past capacity {}", self.layer_capacity(layer)) });
-        }
-        let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
-        let (start, stop) = ([0, 0, at as i32, 0], [1, h, end as i32, d]);
-        let (old_k, old_v) = self.layers[layer].take().ok_or_else(|| mlx::Error { op: "kv_cache", message: "layer not reserved".into() })?;
-        let new_k = old_k.slice_update(k, &start, &stop)?;
-        let new_v = old_v.slice_update(v, &start, &stop)?;
-        drop((old_k, old_v)); // the graph now holds the only reference: MLX can donate the buffer
-        let view = |a: &Array| a.slice(&[0, 0, 0, 0], &[1, h, end as i32, d]);
-        let out = (view(&new_k)?, view(&new_v)?);
-        self.layers[layer] = Some((new_k, new_v));
-        Ok(out)
-    }
-
-    /// Like [`append`](Self::append) for the CPU's fused attention: writes
+    /// Like [`update_and_fetch`](LayerKv::update_and_fetch) for the CPU's fused attention: writes
     /// tokens `start .. start + n` of a whole step's keys and values
     /// (`[1, T, kv_heads * head_dim]` or `[T, kv_heads, 1, head_dim]`, views
     /// allowed) at the current length, and returns the updated buffers whole
@@ -611,14 +585,71 @@ impl KvCache {
         Ok(())
     }
 
-    /// Commits `n` appended tokens (after every layer has appended them).
-    pub fn advance(&mut self, n: usize) {
-        self.len += n;
-    }
-
     /// The stored buffers, for evaluating them along with a step's outputs.
     pub fn buffers(&self) -> Vec<&Array> {
         self.layers.iter().flatten().flat_map(|(k, v)| [k, v]).collect()
+    }
+}
+
+/// The row cache in all its forms (whole-history, window and quantized
+/// layers are modes of one cache) follows the KV protocol.
+impl Kv for KvCache {
+    fn offset(&self) -> usize {
+        self.len
+    }
+
+    fn trim(&mut self, n: usize) {
+        self.truncate(self.len - n);
+    }
+
+    fn buffers(&self) -> Vec<&Array> {
+        KvCache::buffers(self)
+    }
+
+    fn nbytes(&self) -> usize {
+        KvCache::nbytes(self)
+    }
+}
+
+/// The MLX attention path's writes (the CPU's fused attention writes in its
+/// own node, through [`KvCache::take_for_write`]).
+impl LayerKv for KvCache {
+    fn reserve(&mut self, n: usize) -> mlx::Result<()> {
+        KvCache::reserve(self, n)
+    }
+
+    fn first(&self, layer: usize) -> usize {
+        KvCache::first(self, layer)
+    }
+
+    /// Floats in position order only: a cache with keys in blocks or codes
+    /// is written by the fused attention.
+    fn update_and_fetch(&mut self, layer: usize, k: &Array, v: &Array) -> mlx::Result<(Array, Array)> {
+        if self.keys == KeyLayout::Blocks || self.codes != KvCodes::Float {
+            return Err(mlx::Error {
+                op: "kv_cache",
+                message: "update_and_fetch writes floats in position order; a cache with keys in blocks or codes takes write_step".into(),
+            });
+        }
+        let n = k.dim(2);
+        let (at, end) = (self.len - self.first(layer), self.len + n - self.first(layer));
+        if end > self.layer_capacity(layer) {
+            return Err(mlx::Error { op: "kv_cache", message: format!("append of {n} past capacity {}", self.layer_capacity(layer)) });
+        }
+        let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
+        let (start, stop) = ([0, 0, at as i32, 0], [1, h, end as i32, d]);
+        let (old_k, old_v) = self.layers[layer].take().ok_or_else(|| mlx::Error { op: "kv_cache", message: "layer not reserved".into() })?;
+        let new_k = old_k.slice_update(k, &start, &stop)?;
+        let new_v = old_v.slice_update(v, &start, &stop)?;
+        drop((old_k, old_v)); // the graph now holds the only reference: MLX can donate the buffer
+        let view = |a: &Array| a.slice(&[0, 0, 0, 0], &[1, h, end as i32, d]);
+        let out = (view(&new_k)?, view(&new_v)?);
+        self.layers[layer] = Some((new_k, new_v));
+        Ok(out)
+    }
+
+    fn advance(&mut self, n: usize) {
+        self.len += n;
     }
 }
 
@@ -673,7 +704,7 @@ mod tests {
             cache.advance(5);
         }
         assert_eq!(positions(&blocked), positions(&plain));
-        assert!(blocked.append(0, &keys, &keys).is_err(), "position-order writes into keys in blocks");
+        assert!(blocked.update_and_fetch(0, &keys, &keys).is_err(), "position-order writes into keys in blocks");
     }
 
     /// A whole-history layer and a window layer written side by side, in

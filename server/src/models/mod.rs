@@ -13,6 +13,7 @@ mod config;
 mod embedding;
 mod gemma3;
 mod gguf_loader;
+mod kv;
 mod kv_batch;
 mod kv_cache;
 pub mod kv_file;
@@ -22,6 +23,7 @@ mod llama;
 mod qwen2;
 mod qwen3;
 mod safetensors_loader;
+mod slot_lease;
 mod transformer;
 mod weights;
 
@@ -31,6 +33,7 @@ pub use attention::AttentionBackend;
 pub use batch_step::{alone_queries, queries_per_slot, BatchedRows, ALONE_QUERIES_MULTIPLE, GATHERED_ROWS_MULTIPLE, SHARED_ATTENTION_SCORES, SMALL_QUERIES};
 pub use config::{Activation, Architecture, ModelConfig, SlidingWindow};
 pub use embedding::Embedding;
+pub use kv::{Kv, LayerKv, RowKv};
 pub use kv_batch::{capacity_class, capacity_classes, KvBatch};
 pub use kv_cache::{KvCache, KvQuantization, StoredCache, CAPACITY_STEP as KV_CAPACITY_STEP};
 /// The old name of a decoder layer (now a [`Block`] of an [`Attention`] and an [`Mlp`]).
@@ -38,6 +41,7 @@ pub use layers::Block as Layer;
 pub use layers::{Attention, Block, Gate, Mlp, Rope, RopeFreqs};
 pub use linear::{Linear, Weight};
 pub use qwen3::QkNorm;
+pub use slot_lease::{SharedKvBatch, SlotLease};
 pub use transformer::{RowInput, StepLogits, Transformer};
 pub use weights::WeightFormat;
 
