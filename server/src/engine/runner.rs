@@ -8,9 +8,9 @@ use std::time::Instant;
 use tether_sched::{Sampled, StepOutput, Work};
 
 use super::row::Row;
-use super::step_masks::{cut_forbidden_drafts, MasksInFlight, RowMasks};
+use super::step_masks::{cut_forbidden_drafts, MaskExpander, MasksInFlight, RowMasks};
 use super::worker::Engine;
-use crate::models::{BatchedRows, Kv, KvBatch, RowInput, RowKv};
+use crate::models::{BatchedRows, Kv, KvBatch, RowInput, RowKv, Transformer};
 
 /// Where a step's run spent its time.
 pub(super) struct RunTimes {
@@ -53,6 +53,15 @@ fn no_input() -> mlx::Error {
     mlx::Error { op: "engine", message: "a decode without a token to feed".into() }
 }
 
+/// A step's forward: every scheduled row's inputs, the one forward over
+/// them, and each row's logits (`None` where a row wants none).
+struct Forward {
+    scheduled: Vec<Scheduled>,
+    logits: Vec<Option<mlx::Array>>,
+    /// Whether the batched rows took part (their KV buffers were written).
+    ran_batched: bool,
+}
+
 impl Engine {
     /// Runs `work` (by running row; `None`: the row sits the step out). A
     /// row whose grammar fails before it can sample (a draft check, its
@@ -66,139 +75,164 @@ impl Engine {
         // Constrained rows' masks are made while the forward is built and
         // evaluated: the forward does not need them, only the draws after it.
         let masks_in_flight = MasksInFlight::start(&mut self.running, work);
-
-        // One forward for every scheduled row, then one eval.
-        let mut inputs = Vec::new();
-        let mut scheduled: Vec<Scheduled> = Vec::new();
         // Held through the step: no row is dropped meanwhile (see SlotLease).
         let mut batch = self.batch.as_ref().map(|b| b.borrow_mut());
-        let slots = batch.as_deref().map_or(0, KvBatch::slots);
-        let (mut slot_tokens, mut slot_logits_wanted) = (vec![Vec::new(); slots], vec![0; slots]);
-        for (i, row) in self.running.iter_mut().enumerate() {
-            let Some(w) = &work[i] else { continue };
-            let tokens: Vec<i32> = row.progress.input(w).ok_or_else(no_input)?.into_iter().map(|t| t as i32).collect();
-            let samples = row.progress.samples_after(w);
-            let positions = match w {
-                Work::Decode { drafts } => 1 + drafts.len(),
-                Work::Prefill { .. } => 1,
-            };
-            let logits_at = match &mut row.kv {
-                RowKv::Slot(lease) => {
-                    let slot = lease.slot();
-                    slot_tokens[slot] = tokens;
-                    slot_logits_wanted[slot] = if samples { positions } else { 0 };
-                    LogitsAt::Slot(slot)
-                }
-                RowKv::Own(cache) => {
-                    let ids = mlx::Array::from_i32(&tokens, &[1, tokens.len()])?;
-                    inputs.push(RowInput { ids, cache, n_logits: positions });
-                    LogitsAt::Row(inputs.len() - 1)
-                }
-            };
-            scheduled.push(Scheduled { row: i, samples, logits_at, masks: None });
-        }
-        let batched = match batch.as_deref_mut() {
-            Some(kv) if slot_tokens.iter().any(|t| !t.is_empty()) => {
-                Some(BatchedRows { kv, tokens: slot_tokens, logits: slot_logits_wanted, shared_scores: self.config.shared_attention_scores })
-            }
-            _ => None,
-        };
-        let ran_batched = batched.is_some();
-        let step_logits = self.model.forward_step(batched, &mut inputs)?;
-        drop(inputs);
-        let mut slot_logits = step_logits.batched;
-        let mut row_logits: Vec<Option<mlx::Array>> = step_logits.rows.into_iter().map(Some).collect();
-        // A prompt chunk in a slot that does not finish the prompt wants no logits.
-        let logits: Vec<Option<mlx::Array>> = scheduled
-            .iter()
-            .map(|s| match s.logits_at {
-                LogitsAt::Slot(slot) => slot_logits[slot].take(),
-                LogitsAt::Row(k) => row_logits[k].take(),
-            })
-            .collect();
-
+        let mut forward = forward(&self.model, &mut self.running, work, batch.as_deref_mut(), self.config.shared_attention_scores)?;
+        let written_batch = batch.as_deref().filter(|_| forward.ran_batched);
         let masks_started = Instant::now();
         if let Some(in_flight) = masks_in_flight {
-            // Masks not ready yet: the forward goes to MLX first, and they
-            // finish beside its evaluation (handing it over holds this
-            // thread: on a GPU it launches every kernel; on the CPU MLX waits
-            // while more than a few operations are queued). Ready: the draws
-            // join the forward's one evaluation, which saves a round trip.
-            if !in_flight.is_finished() {
-                let batch = batch.as_deref().filter(|_| ran_batched);
-                let mut outputs: Vec<&mlx::Array> = logits.iter().flatten().collect();
-                outputs.extend(written_kv(&scheduled, &self.running, batch));
-                mlx::async_eval(&outputs)?;
-            }
-            for (row, made) in in_flight.finish(&mut self.running) {
-                let s = scheduled.iter_mut().find(|s| s.row == row).expect("a row with masks is scheduled");
-                match made {
-                    Ok(m) => s.masks = Some(m),
-                    Err(e) => {
-                        // Its forward ran; the row ends here and its state is dropped.
-                        s.samples = false;
-                        output.constraint_failed.push((s.row, e));
-                    }
-                }
-            }
+            take_masks(in_flight, &mut self.running, &mut forward, written_batch, &mut output)?;
         }
         let masks_ms = masks_started.elapsed().as_secs_f64() * 1e3;
-        let constrained_rows = scheduled.iter().filter(|s| s.masks.is_some()).count();
-
-        // Each sampling row's draws, lazily: one per position it verifies
-        // (the pending token's successor, then one after each draft), each
-        // the argmax or the position-keyed sample (see Sampler::draw).
-        // (running row, draws, logits kept for logprobs)
-        let mut draws: Vec<(usize, mlx::Array, Option<mlx::Array>)> = Vec::new();
-        // Every constrained position's allowed set, expanded on the device at once.
-        let constrained: Vec<&RowMasks> = scheduled.iter().filter(|s| s.samples).filter_map(|s| s.masks.as_ref()).collect();
-        let width = logits.iter().flatten().next().map(|l| l.dim(-1));
-        let allowed = match width {
-            Some(vocab) if !constrained.is_empty() => {
-                let forbidden = mlx::Array::scalar(f32::NEG_INFINITY, mlx::Dtype::F32)?;
-                Some((self.mask_expander.allowed(&constrained, vocab)?, vocab, forbidden))
-            }
-            _ => None,
-        };
-        let mut at_position = 0;
-        for (s, logits) in scheduled.iter().zip(logits) {
-            if !s.samples {
-                continue;
-            }
-            let logits = logits.ok_or_else(|| mlx::Error { op: "engine", message: "a sampling row got no logits".into() })?;
-            let row = &mut self.running[s.row];
-            let masked = match (&s.masks, &allowed) {
-                (Some(m), Some((allowed, vocab, forbidden))) => {
-                    let (from, to) = (at_position as i32, (at_position + m.len()) as i32);
-                    at_position += m.len();
-                    &mlx::where_(&allowed.slice(&[from, 0], &[to, *vocab as i32])?, &logits, forbidden)?
-                }
-                _ => &logits,
-            };
-            let draw = row.sampler.draw(masked, row.progress.generated)?;
-            let keep = row.progress.limits.logprobs.is_some().then_some(logits);
-            draws.push((s.row, draw, keep));
-        }
-        let mut to_eval: Vec<&mlx::Array> = draws.iter().map(|(_, d, _)| d).collect();
-        to_eval.extend(written_kv(&scheduled, &self.running, batch.as_deref().filter(|_| ran_batched)));
+        let constrained_rows = forward.scheduled.iter().filter(|s| s.masks.is_some()).count();
+        let draws = draw(&mut self.running, &mut self.mask_expander, forward.logits, &forward.scheduled)?;
         let built = Instant::now();
-        mlx::eval(&to_eval)?;
-
-        // One readback for every row's draws, not one per row.
-        let lens: Vec<usize> = draws.iter().map(|(_, d, _)| d.size()).collect();
-        let flat: Vec<i32> = match draws.len() {
-            0 => Vec::new(),
-            1 => draws[0].1.to_vec_i32()?,
-            _ => mlx::concatenate(&draws.iter().map(|(_, d, _)| d).collect::<Vec<_>>(), 0)?.to_vec_i32()?,
-        };
+        output.sampled = evaluate(draws, &forward.scheduled, &self.running, written_batch)?;
         let evaluated = Instant::now();
-        let mut at = 0;
-        for ((row, _, logits), len) in draws.into_iter().zip(lens) {
-            let targets = flat[at..at + len].iter().map(|&t| t as u32).collect();
-            at += len;
-            let logits = logits.map(|l| l.to_vec_f32()).transpose()?;
-            output.sampled.push(Sampled { row, targets, logits });
-        }
         Ok((output, RunTimes { built, evaluated, masks_ms, constrained_rows }))
     }
+}
+
+/// Builds one forward for every row with work: rows in the batch write
+/// their slots, rows with caches of their own go as per-row inputs.
+fn forward(model: &Transformer, running: &mut [Row], work: &[Option<Work>], batch: Option<&mut KvBatch>, shared_scores: usize) -> mlx::Result<Forward> {
+    let mut inputs = Vec::new();
+    let mut scheduled: Vec<Scheduled> = Vec::new();
+    let slots = batch.as_deref().map_or(0, KvBatch::slots);
+    let (mut slot_tokens, mut slot_logits_wanted) = (vec![Vec::new(); slots], vec![0; slots]);
+    for (i, row) in running.iter_mut().enumerate() {
+        let Some(w) = &work[i] else { continue };
+        let tokens: Vec<i32> = row.progress.input(w).ok_or_else(no_input)?.into_iter().map(|t| t as i32).collect();
+        let samples = row.progress.samples_after(w);
+        let positions = match w {
+            Work::Decode { drafts } => 1 + drafts.len(),
+            Work::Prefill { .. } => 1,
+        };
+        let logits_at = match &mut row.kv {
+            RowKv::Slot(lease) => {
+                let slot = lease.slot();
+                slot_tokens[slot] = tokens;
+                slot_logits_wanted[slot] = if samples { positions } else { 0 };
+                LogitsAt::Slot(slot)
+            }
+            RowKv::Own(cache) => {
+                let ids = mlx::Array::from_i32(&tokens, &[1, tokens.len()])?;
+                inputs.push(RowInput { ids, cache, n_logits: positions });
+                LogitsAt::Row(inputs.len() - 1)
+            }
+        };
+        scheduled.push(Scheduled { row: i, samples, logits_at, masks: None });
+    }
+    let batched = match batch {
+        Some(kv) if slot_tokens.iter().any(|t| !t.is_empty()) => Some(BatchedRows { kv, tokens: slot_tokens, logits: slot_logits_wanted, shared_scores }),
+        _ => None,
+    };
+    let ran_batched = batched.is_some();
+    let step_logits = model.forward_step(batched, &mut inputs)?;
+    drop(inputs);
+    let mut slot_logits = step_logits.batched;
+    let mut row_logits: Vec<Option<mlx::Array>> = step_logits.rows.into_iter().map(Some).collect();
+    // A prompt chunk in a slot that does not finish the prompt wants no logits.
+    let logits = scheduled
+        .iter()
+        .map(|s| match s.logits_at {
+            LogitsAt::Slot(slot) => slot_logits[slot].take(),
+            LogitsAt::Row(k) => row_logits[k].take(),
+        })
+        .collect();
+    Ok(Forward { scheduled, logits, ran_batched })
+}
+
+/// Waits for the constrained rows' masks. Not ready yet: the forward goes
+/// to MLX first, and they finish beside its evaluation (handing it over
+/// holds this thread: on a GPU it launches every kernel; on the CPU MLX
+/// waits while more than a few operations are queued). Ready: the draws
+/// join the forward's one evaluation, which saves a round trip. A row whose
+/// matcher failed stops sampling and is reported.
+fn take_masks(in_flight: MasksInFlight, running: &mut [Row], forward: &mut Forward, batch: Option<&KvBatch>, output: &mut StepOutput) -> mlx::Result<()> {
+    if !in_flight.is_finished() {
+        let mut outputs: Vec<&mlx::Array> = forward.logits.iter().flatten().collect();
+        outputs.extend(written_kv(&forward.scheduled, running, batch));
+        mlx::async_eval(&outputs)?;
+    }
+    for (row, made) in in_flight.finish(running) {
+        let s = forward.scheduled.iter_mut().find(|s| s.row == row).expect("a row with masks is scheduled");
+        match made {
+            Ok(m) => s.masks = Some(m),
+            Err(e) => {
+                // Its forward ran; the row ends here and its state is dropped.
+                s.samples = false;
+                output.constraint_failed.push((s.row, e));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A sampling row's draws, with its logits when it reports log-probabilities.
+struct Draws {
+    row: usize,
+    tokens: mlx::Array,
+    logits: Option<mlx::Array>,
+}
+
+/// Each sampling row's draws, lazily: one per position it verifies (the
+/// pending token's successor, then one after each draft), each the argmax
+/// or the position-keyed sample (see `Sampler::draw`), over the logits its
+/// grammar allows (every constrained position's allowed set is expanded on
+/// the device at once).
+fn draw(running: &mut [Row], masks: &mut MaskExpander, logits: Vec<Option<mlx::Array>>, scheduled: &[Scheduled]) -> mlx::Result<Vec<Draws>> {
+    let constrained: Vec<&RowMasks> = scheduled.iter().filter(|s| s.samples).filter_map(|s| s.masks.as_ref()).collect();
+    let width = logits.iter().flatten().next().map(|l| l.dim(-1));
+    let allowed = match width {
+        Some(vocab) if !constrained.is_empty() => {
+            let forbidden = mlx::Array::scalar(f32::NEG_INFINITY, mlx::Dtype::F32)?;
+            Some((masks.allowed(&constrained, vocab)?, vocab, forbidden))
+        }
+        _ => None,
+    };
+    let mut draws = Vec::new();
+    let mut at_position = 0;
+    for (s, logits) in scheduled.iter().zip(logits) {
+        if !s.samples {
+            continue;
+        }
+        let logits = logits.ok_or_else(|| mlx::Error { op: "engine", message: "a sampling row got no logits".into() })?;
+        let row = &mut running[s.row];
+        let masked = match (&s.masks, &allowed) {
+            (Some(m), Some((allowed, vocab, forbidden))) => {
+                let (from, to) = (at_position as i32, (at_position + m.len()) as i32);
+                at_position += m.len();
+                &mlx::where_(&allowed.slice(&[from, 0], &[to, *vocab as i32])?, &logits, forbidden)?
+            }
+            _ => &logits,
+        };
+        let tokens = row.sampler.draw(masked, row.progress.generated)?;
+        let logits = row.progress.limits.logprobs.is_some().then_some(logits);
+        draws.push(Draws { row: s.row, tokens, logits });
+    }
+    Ok(draws)
+}
+
+/// Evaluates the draws and the KV the step wrote in ONE eval, then reads
+/// every row's draws back in one copy, not one per row.
+fn evaluate(draws: Vec<Draws>, scheduled: &[Scheduled], running: &[Row], batch: Option<&KvBatch>) -> mlx::Result<Vec<Sampled>> {
+    let mut to_eval: Vec<&mlx::Array> = draws.iter().map(|d| &d.tokens).collect();
+    to_eval.extend(written_kv(scheduled, running, batch));
+    mlx::eval(&to_eval)?;
+    let flat: Vec<i32> = match draws.len() {
+        0 => Vec::new(),
+        1 => draws[0].tokens.to_vec_i32()?,
+        _ => mlx::concatenate(&draws.iter().map(|d| &d.tokens).collect::<Vec<_>>(), 0)?.to_vec_i32()?,
+    };
+    let mut sampled = Vec::with_capacity(draws.len());
+    let mut at = 0;
+    for d in draws {
+        let len = d.tokens.size();
+        let targets = flat[at..at + len].iter().map(|&t| t as u32).collect();
+        at += len;
+        let logits = d.logits.map(|l| l.to_vec_f32()).transpose()?;
+        sampled.push(Sampled { row: d.row, targets, logits });
+    }
+    Ok(sampled)
 }
