@@ -158,6 +158,12 @@ async fn sessions_go_to_disk_and_come_back_exactly(kv_quantization: Option<KvQua
     assert!(host_bytes == 0 || s.prefix.host.entries >= 1, "the host tier holds what fits: {:?}", s.prefix);
     assert!(s.prefix.disk.bytes > 0 && s.prefix.disk.writes >= 2, "{:?}", s.prefix);
     let files = || std::fs::read_dir(&folder).unwrap().flat_map(|d| std::fs::read_dir(d.unwrap().path()).unwrap()).count();
+    // The tier writes on a thread of its own: an entry counts as on disk
+    // once it is queued, its file appears when written.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while files() < s.prefix.disk.entries && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
     assert!(files() >= s.prefix.disk.entries, "one file per entry on disk");
     if system.is_some() {
         let per_file = (s.prefix.disk.bytes + s.prefix.host.bytes) / held_out(&s);
