@@ -51,7 +51,7 @@ impl Engine {
     /// The plan's work by running row (`None`: the row sits this step out),
     /// with each decoding row's drafts: its proposal within the plan's cap,
     /// the draft model's made in one batched round for all rows that draft
-    /// with it (see [`speculate::DraftModel::propose`]).
+    /// with it (see [`super::speculate::DraftModel::propose`]).
     fn fill_drafts(&mut self, plan: &[(tether_sched::RequestId, RowWork)], proposals: &mut [Option<Proposal>]) -> mlx::Result<Vec<Option<Work>>> {
         let index: HashMap<_, _> = self.running.iter().enumerate().map(|(i, r)| (r.id(), i)).collect();
         let mut work: Vec<Option<Work>> = (0..self.running.len()).map(|_| None).collect();

@@ -336,12 +336,11 @@ impl Engine {
     /// cache); otherwise its slot is freed when the row is dropped.
     fn take_row(&mut self, i: usize, keep_cache: bool) -> Row {
         let mut row = self.running.remove(i);
-        if keep_cache {
-            row.kv = match std::mem::replace(&mut row.kv, RowKv::Own(self.model.new_cache())) {
+        if keep_cache && matches!(row.kv, RowKv::Slot(_)) {
+            if let RowKv::Slot(lease) = std::mem::replace(&mut row.kv, RowKv::Own(self.model.new_cache())) {
                 // On an error the turn still finishes; only its cache entry is lost.
-                RowKv::Slot(lease) => RowKv::Own(lease.release().unwrap_or_else(|_| self.model.new_cache())),
-                own => own,
-            };
+                row.kv = RowKv::Own(lease.release().unwrap_or_else(|_| self.model.new_cache()));
+            }
         }
         row
     }

@@ -76,14 +76,6 @@ pub enum RowKv {
 }
 
 impl RowKv {
-    /// The batch slot it holds, if it holds one.
-    pub fn slot(&self) -> Option<usize> {
-        match self {
-            RowKv::Own(_) => None,
-            RowKv::Slot(lease) => Some(lease.slot()),
-        }
-    }
-
     fn as_kv(&self) -> &dyn Kv {
         match self {
             RowKv::Own(cache) => cache,
