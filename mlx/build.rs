@@ -25,6 +25,8 @@ fn main() {
     println!("cargo:rerun-if-changed=src/simd_exp.h");
     println!("cargo:rerun-if-changed=src/row_pool.h");
     println!("cargo:rerun-if-changed=src/cpu_eval.h");
+    println!("cargo:rerun-if-changed=src/cuda_kernel.h");
+    println!("cargo:rerun-if-changed=src/cuda_kernel.cc");
     println!("cargo:rerun-if-changed=src/ffi.rs");
 
     let dir = match std::env::var_os("MLX_DIR") {
@@ -51,6 +53,7 @@ fn main() {
         .file("src/cpu_panels.cc")
         .file("src/cpu_attention.cc")
         .file("src/cpu_swiglu.cc")
+        .file("src/cuda_kernel.cc")
         .include(&include)
         .std("c++20")
         .flag_if_supported("-Wno-unused-parameter")

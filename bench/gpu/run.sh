@@ -56,6 +56,16 @@
 # which checks that outputs with drafts equal those without; each build of
 # TETHER_BINS ("old new") in turn, ROUNDS (2) times. Needs only the wheel's
 # halves and a Qwen tokenizer in $KEEP.
+# MODE=kernels: the fused decode step (models/gpu) beside MLX's ops on
+# random checkpoints of MODELS' shapes (default: qwen2.5-1.5b qwen2.5-0.5b
+# qwen3-0.6b llama-135m): `tether bench --gpu-kernels 1,2,4,8` (logits'
+# distance, top-1 agreement, primitives and time per step); then, on the
+# 1.5B shape, the engine at 1 and 32 streams for each build of TETHER_BINS
+# ("old new"), the last build also with TETHER_GPU_KERNELS=0 and with MLX's
+# CUDA graphs on, ROUNDS (2) times; one stream on the 7B shape (when in
+# MODELS) per build; then one traced stream (primitives and host/device time
+# per step).
+# Needs only the wheel's halves and a Qwen tokenizer in $KEEP.
 # MODE=agent: the 12-turn agent workload of bench/load.py (WORKLOAD=agent in
 # bench/load.sh) on the random Qwen2.5-1.5B-shaped bf16 checkpoint: `tether
 # serve` (session prefix cache on, and off) beside mlx_lm.server (its prompt
@@ -115,6 +125,7 @@ if [ "${MODE:-decode}" = spec ]; then
 fi
 
 # The agent workload needs only the 1.5B bf16 checkpoint; the other modes all four.
+[ "${MODE:-decode}" = kernels ] && MODELS=${MODELS:-qwen2.5-1.5b qwen2.5-0.5b qwen3-0.6b llama-135m qwen2.5-7b}
 MODELS=${MODELS:-qwen2.5-0.5b qwen2.5-1.5b}
 case "${MODE:-decode}" in admit|agent|serving|streams|graphs|builds) MODELS=qwen2.5-1.5b ;; esac
 [ "${MODE:-decode}" = structured ] && MODELS=qwen2.5-0.5b
@@ -122,11 +133,47 @@ case "${MODE:-decode}" in admit|agent|serving|streams|graphs|builds) MODELS=qwen
 LOAD_ARGS=${LOAD_ARGS:-}
 for m in $MODELS; do
   [ -f /opt/models/$m-bf16/model.safetensors ] || "$PY" "$here/make_random_model.py" /opt/models/$m-bf16 $m "$KEEP"
-  case "${MODE:-decode}" in admit|agent|serving|graphs|structured|sessions|builds) continue ;; esac
+  case "${MODE:-decode}" in admit|agent|serving|graphs|structured|sessions|builds|kernels) continue ;; esac
   [ -f /opt/models/$m-4bit/config.json ] || "$PY" -m mlx_lm convert --hf-path /opt/models/$m-bf16 --mlx-path /opt/models/$m-4bit -q --q-bits 4 --q-group-size 64 >"$OUT/convert-$m.log" 2>&1
 done
 
 : > "$OUT/results.jsonl"
+if [ "${MODE:-decode}" = kernels ]; then
+  bins=(${TETHER_BINS:-$TETHER_BIN})
+  newest=${bins[${#bins[@]}-1]}
+  for m in $MODELS; do
+    "$newest" bench --model /opt/models/$m-bf16 --device gpu --gpu-kernels 1,2,4,8 --prompt-tokens "${CHECK_PROMPT:-300}" --gen-tokens "${CHECK_STEPS:-24}" 2>>"$OUT/tether.log" \
+      | sed "s/^{/{\"model\":\"$m\",/" | tee -a "$OUT/results.jsonl" || echo "kernel check on $m failed" >&2
+  done
+  graphs:]path"|graphs:]path": mlx: without the fused step, graphs:
+  # with it and MLX's CUDA graphs on.
+  engine() {
+    local spec=$1 model=$2 streams=$3 round=$4 kernels=1 graphs=0
+    case "$spec" in mlx:*) kernels=0 ;; graphs:*) graphs=1 ;; esac
+    local tag="\"build\":\"$(basename "$spec")\",\"variant\":\"${spec%%:*}\",\"round\":$round,"
+    TETHER_GPU_KERNELS=$kernels MLX_USE_CUDA_GRAPHS=$graphs "${spec#*:}" bench --model "$model" --device gpu --streams "$streams" --prompt-tokens 128 --gen-tokens 256 2>>"$OUT/tether.log" \
+      | sed "s/^{/{$tag/" | tee -a "$OUT/results.jsonl"
+  }
+  for round in $(seq "${ROUNDS:-2}"); do
+    for bin in "${bins[@]/#/default:}" "mlx:$newest" "graphs:$newest"; do
+      engine "$bin" /opt/models/qwen2.5-1.5b-bf16 32 "$round"
+    done
+  done
+  if [ -d /opt/models/qwen2.5-7b-bf16 ]; then
+    for bin in "${bins[@]/#/default:}"; do engine "$bin" /opt/models/qwen2.5-7b-bf16 1 1; done
+  fi
+  model=/opt/models/qwen2.5-1.5b-bf16
+  for kernels in 1 0; do
+    TETHER_TRACE_STEPS=1 TETHER_GPU_KERNELS=$kernels "$newest" bench --model "$model" --device gpu --streams 1 --prompt-tokens 128 --gen-tokens 128 2>"$OUT/trace-$kernels.log" >/dev/null
+    grep -o 'decode_rows=1 .*' "$OUT/trace-$kernels.log" | "$PY" -c '
+import re, statistics, sys
+rows = [dict(re.findall(r"(\w+)=([\d.]+)", l)) for l in sys.stdin]
+rows = [r for r in rows if r.get("prefill_tokens") == "0" and "primitives" in r]
+med = lambda k: statistics.median(float(r[k]) for r in rows)
+print("{\"trace\":\"one stream\",\"gpu_kernels\":'$kernels',\"steps\":%d,\"primitives\":%d,\"build_ms\":%.2f,\"eval_ms\":%.2f,\"ms\":%.2f}" % (len(rows), med("primitives"), med("build_ms"), med("eval_ms"), med("ms")))' | tee -a "$OUT/results.jsonl"
+  done
+  exit 0
+fi
 if [ "${MODE:-decode}" = builds ]; then
   model=/opt/models/qwen2.5-1.5b-bf16
   for round in $(seq "${ROUNDS:-2}"); do

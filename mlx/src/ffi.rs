@@ -10,10 +10,12 @@
 pub(crate) mod bridge {
     unsafe extern "C++" {
         include!("tether-mlx/src/shim.h");
+        include!("tether-mlx/src/cuda_kernel.h");
 
         type Array;
         type ArrayList;
         type SafetensorsFile;
+        type CudaKernel;
 
         fn list_new() -> Result<UniquePtr<ArrayList>>;
         fn list_push(list: Pin<&mut ArrayList>, a: &Array) -> Result<()>;
@@ -132,6 +134,23 @@ pub(crate) mod bridge {
         fn cpu_kv_write(cache: &Array, fresh: &Array, start: i32, n: i32, pos: i32, in_blocks: bool, group: i32, bits: i32) -> Result<UniquePtr<Array>>;
         fn cpu_kv_dequantize(cache: &Array, len: i32, in_blocks: bool, group: i32, bits: i32) -> Result<UniquePtr<Array>>;
         fn cpu_swiglu(gate_up: &Array) -> Result<UniquePtr<Array>>;
+
+        fn cuda_kernel_new(name: &str, inputs: &str, outputs: &str, source: &str, header: &str) -> Result<UniquePtr<CudaKernel>>;
+        fn cuda_kernel_launch(
+            kernel: &CudaKernel,
+            inputs: &ArrayList,
+            shapes: &[i32],
+            ndims: &[i32],
+            dtypes: &[u8],
+            grid: &[i32],
+            block: &[i32],
+            names: &str,
+            kinds: &[u8],
+            values: &[i32],
+        ) -> Result<UniquePtr<ArrayList>>;
+        fn cuda_available() -> bool;
+        fn sole_holder(a: &Array) -> bool;
+        fn graph_census(outputs: &ArrayList) -> String;
 
         fn random_key(seed: u64) -> Result<UniquePtr<Array>>;
         fn random_split(key: &Array, num: i32) -> Result<UniquePtr<ArrayList>>;

@@ -15,6 +15,7 @@ mod ffi;
 mod array;
 mod dtype;
 mod error;
+pub mod cuda;
 pub mod fast;
 pub mod memory;
 pub mod random;

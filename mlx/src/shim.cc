@@ -16,7 +16,6 @@
 namespace mx = mlx::core;
 
 namespace tether_mlx {
-namespace {
 
 // Dtype codes shared with Rust's `Dtype` enum (mlx/src/dtype.rs): they follow
 // the order of mx::Dtype::Val so a code is the enum's ordinal.
@@ -39,6 +38,8 @@ mx::Dtype dtype_from_code(uint8_t code) {
   }
   throw std::invalid_argument("unknown dtype code " + std::to_string(code));
 }
+
+namespace {
 
 mx::Shape to_shape(rust::Slice<const int32_t> s) { return mx::Shape(s.begin(), s.end()); }
 std::vector<int> to_ints(rust::Slice<const int32_t> s) { return std::vector<int>(s.begin(), s.end()); }

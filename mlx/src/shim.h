@@ -33,6 +33,9 @@ struct SafetensorsFile {
   std::vector<std::string> meta_values;
 };
 
+// The dtype a code of Rust's `Dtype` enum names (mlx/src/dtype.rs).
+mlx::core::Dtype dtype_from_code(uint8_t code);
+
 // ---- lists
 std::unique_ptr<ArrayList> list_new();
 void list_push(ArrayList& list, const Array& a);

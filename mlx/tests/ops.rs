@@ -435,3 +435,48 @@ fn dense_products_match_a_reference_through_panels_where_the_cpu_has_them() {
     assert!(mlx::cpu_panel_matmul(&values(&[4, 64], 1), &panels, n).is_err(), "input size mismatch");
     assert!(mlx::cpu_panel_matmul(&x, &w, n).is_err(), "unpacked weights");
 }
+
+/// The graph census counts what an eval would run, once per primitive
+/// (siblings share one) and not what is already evaluated.
+#[test]
+fn graph_census_counts_pending_primitives() {
+    let _serial = serial();
+    let a = Array::from_f32(&[1., 2., 3., 4.], &[2, 2]).unwrap();
+    let b = a.add(&a).unwrap();
+    let c = b.multiply(&b).unwrap().add(&a).unwrap();
+    assert_eq!(mlx::cuda::primitive_count(&[&c]).unwrap(), 3);
+    let census = mlx::cuda::graph_census(&[&c]).unwrap();
+    assert!(census.contains("2 Add\n") && census.contains("1 Multiply\n"), "{census}");
+    b.eval().unwrap();
+    assert_eq!(mlx::cuda::primitive_count(&[&c]).unwrap(), 2);
+    c.eval().unwrap();
+    assert_eq!(mlx::cuda::primitive_count(&[&c]).unwrap(), 0);
+}
+
+/// A kernel may write in place only into a buffer nothing else can see:
+/// not before it exists, not while another handle or a view shares it.
+#[test]
+fn sole_holder_sees_every_other_holder() {
+    let _serial = serial();
+    let a = Array::from_f32(&[1., 2., 3., 4.], &[2, 2]).unwrap().add(&Array::scalar(1.0, Dtype::F32).unwrap()).unwrap();
+    assert!(!mlx::cuda::sole_holder(&a), "not evaluated yet");
+    a.eval().unwrap();
+    assert!(mlx::cuda::sole_holder(&a));
+    let other = a.clone();
+    assert!(!mlx::cuda::sole_holder(&a), "a second handle");
+    drop(other);
+    assert!(mlx::cuda::sole_holder(&a));
+    let view = a.slice(&[0, 0], &[1, 2]).unwrap();
+    view.eval().unwrap();
+    assert!(!mlx::cuda::sole_holder(&a), "an evaluated view shares the buffer");
+    drop(view);
+    assert!(mlx::cuda::sole_holder(&a));
+    let pending = a.multiply(&a).unwrap();
+    assert!(!mlx::cuda::sole_holder(&a), "a pending op reads it");
+    drop(pending);
+    let transposed = a.transpose(&[1, 0]).unwrap();
+    drop(a);
+    transposed.eval().unwrap();
+    assert!(!mlx::cuda::sole_holder(&transposed), "alone, but not row-major");
+    assert!(!mlx::cuda::available(), "these tests run on the CPU");
+}

@@ -104,4 +104,11 @@ impl ModelArgs {
         mlx::set_default_device(self.device()?)?;
         Ok(ModelWithTokenizer::load(&self.model, self.load_options()?)?)
     }
+
+    /// [`load_here`](Self::load_here) in `dtype` whatever `--dtype` says
+    /// (a float32 reference beside the model under test).
+    pub(super) fn load_here_in(&self, dtype: mlx::Dtype) -> anyhow::Result<ModelWithTokenizer> {
+        mlx::set_default_device(self.device()?)?;
+        Ok(ModelWithTokenizer::load(&self.model, LoadOptions { dtype, ..self.load_options()? })?)
+    }
 }

@@ -21,6 +21,9 @@ pub(super) struct RunTimes {
     /// Time spent waiting for constrained rows' masks.
     pub masks_ms: f64,
     pub constrained_rows: usize,
+    /// The primitives MLX evaluated for the step (counted only when steps
+    /// are traced: the count walks the graph).
+    pub primitives: Option<usize>,
 }
 
 /// A row's part in this step, as the runner carries it out.
@@ -86,10 +89,11 @@ impl Engine {
         let masks_ms = masks_started.elapsed().as_secs_f64() * 1e3;
         let constrained_rows = forward.scheduled.iter().filter(|s| s.masks.is_some()).count();
         let draws = draw(&mut self.running, &mut self.mask_expander, forward.logits, &forward.scheduled)?;
+        let primitives = self.trace_steps.then(|| count_primitives(&draws, &forward.scheduled, &self.running, written_batch)).transpose()?;
         let built = Instant::now();
         output.sampled = evaluate(draws, &forward.scheduled, &self.running, written_batch)?;
         let evaluated = Instant::now();
-        Ok((output, RunTimes { built, evaluated, masks_ms, constrained_rows }))
+        Ok((output, RunTimes { built, evaluated, masks_ms, constrained_rows, primitives }))
     }
 }
 
@@ -214,6 +218,13 @@ fn draw(running: &mut [Row], masks: &mut MaskExpander, logits: Vec<Option<mlx::A
     Ok(draws)
 }
 
+/// The primitives [`evaluate`] will run (for traces: the count walks the graph).
+fn count_primitives(draws: &[Draws], scheduled: &[Scheduled], running: &[Row], batch: Option<&KvBatch>) -> mlx::Result<usize> {
+    let mut outputs: Vec<&mlx::Array> = draws.iter().map(|d| &d.tokens).collect();
+    outputs.extend(written_kv(scheduled, running, batch));
+    mlx::cuda::primitive_count(&outputs)
+}
+
 /// Evaluates the draws and the KV the step wrote in ONE eval, then reads
 /// every row's draws back in one copy, not one per row.
 fn evaluate(draws: Vec<Draws>, scheduled: &[Scheduled], running: &[Row], batch: Option<&KvBatch>) -> mlx::Result<Vec<Sampled>> {
@@ -236,3 +247,4 @@ fn evaluate(draws: Vec<Draws>, scheduled: &[Scheduled], running: &[Row], batch: 
     }
     Ok(sampled)
 }
+

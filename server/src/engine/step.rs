@@ -132,7 +132,7 @@ impl Engine {
 
     /// Teaches the scheduler the step's time, and records where it went.
     fn account(&mut self, started: Instant, plan: &StepPlan, counts: WorkCounts, times: RunTimes) {
-        let RunTimes { built, evaluated, masks_ms, constrained_rows } = times;
+        let RunTimes { built, evaluated, masks_ms, constrained_rows, primitives } = times;
         let seconds = started.elapsed().as_secs_f64();
         let WorkCounts { decode_rows, draft_tokens, prefill_tokens } = counts;
         self.scheduler.record(StepTiming { decode_rows, draft_tokens, prefill_tokens, widened: plan.widened, seconds });
@@ -142,10 +142,11 @@ impl Engine {
             let widened = plan.widened;
             let ms = |from: Instant, to: Instant| to.duration_since(from).as_secs_f64() * 1e3;
             eprintln!(
-                "[step] decode_rows={decode_rows} constrained_rows={constrained_rows} draft_tokens={draft_tokens} prefill_tokens={prefill_tokens} ms={:.2} masks_ms={masks_ms:.2} build_ms={:.2} eval_ms={:.2} widened={widened} next_allowance={next:?}",
+                "[step] decode_rows={decode_rows} constrained_rows={constrained_rows} draft_tokens={draft_tokens} prefill_tokens={prefill_tokens} ms={:.2} masks_ms={masks_ms:.2} build_ms={:.2} eval_ms={:.2} primitives={} widened={widened} next_allowance={next:?}",
                 seconds * 1e3,
                 ms(started, built),
                 ms(built, evaluated),
+                primitives.unwrap_or(0),
             );
         }
         let micros = |from: Instant, to: Instant| to.duration_since(from).as_micros() as u64;

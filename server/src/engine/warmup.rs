@@ -133,6 +133,7 @@ pub(super) fn warm_up(model: &Transformer, config: &EngineConfig, batched: bool)
                 kv.truncate(slot, cache.len());
             }
         }
+        warm_gpu_decode(model)?;
         let started = Instant::now();
         let shapes = attention_shapes(config, &model.config, model.config.kv_bytes_per_token(model.dtype.size()));
         for &(slots, n, capacity) in &shapes {
@@ -144,6 +145,21 @@ pub(super) fn warm_up(model: &Transformer, config: &EngineConfig, batched: bool)
         }
         eprintln!("warm-up: {} shared and {} lone attention shapes in {:.1} s", shapes.len(), alone.len(), started.elapsed().as_secs_f64());
     }
+    Ok(())
+}
+
+/// Compiles the fused GPU decode step's kernels (`models/gpu`) for each
+/// row class, so NVRTC's compiles (seconds each) happen before serving.
+/// No-op where the model does not run it.
+fn warm_gpu_decode(model: &Transformer) -> mlx::Result<()> {
+    let Some(gpu) = &model.gpu_decode else { return Ok(()) };
+    let started = Instant::now();
+    let mut classes: Vec<usize> = (1..=crate::models::gpu::MAX_ROWS).map(crate::models::gpu::row_class).collect();
+    classes.dedup();
+    for &rows in &classes {
+        gpu.warm_up(model, rows)?;
+    }
+    eprintln!("warm-up: fused decode kernels for {classes:?} rows in {:.1} s", started.elapsed().as_secs_f64());
     Ok(())
 }
 

@@ -228,6 +228,14 @@ impl KvBatch {
         Ok((k.clone(), v.clone()))
     }
 
+    /// Layer `layer`'s keys and values, `[slots, kv_heads, capacity,
+    /// head_dim]`: for kernels that write a step's positions into them in
+    /// place (`models/gpu`), which then [`advance`](Self::advance) as
+    /// [`write`](Self::write)'s callers do.
+    pub fn layer(&self, layer: usize) -> Option<(&Array, &Array)> {
+        self.layers.get(layer).map(|(k, v)| (k, v))
+    }
+
     /// Per slot, where a step's `n` rows are written, as int32 `[slots, 1,
     /// n, 1]`: its `real[s]` tokens at `from[s] ..`, its padding rows at
     /// the same positions onwards but never past the last position, which a

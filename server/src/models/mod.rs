@@ -13,6 +13,7 @@ mod config;
 mod embedding;
 mod gemma3;
 mod gguf_loader;
+pub mod gpu;
 mod kv;
 mod kv_batch;
 mod kv_cache;
@@ -92,5 +93,7 @@ pub fn load_transformer(path: &Path, opts: LoadOptions) -> Result<Transformer, L
     if mlx::default_device() == mlx::Device::Cpu {
         transformer.lay_out_for_cpu()?;
     }
+    // After the weights' final form is set: the kernels read them as they are.
+    transformer.gpu_decode = gpu::GpuDecode::for_model(&transformer)?;
     Ok(transformer)
 }

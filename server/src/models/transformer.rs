@@ -16,6 +16,7 @@ use super::attention::{attention_alone, attention_batched, AttentionBackend, Ste
 use super::batch_step::{AloneSlot, BatchStep, BatchedRows};
 use super::config::{Activation, ModelConfig};
 use super::embedding::Embedding;
+use super::gpu::GpuDecode;
 use super::gemma3;
 use super::kv_batch::KvBatch;
 use super::kv_cache::{KvCache, KvQuantization};
@@ -52,6 +53,9 @@ pub struct Transformer {
     /// When and into what codes rows' caches turn (set through
     /// [`set_kv_quantization`](Self::set_kv_quantization), which checks it).
     pub(crate) kv_quantization: Option<KvQuantization>,
+    /// The decode step in kernels of our own, on a CUDA GPU where the model
+    /// fits them (set at load, see `models/gpu`).
+    pub gpu_decode: Option<GpuDecode>,
 }
 
 impl Transformer {
@@ -117,7 +121,7 @@ impl Transformer {
                 }
             })
             .collect();
-        Transformer { config, dtype, embedding, layers: blocks, final_norm, lm_head, backend, kv_quantization: None }
+        Transformer { config, dtype, embedding, layers: blocks, final_norm, lm_head, backend, kv_quantization: None, gpu_decode: None }
     }
 
     pub fn new_cache(&self) -> KvCache {
@@ -228,7 +232,12 @@ impl Transformer {
     /// reading their prompt): their tokens come first in the flattened
     /// batch (see [`BatchStep`]), and each layer attends for all of them at
     /// once (see `attention.rs`).
-    pub fn forward_step(&self, batched: Option<BatchedRows<'_>>, rows: &mut [RowInput<'_>]) -> mlx::Result<StepLogits> {
+    pub fn forward_step(&self, mut batched: Option<BatchedRows<'_>>, rows: &mut [RowInput<'_>]) -> mlx::Result<StepLogits> {
+        if let (Some(gpu), Some(b), true) = (&self.gpu_decode, &mut batched, rows.is_empty()) {
+            if let Some(logits) = gpu.step(self, b)? {
+                return Ok(logits);
+            }
+        }
         let codes = self.kv_quantization.map_or(KvCodes::Float, |q| q.codes());
         let mut attention = StepAttention::begin(self.backend, self.heads(), self.dtype, codes, batched, rows)?;
         let h = self.embedding.rows(&attention.ids()?, self.dtype)?; // [1, T, d]

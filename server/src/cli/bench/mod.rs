@@ -2,7 +2,8 @@
 //! (never timed asserts). The flags pick one run: speculative decoding
 //! (`--speculation-streams`), quantized KV (`--kv-quality`), an agent
 //! session (`--turns`), concurrent streams (`--streams`), or else
-//! single-stream prefill and decode.
+//! single-stream prefill and decode, or the GPU's fused decode step beside
+//! MLX's ops (`--gpu-kernels`).
 //!
 //! They are the binary's, not the library's: they drive the engine and the
 //! model through the same public interfaces the server uses.
@@ -14,6 +15,7 @@ use tether::tokenizer::TextTokenizer;
 use super::engine_args::{KvArgs, KvLayoutArg};
 use super::model::ModelArgs;
 
+mod gpu_kernels;
 mod kv;
 mod spec;
 mod throughput;
@@ -72,6 +74,11 @@ pub(super) struct BenchArgs {
     kv_prompts: std::path::PathBuf,
     #[command(flatten)]
     kv: KvArgs,
+    /// Run the fused GPU decode step beside MLX's ops instead, at these row
+    /// counts: logits' distance, top-1 agreement, primitives and step time
+    /// over --gen-tokens steps after --prompt-tokens prompts.
+    #[arg(long, value_delimiter = ',')]
+    gpu_kernels: Vec<usize>,
     /// Where decoding rows keep their KV caches.
     #[arg(long, value_enum, default_value_t = KvLayoutArg::Auto)]
     kv_layout: KvLayoutArg,
@@ -85,6 +92,13 @@ pub(super) fn run(args: BenchArgs) -> anyhow::Result<()> {
         let (engine, tokenizer) = start_engine(&args.model, config)?;
         let fim = tether::server::FimTokens::detect(&tokenizer);
         spec::run_all(&engine, &tokenizer, fim.as_ref(), &args.speculation_streams, &sources, args.max_draft)
+    } else if !args.gpu_kernels.is_empty() {
+        let mut model = args.model.load_here()?;
+        let reference = args.model.load_here_in(mlx::Dtype::F32)?;
+        for check in gpu_kernels::run(&mut model.transformer, &reference.transformer, &args.gpu_kernels, args.prompt_tokens, args.gen_tokens)? {
+            println!("{}", serde_json::to_string(&check)?);
+        }
+        Ok(())
     } else if args.kv_quality {
         kv::run(&args)
     } else if args.turns > 0 {

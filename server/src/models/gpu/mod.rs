@@ -1,0 +1,299 @@
+//! The decode step on a CUDA GPU in kernels of our own: five launches a
+//! layer instead of MLX's twenty-odd ops.
+//!
+//! MLX's CUDA backend spends about 12 us of host time on every primitive it
+//! evaluates, so a one-row step of a 28-layer model (~20 primitives a layer)
+//! costs milliseconds on the host while the GPU works for about one
+//! (docs/performance.md, "GPU step cost"). For decode steps of up to
+//! [`MAX_ROWS`] rows in batched slots, each layer here is:
+//! 1. `matvec`: RMS norm, the fused q/k/v projection and its bias;
+//! 2. `attention`: the q/k norms (Qwen3), RoPE, the new key and value written
+//!    into the row's slot in place, and the attention over the slot;
+//! 3. `matvec`: the output projection and the residual;
+//! 4. `matvec`: RMS norm, the gate/up projection and the gate's activation;
+//! 5. `matvec`: the down projection and the residual;
+//! and the head is one more `matvec` (final norm, projection, float32 out).
+//! The kernels' sources sit beside this file; MLX compiles them with NVRTC
+//! on the GPU at first use. Everything else (prefill, many rows, window
+//! layers, quantized weights, CPUs) takes MLX's ops as before: a step that
+//! does not fit returns `None` from [`GpuDecode::step`] and runs there.
+//!
+//! In place: a slot's buffers are written by the kernel itself, which MLX
+//! does not know about, so a step takes this path only when the batch alone
+//! holds every buffer ([`mlx::cuda::sole_holder`]): no snapshot, view or
+//! pending op can see the write. After a step that grew or filled the
+//! batch (its buffers still lazy), the step runs on MLX's ops, whose writes
+//! leave them solely held again.
+use mlx::cuda::{sole_holder, CudaKernel, Launch, TemplateArg};
+use mlx::{Array, Dtype};
+
+use super::batch_step::BatchedRows;
+use super::config::Activation;
+use super::layers::{Heads, RopeFreqs};
+use super::linear::{Linear, Weight};
+use super::transformer::{StepLogits, Transformer};
+
+/// Most rows a fused decode step takes; more go through MLX's matmuls,
+/// which read each weight once for all rows anyway.
+pub const MAX_ROWS: usize = 8;
+
+/// Threads of a block in both kernels (eight warps).
+const BLOCK_THREADS: usize = 256;
+
+const COMMON: &str = include_str!("common.cuh");
+const MATVEC: &str = include_str!("matvec.cu");
+const ATTENTION: &str = include_str!("attention.cu");
+
+/// The row counts kernels are compiled for: a step's rows are padded up to
+/// the next one (padding rows cost a few more reads of the activations,
+/// not of the weights).
+pub fn row_class(rows: usize) -> usize {
+    rows.next_power_of_two()
+}
+
+/// The model's decode step in fused kernels (see the module notes).
+pub struct GpuDecode {
+    matvec: CudaKernel,
+    attention: CudaKernel,
+    /// Each RoPE pair's turn per position, `[head_dim / 2]` float32.
+    inv_freq: Array,
+    /// A one-element array for a kernel input a model does not use.
+    placeholder: Array,
+    heads: Heads,
+    traditional: bool,
+    /// The gate's activation: 1 SwiGLU, 2 GeGLU (the kernel's `GLU`).
+    glu: i32,
+    /// The norms' epsilon times 1e12 (the kernels' `EPS_E12`).
+    eps_e12: i32,
+}
+
+impl GpuDecode {
+    /// The fused step for `m`, where it can run: on a CUDA GPU, in
+    /// bfloat16, with dense weights, no window layers and no post-norms
+    /// (Gemma 3 keeps MLX's ops), and a head size the attention kernel
+    /// knows. `TETHER_GPU_KERNELS=0` turns it off.
+    pub fn for_model(m: &Transformer) -> mlx::Result<Option<GpuDecode>> {
+        let enabled = std::env::var("TETHER_GPU_KERNELS").map_or(true, |v| v != "0");
+        if !enabled || mlx::default_device() != mlx::Device::Gpu || !mlx::cuda::available() || m.dtype != Dtype::BF16 || !fits(m) {
+            return Ok(None);
+        }
+        let c = &m.config;
+        let rope = &m.layers[0].attention.rope;
+        let half = c.head_dim / 2;
+        let inv_freq = match &rope.freqs {
+            RopeFreqs::Base(theta) => {
+                let turns: Vec<f32> = (0..half).map(|i| (*theta as f64).powf(-2.0 * i as f64 / c.head_dim as f64) as f32).collect();
+                Array::from_f32(&turns, &[half])?
+            }
+            RopeFreqs::Periods(periods) => Array::scalar(1.0, Dtype::F32)?.divide(&periods.astype(Dtype::F32)?)?,
+        };
+        inv_freq.eval()?;
+        let placeholder = Array::zeros(&[1], Dtype::BF16)?;
+        placeholder.eval()?;
+        let glu = match c.activation {
+            Activation::Silu => 1,
+            Activation::GeluTanh => 2,
+        };
+        Ok(Some(GpuDecode {
+            matvec: CudaKernel::new("tether_matvec", &["x", "w", "norm_w", "bias", "res"], &["y"], MATVEC, COMMON)?,
+            attention: CudaKernel::new(
+                "tether_decode_attention",
+                &["qkv", "k_cache", "v_cache", "rows", "inv_freq", "q_norm", "k_norm"],
+                &["out"],
+                ATTENTION,
+                COMMON,
+            )?,
+            inv_freq,
+            placeholder,
+            heads: Heads { q: c.n_heads as i32, kv: c.n_kv_heads as i32, dim: c.head_dim as i32 },
+            traditional: rope.traditional,
+            glu,
+            eps_e12: (c.rms_eps as f64 * 1e12).round() as i32,
+        }))
+    }
+
+    /// Runs the step of `b` if it is a decode step this path takes: every
+    /// slot brings at most one token and wants its logits, at most
+    /// [`MAX_ROWS`] do, and the batch alone holds its buffers. `None`: run
+    /// it on MLX's ops (nothing was changed but the batch's capacity).
+    pub fn step(&self, m: &Transformer, b: &mut BatchedRows<'_>) -> mlx::Result<Option<StepLogits>> {
+        let live: Vec<usize> = (0..b.tokens.len()).filter(|&s| !b.tokens[s].is_empty()).collect();
+        let decode_only = b.tokens.iter().zip(&b.logits).all(|(t, &l)| t.len() <= 1 && l == t.len());
+        if live.is_empty() || live.len() > MAX_ROWS || !decode_only {
+            return Ok(None);
+        }
+        let needed = live.iter().map(|&s| b.kv.len(s) + 1).max().unwrap_or(0);
+        b.kv.ensure_capacity(needed)?;
+        if (0..b.kv.layer_count()).any(|l| b.kv.layer(l).map_or(true, |(k, v)| !sole_holder(k) || !sole_holder(v))) {
+            if tracing() {
+                eprintln!("[gpu_decode] {} rows on MLX's ops: the batch's buffers are shared or pending (a snapshot, a view, a growth)", live.len());
+            }
+            return Ok(None);
+        }
+        let rows = row_class(live.len());
+        let mut ids: Vec<i32> = live.iter().map(|&s| b.tokens[s][0]).collect();
+        ids.resize(rows, 0);
+        let places: Vec<i32> = live.iter().flat_map(|&s| [s as i32, b.kv.len(s) as i32]).collect();
+        let places = Array::from_i32(&places, &[live.len(), 2])?;
+        let d = m.config.d_model;
+        let mut h = m.embedding.rows(&Array::from_i32(&ids, &[1, rows])?, m.dtype)?.reshape(&[rows as i32, d as i32])?;
+        for (layer, block) in m.layers.iter().enumerate() {
+            let (a, mlp) = (&block.attention, &block.mlp);
+            let (keys, values) = b.kv.layer(layer).expect("checked above");
+            let qkv = self.project(&h, rows, &a.qkv, Some(&a.norm), None, 0, Dtype::BF16)?;
+            let heads = self.attend(&qkv, rows, keys, values, &places, a.qk_norm.as_ref().map(|n| (&n.q, &n.k)))?;
+            h = self.project(&heads, rows, &a.out, None, Some(&h), 0, Dtype::BF16)?;
+            let gated = self.project(&h, rows, &mlp.gate_up, Some(&mlp.norm), None, self.glu, Dtype::BF16)?;
+            h = self.project(&gated, rows, &mlp.down, None, Some(&h), 0, Dtype::BF16)?;
+        }
+        let logits = self.project(&h, rows, &m.lm_head, Some(&m.final_norm), None, 0, Dtype::F32)?;
+        let real: Vec<usize> = b.tokens.iter().map(Vec::len).collect();
+        b.kv.advance(&real);
+        let vocab = logits.dim(-1) as i32;
+        let mut batched: Vec<Option<Array>> = vec![None; b.tokens.len()];
+        for (i, &s) in live.iter().enumerate() {
+            batched[s] = Some(match rows {
+                1 => logits.clone(),
+                _ => logits.slice(&[i as i32, 0], &[i as i32 + 1, vocab])?,
+            });
+        }
+        Ok(Some(StepLogits { batched, rows: Vec::new() }))
+    }
+
+    /// Compiles (NVRTC, at first launch) and runs once every kernel variant a
+    /// step of `rows` rows launches, on scratch buffers: the first layer's
+    /// and the head's, which every other layer shares.
+    pub fn warm_up(&self, m: &Transformer, rows: usize) -> mlx::Result<()> {
+        let (c, rows) = (&m.config, row_class(rows));
+        let cache = || Array::zeros(&[rows, c.n_kv_heads, 2, c.head_dim], Dtype::BF16);
+        let (keys, values) = (cache()?, cache()?);
+        let h = Array::zeros(&[rows, c.d_model], Dtype::BF16)?;
+        mlx::eval(&[&keys, &values, &h])?;
+        let places: Vec<i32> = (0..rows as i32).flat_map(|r| [r, 0]).collect();
+        let places = Array::from_i32(&places, &[rows, 2])?;
+        let (a, mlp) = (&m.layers[0].attention, &m.layers[0].mlp);
+        let qkv = self.project(&h, rows, &a.qkv, Some(&a.norm), None, 0, Dtype::BF16)?;
+        let heads = self.attend(&qkv, rows, &keys, &values, &places, a.qk_norm.as_ref().map(|n| (&n.q, &n.k)))?;
+        let h = self.project(&heads, rows, &a.out, None, Some(&h), 0, Dtype::BF16)?;
+        let gated = self.project(&h, rows, &mlp.gate_up, Some(&mlp.norm), None, self.glu, Dtype::BF16)?;
+        let h = self.project(&gated, rows, &mlp.down, None, Some(&h), 0, Dtype::BF16)?;
+        let logits = self.project(&h, rows, &m.lm_head, Some(&m.final_norm), None, 0, Dtype::F32)?;
+        mlx::eval(&[&logits])
+    }
+
+    /// `rows` rows of `x` through `linear` (see matvec.cu): normed by `norm`
+    /// first, `residual` added after, gated (`glu` > 0: the gate's rows
+    /// then the up rows), out in `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn project(&self, x: &Array, rows: usize, linear: &Linear, norm: Option<&Array>, residual: Option<&Array>, glu: i32, out: Dtype) -> mlx::Result<Array> {
+        let Weight::Dense(w) = &linear.weight else {
+            return Err(mlx::Error { op: "gpu_decode", message: "a projection is not dense (checked at load)".into() });
+        };
+        let (out_rows, k) = (w.dim(0), w.dim(1));
+        let outputs = if glu > 0 { out_rows / 2 } else { out_rows };
+        let split = k_split(k);
+        let per_block = 8 / split;
+        let p = &self.placeholder;
+        let inputs = [x, w, norm.unwrap_or(p), linear.bias.as_ref().unwrap_or(p), residual.unwrap_or(p)];
+        let template = [
+            ("ROWS", TemplateArg::Int(rows as i32)),
+            ("K", TemplateArg::Int(k as i32)),
+            ("KSPLIT", TemplateArg::Int(split as i32)),
+            ("NORM", TemplateArg::Bool(norm.is_some())),
+            ("BIAS", TemplateArg::Bool(linear.bias.is_some())),
+            ("RESIDUAL", TemplateArg::Bool(residual.is_some())),
+            ("GLU", TemplateArg::Int(glu)),
+            ("EPS_E12", TemplateArg::Int(self.eps_e12)),
+        ];
+        let launch = Launch::blocks(outputs.div_ceil(per_block), BLOCK_THREADS);
+        let mut y = self.matvec.launch(&inputs, &[(&[rows, outputs], out)], launch, &template)?;
+        Ok(y.pop().expect("one output"))
+    }
+
+    /// One layer's attention for the step's rows (see attention.cu):
+    /// returns `[rows, heads * head_dim]`; writes each live row's key and
+    /// value into its slot.
+    fn attend(&self, qkv: &Array, rows: usize, keys: &Array, values: &Array, places: &Array, qk_norm: Option<(&Array, &Array)>) -> mlx::Result<Array> {
+        let Heads { q, kv, dim } = self.heads;
+        let p = &self.placeholder;
+        let (q_norm, k_norm) = qk_norm.unwrap_or((p, p));
+        let inputs = [qkv, keys, values, places, &self.inv_freq, q_norm, k_norm];
+        let template = [
+            ("HD", TemplateArg::Int(dim)),
+            ("HQ", TemplateArg::Int(q)),
+            ("HKV", TemplateArg::Int(kv)),
+            ("TRAD", TemplateArg::Bool(self.traditional)),
+            ("QK_NORM", TemplateArg::Bool(qk_norm.is_some())),
+            ("EPS_E12", TemplateArg::Int(self.eps_e12)),
+        ];
+        let launch = Launch::blocks(rows * q as usize, BLOCK_THREADS);
+        let mut out = self.attention.launch(&inputs, &[(&[rows, (q * dim) as usize], Dtype::BF16)], launch, &template)?;
+        Ok(out.pop().expect("one output"))
+    }
+}
+
+/// Whether `TETHER_TRACE_STEPS=1` asks for traces (the engine's steps too).
+fn tracing() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("TETHER_TRACE_STEPS").is_ok_and(|v| v == "1"))
+}
+
+/// Warps splitting one output's inputs (1, 2, 4 or 8): enough that a long
+/// row (a down projection's) is read by several warps at once, while each
+/// still reads at least 128 16-byte words.
+fn k_split(k: usize) -> usize {
+    let words = k / 8;
+    let mut split = 1;
+    while split < 8 && words / (split * 2) >= 128 {
+        split *= 2;
+    }
+    split
+}
+
+/// Whether every part of `m` is one the kernels implement.
+fn fits(m: &Transformer) -> bool {
+    let c = &m.config;
+    let dense_bf16 = |l: &Linear| {
+        matches!(&l.weight, Weight::Dense(w) if w.dtype() == Dtype::BF16 && w.dim(1) % 8 == 0) && l.bias.as_ref().map_or(true, |b| b.dtype() == Dtype::BF16)
+    };
+    let layers_fit = m.layers.iter().all(|b| {
+        let (a, mlp) = (&b.attention, &b.mlp);
+        a.window.is_none()
+            && a.post_norm.is_none()
+            && mlp.post_norm.is_none()
+            && b.linears().into_iter().all(dense_bf16)
+            && a.norm.dtype() == Dtype::BF16
+            && mlp.norm.dtype() == Dtype::BF16
+            && a.qk_norm.as_ref().map_or(true, |n| n.q.dtype() == Dtype::BF16 && n.k.dtype() == Dtype::BF16)
+            && std::rc::Rc::ptr_eq(&a.rope, &m.layers[0].attention.rope)
+    });
+    layers_fit
+        && !m.layers.is_empty()
+        && dense_bf16(&m.lm_head)
+        && m.final_norm.dtype() == Dtype::BF16
+        && c.embedding_scale == 1.0
+        && matches!(c.head_dim, 64 | 128 | 256)
+        && c.n_kv_heads > 0
+        && c.n_heads % c.n_kv_heads == 0
+        && c.d_model % 8 == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_rows_split_across_warps_and_short_ones_do_not() {
+        assert_eq!(k_split(576), 1); // SmolLM2's hidden size
+        assert_eq!(k_split(1536), 1); // Qwen2.5-1.5B's
+        assert_eq!(k_split(3584), 2); // Qwen2.5-7B's
+        assert_eq!(k_split(8960), 8); // Qwen2.5-1.5B's down projection
+        assert_eq!(k_split(18944), 8); // Qwen2.5-7B's
+    }
+
+    #[test]
+    fn rows_pad_to_few_compiled_classes() {
+        let classes: Vec<usize> = (1..=MAX_ROWS).map(row_class).collect();
+        assert_eq!(classes, [1, 2, 4, 4, 8, 8, 8, 8]);
+    }
+}
