@@ -62,7 +62,9 @@
 # distance, top-1 agreement, primitives and time per step); then, on the
 # 1.5B shape, the engine at 1 and 32 streams for each build of TETHER_BINS
 # ("old new"), the last build also with TETHER_GPU_KERNELS=0 and with MLX's
-# CUDA graphs on, ROUNDS (2) times; one stream on the 7B shape (when in
+# CUDA graphs on (VARIANTS="mlx graphs"), ROUNDS (2) times; STREAMS (32)
+# instead of 32, KERNEL_ROWS (1,2,4,8) for the check, CHECK_MODELS (MODELS)
+# to check fewer; one stream on the 7B shape (when in
 # MODELS) per build; then one traced stream (primitives and host/device time
 # per step).
 # Needs only the wheel's halves and a Qwen tokenizer in $KEEP.
@@ -141,11 +143,11 @@ done
 if [ "${MODE:-decode}" = kernels ]; then
   bins=(${TETHER_BINS:-$TETHER_BIN})
   newest=${bins[${#bins[@]}-1]}
-  for m in $MODELS; do
-    "$newest" bench --model /opt/models/$m-bf16 --device gpu --gpu-kernels 1,2,4,8 --prompt-tokens "${CHECK_PROMPT:-300}" --gen-tokens "${CHECK_STEPS:-24}" 2>>"$OUT/tether.log" \
+  for m in ${CHECK_MODELS-$MODELS}; do
+    "$newest" bench --model /opt/models/$m-bf16 --device gpu --gpu-kernels "${KERNEL_ROWS:-1,2,4,8}" --prompt-tokens "${CHECK_PROMPT:-300}" --gen-tokens "${CHECK_STEPS:-24}" 2>>"$OUT/tether.log" \
       | sed "s/^{/{\"model\":\"$m\",/" | tee -a "$OUT/results.jsonl" || echo "kernel check on $m failed" >&2
   done
-  graphs:]path"|graphs:]path": mlx: without the fused step, graphs:
+  # A build as "{default,mlx,graphs}:path": mlx: without the fused step,
   # with it and MLX's CUDA graphs on.
   engine() {
     local spec=$1 model=$2 streams=$3 round=$4 kernels=1 graphs=0
@@ -155,14 +157,16 @@ if [ "${MODE:-decode}" = kernels ]; then
       | sed "s/^{/{$tag/" | tee -a "$OUT/results.jsonl"
   }
   for round in $(seq "${ROUNDS:-2}"); do
-    for bin in "${bins[@]/#/default:}" "mlx:$newest" "graphs:$newest"; do
-      engine "$bin" /opt/models/qwen2.5-1.5b-bf16 32 "$round"
+    for bin in "${bins[@]/#/default:}" ${VARIANTS-mlx graphs}; do
+      case "$bin" in mlx|graphs) bin=$bin:$newest ;; esac
+      engine "$bin" /opt/models/qwen2.5-1.5b-bf16 "${STREAMS:-32}" "$round"
     done
   done
   if [ -d /opt/models/qwen2.5-7b-bf16 ]; then
     for bin in "${bins[@]/#/default:}"; do engine "$bin" /opt/models/qwen2.5-7b-bf16 1 1; done
   fi
   model=/opt/models/qwen2.5-1.5b-bf16
+  grep -h "fused decode kernels" "$OUT/tether.log" || true
   for kernels in 1 0; do
     TETHER_TRACE_STEPS=1 TETHER_GPU_KERNELS=$kernels "$newest" bench --model "$model" --device gpu --streams 1 --prompt-tokens 128 --gen-tokens 128 2>"$OUT/trace-$kernels.log" >/dev/null
     grep -o 'decode_rows=1 .*' "$OUT/trace-$kernels.log" | "$PY" -c '

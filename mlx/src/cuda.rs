@@ -53,7 +53,8 @@ impl CudaKernel {
     /// `source`: the function body; `header`: code placed before the
     /// function (device helpers). `inputs` and `outputs` name the body's parameters.
     pub fn new(name: &'static str, inputs: &[&str], outputs: &[&str], source: &str, header: &str) -> Result<CudaKernel> {
-        let raw = bridge::cuda_kernel_new(name, &inputs.join(","), &outputs.join(","), &compact(source), &compact(header)).map_err(|e| Error::from_cxx(name, e))?;
+        let raw =
+            bridge::cuda_kernel_new(name, &inputs.join(","), &outputs.join(","), &compact(source), &compact(header)).map_err(|e| Error::from_cxx(name, e))?;
         Ok(CudaKernel { name, raw })
     }
 
@@ -120,12 +121,7 @@ pub fn graph_census(outputs: &[&Array]) -> Result<String> {
 /// How many primitives evaluating `outputs` would run (the census's total).
 pub fn primitive_count(outputs: &[&Array]) -> Result<usize> {
     let census = graph_census(outputs)?;
-    census
-        .lines()
-        .last()
-        .and_then(|l| l.strip_prefix("total "))
-        .and_then(|n| n.parse().ok())
-        .ok_or_else(|| Error::new("graph_census", "no total"))
+    census.lines().last().and_then(|l| l.strip_prefix("total ")).and_then(|n| n.parse().ok()).ok_or_else(|| Error::new("graph_census", "no total"))
 }
 
 #[cfg(test)]

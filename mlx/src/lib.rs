@@ -13,9 +13,9 @@
 mod ffi;
 
 mod array;
+pub mod cuda;
 mod dtype;
 mod error;
-pub mod cuda;
 pub mod fast;
 pub mod memory;
 pub mod random;
@@ -45,9 +45,16 @@ pub use safetensors::load_safetensors;
 /// - `MLX_CUDA_USE_CUDNN_SDPA=0`: cuDNN's attention builds a graph for
 ///   every new query/key shape it meets, and each new prompt, prompt chunk or
 ///   draft count is a new shape; MLX's own kernels take any shape as is.
+/// - `MLX_PTX_CACHE_DIR=~/.cache/tether/mlx-ptx`: where MLX keeps the
+///   kernels NVRTC compiled (Tether's fused decode kernels among them, about
+///   1.5 s each), so a restarted server loads them instead (MLX's default is
+///   under the temporary directory).
 pub fn apply_cuda_server_defaults() {
-    for (name, value) in [("MLX_USE_CUDA_GRAPHS", "0"), ("MLX_CUDA_USE_CUDNN_SDPA", "0")] {
-        if std::env::var_os(name).is_none() {
+    let ptx = std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache/tether/mlx-ptx"));
+    let ptx = ptx.map(|p| p.to_string_lossy().into_owned());
+    let defaults = [("MLX_USE_CUDA_GRAPHS", Some("0".to_string())), ("MLX_CUDA_USE_CUDNN_SDPA", Some("0".to_string())), ("MLX_PTX_CACHE_DIR", ptx)];
+    for (name, value) in defaults {
+        if let (None, Some(value)) = (std::env::var_os(name), value) {
             std::env::set_var(name, value);
         }
     }

@@ -24,12 +24,10 @@ mod worker;
 pub use tether_sched::constraint;
 
 /// Whether `TETHER_TRACE_STEPS=1` asks for traces on stderr: every engine
-/// step (rows, tokens, time) and, at the server's edge, where each
-/// request's time to first token went before the engine. Read once.
-pub fn tracing() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("TETHER_TRACE_STEPS").is_ok_and(|v| v == "1"))
-}
+/// step (rows, tokens, time, primitives), the path a model's step took
+/// where it has two, and, at the server's edge, where each request's time
+/// to first token went before the engine. Read once.
+pub use crate::models::tracing;
 
 pub use api::{
     EngineError, EngineEvent, EngineModelInfo, EngineStats, Finish, FinishInfo, RequestId, StepTimes, StopHandle, StopReason, SubmitRequest, Submitted,

@@ -247,4 +247,3 @@ fn evaluate(draws: Vec<Draws>, scheduled: &[Scheduled], running: &[Row], batch: 
     }
     Ok(sampled)
 }
-

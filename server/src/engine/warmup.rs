@@ -154,9 +154,9 @@ pub(super) fn warm_up(model: &Transformer, config: &EngineConfig, batched: bool)
 fn warm_gpu_decode(model: &Transformer) -> mlx::Result<()> {
     let Some(gpu) = &model.gpu_decode else { return Ok(()) };
     let started = Instant::now();
-    let mut classes: Vec<usize> = (1..=crate::models::gpu::MAX_ROWS).map(crate::models::gpu::row_class).collect();
-    classes.dedup();
-    for &rows in &classes {
+    // One step of each compiled row class (see `row_class`).
+    let classes = [1, crate::models::gpu::MAX_ROWS];
+    for rows in classes {
         gpu.warm_up(model, rows)?;
     }
     eprintln!("warm-up: fused decode kernels for {classes:?} rows in {:.1} s", started.elapsed().as_secs_f64());

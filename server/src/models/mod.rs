@@ -82,6 +82,13 @@ impl LoadOptions {
     }
 }
 
+/// Whether `TETHER_TRACE_STEPS=1` asks for traces on stderr (see
+/// [`crate::engine::tracing`], which is this). Read once.
+pub fn tracing() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("TETHER_TRACE_STEPS").is_ok_and(|v| v == "1"))
+}
+
 /// Loads weights from a `.gguf` file or a safetensors folder.
 pub fn load_transformer(path: &Path, opts: LoadOptions) -> Result<Transformer, LoadError> {
     let mut transformer = if path.is_dir() {

@@ -16,8 +16,8 @@ use super::attention::{attention_alone, attention_batched, AttentionBackend, Ste
 use super::batch_step::{AloneSlot, BatchStep, BatchedRows};
 use super::config::{Activation, ModelConfig};
 use super::embedding::Embedding;
-use super::gpu::GpuDecode;
 use super::gemma3;
+use super::gpu::GpuDecode;
 use super::kv_batch::KvBatch;
 use super::kv_cache::{KvCache, KvQuantization};
 use super::layers::{Attention, Block, Gate, Heads, Mlp, Rope, RopeFreqs};

@@ -17,7 +17,7 @@
 // v_cache [S, HKV, C, HD] bf16, rows [R, 2] int32 (slot, position p),
 // inv_freq [HD / 2] float32 (each pair's turn per position), q_norm and
 // k_norm [HD] bf16 (1-element placeholders without QK_NORM).
-// Output: out [R', HQ HD] bf16, R' >= R: rows past R (padding) are zeros.
+// Output: out [R, HQ HD] bf16.
 constexpr int WARPS = 8;
 constexpr int GROUP = HQ / HKV;
 constexpr int WIDTH = (HQ + 2 * HKV) * HD;
@@ -37,11 +37,6 @@ __shared__ float group_acc[KEY_GROUPS][HD];
 
 const int row = blockIdx.x / HQ;
 const int h = blockIdx.x % HQ;
-if (row >= rows_shape[0]) {
-  // A padding row (the step's rows are padded to a compiled row count).
-  for (int d = threadIdx.x; d < HD; d += blockDim.x) out[(size_t)row * HQ * HD + h * HD + d] = __float2bfloat16(0.f);
-  return;
-}
 const int kvh = h / GROUP;
 const int slot = rows[2 * row];
 const int p = rows[2 * row + 1];

@@ -12,6 +12,7 @@
 //! 3. `matvec`: the output projection and the residual;
 //! 4. `matvec`: RMS norm, the gate/up projection and the gate's activation;
 //! 5. `matvec`: the down projection and the residual;
+//!
 //! and the head is one more `matvec` (final norm, projection, float32 out).
 //! The kernels' sources sit beside this file; MLX compiles them with NVRTC
 //! on the GPU at first use. Everything else (prefill, many rows, window
@@ -31,6 +32,7 @@ use super::batch_step::BatchedRows;
 use super::config::Activation;
 use super::layers::{Heads, RopeFreqs};
 use super::linear::{Linear, Weight};
+use super::tracing;
 use super::transformer::{StepLogits, Transformer};
 
 /// Most rows a fused decode step takes; more go through MLX's matmuls,
@@ -44,11 +46,16 @@ const COMMON: &str = include_str!("common.cuh");
 const MATVEC: &str = include_str!("matvec.cu");
 const ATTENTION: &str = include_str!("attention.cu");
 
-/// The row counts kernels are compiled for: a step's rows are padded up to
-/// the next one (padding rows cost a few more reads of the activations,
-/// not of the weights).
+/// The most rows of the projection variant a step of `rows` rows runs: one
+/// row has a variant of its own; 2 to [`MAX_ROWS`] share one that reads the
+/// count at run time. Each variant is an NVRTC compile (about 1.5 s), so a
+/// variant per count would cost the warm-up seconds for nothing measurable.
 pub fn row_class(rows: usize) -> usize {
-    rows.next_power_of_two()
+    if rows <= 1 {
+        1
+    } else {
+        MAX_ROWS
+    }
 }
 
 /// The model's decode step in fused kernels (see the module notes).
@@ -124,15 +131,14 @@ impl GpuDecode {
         }
         let needed = live.iter().map(|&s| b.kv.len(s) + 1).max().unwrap_or(0);
         b.kv.ensure_capacity(needed)?;
-        if (0..b.kv.layer_count()).any(|l| b.kv.layer(l).map_or(true, |(k, v)| !sole_holder(k) || !sole_holder(v))) {
+        if !(0..b.kv.layer_count()).all(|l| b.kv.layer(l).is_some_and(|(k, v)| sole_holder(k) && sole_holder(v))) {
             if tracing() {
                 eprintln!("[gpu_decode] {} rows on MLX's ops: the batch's buffers are shared or pending (a snapshot, a view, a growth)", live.len());
             }
             return Ok(None);
         }
-        let rows = row_class(live.len());
-        let mut ids: Vec<i32> = live.iter().map(|&s| b.tokens[s][0]).collect();
-        ids.resize(rows, 0);
+        let rows = live.len();
+        let ids: Vec<i32> = live.iter().map(|&s| b.tokens[s][0]).collect();
         let places: Vec<i32> = live.iter().flat_map(|&s| [s as i32, b.kv.len(s) as i32]).collect();
         let places = Array::from_i32(&places, &[live.len(), 2])?;
         let d = m.config.d_model;
@@ -164,7 +170,7 @@ impl GpuDecode {
     /// step of `rows` rows launches, on scratch buffers: the first layer's
     /// and the head's, which every other layer shares.
     pub fn warm_up(&self, m: &Transformer, rows: usize) -> mlx::Result<()> {
-        let (c, rows) = (&m.config, row_class(rows));
+        let c = &m.config;
         let cache = || Array::zeros(&[rows, c.n_kv_heads, 2, c.head_dim], Dtype::BF16);
         let (keys, values) = (cache()?, cache()?);
         let h = Array::zeros(&[rows, c.d_model], Dtype::BF16)?;
@@ -196,7 +202,7 @@ impl GpuDecode {
         let p = &self.placeholder;
         let inputs = [x, w, norm.unwrap_or(p), linear.bias.as_ref().unwrap_or(p), residual.unwrap_or(p)];
         let template = [
-            ("ROWS", TemplateArg::Int(rows as i32)),
+            ("MAX_ROWS", TemplateArg::Int(row_class(rows) as i32)),
             ("K", TemplateArg::Int(k as i32)),
             ("KSPLIT", TemplateArg::Int(split as i32)),
             ("NORM", TemplateArg::Bool(norm.is_some())),
@@ -211,8 +217,8 @@ impl GpuDecode {
     }
 
     /// One layer's attention for the step's rows (see attention.cu):
-    /// returns `[rows, heads * head_dim]`; writes each live row's key and
-    /// value into its slot.
+    /// returns `[rows, heads * head_dim]`; writes each row's key and value
+    /// into its slot.
     fn attend(&self, qkv: &Array, rows: usize, keys: &Array, values: &Array, places: &Array, qk_norm: Option<(&Array, &Array)>) -> mlx::Result<Array> {
         let Heads { q, kv, dim } = self.heads;
         let p = &self.placeholder;
@@ -232,12 +238,6 @@ impl GpuDecode {
     }
 }
 
-/// Whether `TETHER_TRACE_STEPS=1` asks for traces (the engine's steps too).
-fn tracing() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("TETHER_TRACE_STEPS").is_ok_and(|v| v == "1"))
-}
-
 /// Warps splitting one output's inputs (1, 2, 4 or 8): enough that a long
 /// row (a down projection's) is read by several warps at once, while each
 /// still reads at least 128 16-byte words.
@@ -254,7 +254,8 @@ fn k_split(k: usize) -> usize {
 fn fits(m: &Transformer) -> bool {
     let c = &m.config;
     let dense_bf16 = |l: &Linear| {
-        matches!(&l.weight, Weight::Dense(w) if w.dtype() == Dtype::BF16 && w.dim(1) % 8 == 0) && l.bias.as_ref().map_or(true, |b| b.dtype() == Dtype::BF16)
+        matches!(&l.weight, Weight::Dense(w) if w.dtype() == Dtype::BF16 && w.dim(1).is_multiple_of(8))
+            && l.bias.as_ref().is_none_or(|b| b.dtype() == Dtype::BF16)
     };
     let layers_fit = m.layers.iter().all(|b| {
         let (a, mlp) = (&b.attention, &b.mlp);
@@ -264,7 +265,7 @@ fn fits(m: &Transformer) -> bool {
             && b.linears().into_iter().all(dense_bf16)
             && a.norm.dtype() == Dtype::BF16
             && mlp.norm.dtype() == Dtype::BF16
-            && a.qk_norm.as_ref().map_or(true, |n| n.q.dtype() == Dtype::BF16 && n.k.dtype() == Dtype::BF16)
+            && a.qk_norm.as_ref().is_none_or(|n| n.q.dtype() == Dtype::BF16 && n.k.dtype() == Dtype::BF16)
             && std::rc::Rc::ptr_eq(&a.rope, &m.layers[0].attention.rope)
     });
     layers_fit
@@ -274,8 +275,8 @@ fn fits(m: &Transformer) -> bool {
         && c.embedding_scale == 1.0
         && matches!(c.head_dim, 64 | 128 | 256)
         && c.n_kv_heads > 0
-        && c.n_heads % c.n_kv_heads == 0
-        && c.d_model % 8 == 0
+        && c.n_heads.is_multiple_of(c.n_kv_heads)
+        && c.d_model.is_multiple_of(8)
 }
 
 #[cfg(test)]
@@ -292,8 +293,8 @@ mod tests {
     }
 
     #[test]
-    fn rows_pad_to_few_compiled_classes() {
+    fn rows_share_few_compiled_variants() {
         let classes: Vec<usize> = (1..=MAX_ROWS).map(row_class).collect();
-        assert_eq!(classes, [1, 2, 4, 4, 8, 8, 8, 8]);
+        assert_eq!(classes, [1, 8, 8, 8, 8, 8, 8, 8]);
     }
 }
