@@ -102,7 +102,7 @@ float q[8];
 #pragma unroll
 for (int j = 0; j < 8; ++j) q[j] = q_rot[part * 8 + j];
 const float scale = rsqrtf((float)HD);
-float run_max = -INFINITY;
+float run_max = -infinity();
 float run_sum = 0.f;
 float acc[8];
 #pragma unroll
@@ -158,7 +158,7 @@ if (part == 0) {
 for (int t = 0; t < 8; ++t) group_acc[group][part * 8 + t] = acc[t];
 __syncthreads();
 for (int d = threadIdx.x; d < HD; d += blockDim.x) {
-  float top = -INFINITY;
+  float top = -infinity();
   for (int g = 0; g < KEY_GROUPS; ++g) top = fmaxf(top, group_max[g]);
   float total = 0.f, value = 0.f;
   for (int g = 0; g < KEY_GROUPS; ++g) {

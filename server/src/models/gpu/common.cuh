@@ -14,6 +14,8 @@ __device__ __forceinline__ void unpack8(const uint4& word, float* f) {
 
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
+__device__ __forceinline__ float infinity() { return cuda::std::numeric_limits<float>::infinity(); }
+
 // Outputs are bfloat16 or float32, whichever the launch asked for.
 __device__ __forceinline__ void store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }

@@ -30,7 +30,7 @@ use mlx::{Array, Dtype};
 
 use super::batch_step::BatchedRows;
 use super::config::Activation;
-use super::layers::{Heads, RopeFreqs};
+use super::layers::{Block, Heads, RopeFreqs};
 use super::linear::{Linear, Weight};
 use super::tracing;
 use super::transformer::{StepLogits, Transformer};
@@ -38,6 +38,13 @@ use super::transformer::{StepLogits, Transformer};
 /// Most rows a fused decode step takes; more go through MLX's matmuls,
 /// which read each weight once for all rows anyway.
 pub const MAX_ROWS: usize = 8;
+
+/// Longest history a fused step attends over. Its attention runs one block
+/// per (row, query head) over the whole history; past a few thousand
+/// positions that costs more than the step saves (an estimate from ~1 us
+/// per 64 positions a layer: measured only up to ~600), so longer rows take
+/// MLX's attention, which splits the keys, until this one does.
+pub const MAX_HISTORY: usize = 4096;
 
 /// Threads of a block in both kernels (eight warps).
 const BLOCK_THREADS: usize = 256;
@@ -121,12 +128,13 @@ impl GpuDecode {
 
     /// Runs the step of `b` if it is a decode step this path takes: every
     /// slot brings at most one token and wants its logits, at most
-    /// [`MAX_ROWS`] do, and the batch alone holds its buffers. `None`: run
+    /// [`MAX_ROWS`] do, none has more than [`MAX_HISTORY`] positions, and
+    /// the batch alone holds its buffers. `None`: run
     /// it on MLX's ops (nothing was changed but the batch's capacity).
     pub fn step(&self, m: &Transformer, b: &mut BatchedRows<'_>) -> mlx::Result<Option<StepLogits>> {
         let live: Vec<usize> = (0..b.tokens.len()).filter(|&s| !b.tokens[s].is_empty()).collect();
         let decode_only = b.tokens.iter().zip(&b.logits).all(|(t, &l)| t.len() <= 1 && l == t.len());
-        if live.is_empty() || live.len() > MAX_ROWS || !decode_only {
+        if live.is_empty() || live.len() > MAX_ROWS || !decode_only || live.iter().any(|&s| b.kv.len(s) >= MAX_HISTORY) {
             return Ok(None);
         }
         let needed = live.iter().map(|&s| b.kv.len(s) + 1).max().unwrap_or(0);
@@ -144,15 +152,10 @@ impl GpuDecode {
         let d = m.config.d_model;
         let mut h = m.embedding.rows(&Array::from_i32(&ids, &[1, rows])?, m.dtype)?.reshape(&[rows as i32, d as i32])?;
         for (layer, block) in m.layers.iter().enumerate() {
-            let (a, mlp) = (&block.attention, &block.mlp);
             let (keys, values) = b.kv.layer(layer).expect("checked above");
-            let qkv = self.project(&h, rows, &a.qkv, Some(&a.norm), None, 0, Dtype::BF16)?;
-            let heads = self.attend(&qkv, rows, keys, values, &places, a.qk_norm.as_ref().map(|n| (&n.q, &n.k)))?;
-            h = self.project(&heads, rows, &a.out, None, Some(&h), 0, Dtype::BF16)?;
-            let gated = self.project(&h, rows, &mlp.gate_up, Some(&mlp.norm), None, self.glu, Dtype::BF16)?;
-            h = self.project(&gated, rows, &mlp.down, None, Some(&h), 0, Dtype::BF16)?;
+            h = self.layer(block, &h, rows, (keys, values), &places)?;
         }
-        let logits = self.project(&h, rows, &m.lm_head, Some(&m.final_norm), None, 0, Dtype::F32)?;
+        let logits = self.head(m, &h, rows)?;
         let real: Vec<usize> = b.tokens.iter().map(Vec::len).collect();
         b.kv.advance(&real);
         let vocab = logits.dim(-1) as i32;
@@ -177,14 +180,25 @@ impl GpuDecode {
         mlx::eval(&[&keys, &values, &h])?;
         let places: Vec<i32> = (0..rows as i32).flat_map(|r| [r, 0]).collect();
         let places = Array::from_i32(&places, &[rows, 2])?;
-        let (a, mlp) = (&m.layers[0].attention, &m.layers[0].mlp);
-        let qkv = self.project(&h, rows, &a.qkv, Some(&a.norm), None, 0, Dtype::BF16)?;
-        let heads = self.attend(&qkv, rows, &keys, &values, &places, a.qk_norm.as_ref().map(|n| (&n.q, &n.k)))?;
-        let h = self.project(&heads, rows, &a.out, None, Some(&h), 0, Dtype::BF16)?;
+        let h = self.layer(&m.layers[0], &h, rows, (&keys, &values), &places)?;
+        mlx::eval(&[&self.head(m, &h, rows)?])
+    }
+
+    /// One layer for `rows` rows of the residual stream `h` (the module
+    /// notes' five kernels); `cache`: the layer's slot buffers, which the
+    /// attention writes at `places` (`[rows, 2]` int32: slot, position).
+    fn layer(&self, block: &Block, h: &Array, rows: usize, cache: (&Array, &Array), places: &Array) -> mlx::Result<Array> {
+        let (a, mlp) = (&block.attention, &block.mlp);
+        let qkv = self.project(h, rows, &a.qkv, Some(&a.norm), None, 0, Dtype::BF16)?;
+        let heads = self.attend(&qkv, rows, cache.0, cache.1, places, a.qk_norm.as_ref().map(|n| (&n.q, &n.k)))?;
+        let h = self.project(&heads, rows, &a.out, None, Some(h), 0, Dtype::BF16)?;
         let gated = self.project(&h, rows, &mlp.gate_up, Some(&mlp.norm), None, self.glu, Dtype::BF16)?;
-        let h = self.project(&gated, rows, &mlp.down, None, Some(&h), 0, Dtype::BF16)?;
-        let logits = self.project(&h, rows, &m.lm_head, Some(&m.final_norm), None, 0, Dtype::F32)?;
-        mlx::eval(&[&logits])
+        self.project(&gated, rows, &mlp.down, None, Some(&h), 0, Dtype::BF16)
+    }
+
+    /// The final norm and the LM head: float32 logits `[rows, vocab]`.
+    fn head(&self, m: &Transformer, h: &Array, rows: usize) -> mlx::Result<Array> {
+        self.project(h, rows, &m.lm_head, Some(&m.final_norm), None, 0, Dtype::F32)
     }
 
     /// `rows` rows of `x` through `linear` (see matvec.cu): normed by `norm`
