@@ -132,11 +132,7 @@ impl GpuDecode {
     /// the batch alone holds its buffers. `None`: run
     /// it on MLX's ops (nothing was changed but the batch's capacity).
     pub fn step(&self, m: &Transformer, b: &mut BatchedRows<'_>) -> mlx::Result<Option<StepLogits>> {
-        let live: Vec<usize> = (0..b.tokens.len()).filter(|&s| !b.tokens[s].is_empty()).collect();
-        let decode_only = b.tokens.iter().zip(&b.logits).all(|(t, &l)| t.len() <= 1 && l == t.len());
-        if live.is_empty() || live.len() > MAX_ROWS || !decode_only || live.iter().any(|&s| b.kv.len(s) >= MAX_HISTORY) {
-            return Ok(None);
-        }
+        let Some(live) = decode_slots(&b.tokens, &b.logits, |s| b.kv.len(s)) else { return Ok(None) };
         let needed = live.iter().map(|&s| b.kv.len(s) + 1).max().unwrap_or(0);
         b.kv.ensure_capacity(needed)?;
         if !(0..b.kv.layer_count()).all(|l| b.kv.layer(l).is_some_and(|(k, v)| sole_holder(k) && sole_holder(v))) {
@@ -252,6 +248,17 @@ impl GpuDecode {
     }
 }
 
+/// The slots of a step this path takes, in order: every slot brings at most
+/// one token and wants its logits, one to [`MAX_ROWS`] bring one, and none
+/// of those holds [`MAX_HISTORY`] positions already (`len`: a slot's
+/// length). `None`: the step runs on MLX's ops.
+fn decode_slots(tokens: &[Vec<i32>], logits: &[usize], len: impl Fn(usize) -> usize) -> Option<Vec<usize>> {
+    let decode_only = tokens.len() == logits.len() && tokens.iter().zip(logits).all(|(t, &l)| t.len() <= 1 && l == t.len());
+    let live: Vec<usize> = (0..tokens.len()).filter(|&s| !tokens[s].is_empty()).collect();
+    let fits = decode_only && (1..=MAX_ROWS).contains(&live.len()) && live.iter().all(|&s| len(s) < MAX_HISTORY);
+    fits.then_some(live)
+}
+
 /// Warps splitting one output's inputs (1, 2, 4 or 8): enough that a long
 /// row (a down projection's) is read by several warps at once, while each
 /// still reads at least 128 16-byte words.
@@ -304,6 +311,24 @@ mod tests {
         assert_eq!(k_split(3584), 2); // Qwen2.5-7B's
         assert_eq!(k_split(8960), 8); // Qwen2.5-1.5B's down projection
         assert_eq!(k_split(18944), 8); // Qwen2.5-7B's
+    }
+
+    #[test]
+    fn only_decode_steps_of_few_short_rows_take_the_fused_path() {
+        let short = |_| 100;
+        // Decoding slots beside idle ones: the decoding ones, in order.
+        assert_eq!(decode_slots(&[vec![5], vec![], vec![7]], &[1, 0, 1], short), Some(vec![0, 2]));
+        // Nothing to decode, a prompt chunk, a verification, a token without logits.
+        assert_eq!(decode_slots(&[vec![], vec![]], &[0, 0], short), None);
+        assert_eq!(decode_slots(&[vec![5], vec![1, 2, 3]], &[1, 1], short), None);
+        assert_eq!(decode_slots(&[vec![5, 6]], &[2], short), None);
+        assert_eq!(decode_slots(&[vec![5]], &[0], short), None);
+        // More rows than the kernels take; a history too long for their attention.
+        let many = vec![vec![1]; MAX_ROWS + 1];
+        assert_eq!(decode_slots(&many, &[1; MAX_ROWS + 1], short), None);
+        assert_eq!(decode_slots(&many[..MAX_ROWS], &[1; MAX_ROWS], short).map(|l| l.len()), Some(MAX_ROWS));
+        assert_eq!(decode_slots(&[vec![5], vec![6]], &[1, 1], |s| if s == 1 { MAX_HISTORY } else { 10 }), None);
+        assert_eq!(decode_slots(&[vec![5]], &[1], |_| MAX_HISTORY - 1), Some(vec![0]));
     }
 
     #[test]
