@@ -84,7 +84,7 @@ impl CudaKernel {
             })
             .unzip();
         let list = make_list(op, inputs)?;
-        let out = bridge::cuda_kernel_launch(&self.raw, &list, &shapes, &ndims, &dtypes, &grid, &block, &names.join(","), &kinds, &values)
+        let out = bridge::cuda_kernel_launch(&self.raw, &list, &shapes, &ndims, &dtypes, &grid, &block, &names, &kinds, &values)
             .map_err(|e| Error::from_cxx(op, e))?;
         unwrap_list(op, &out)
     }

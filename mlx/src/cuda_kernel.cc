@@ -48,7 +48,7 @@ std::unique_ptr<ArrayList> cuda_kernel_launch(
     rust::Slice<const uint8_t> dtypes,
     rust::Slice<const int32_t> grid,
     rust::Slice<const int32_t> block,
-    rust::Str names,
+    rust::Slice<const rust::Str> names,
     rust::Slice<const uint8_t> kinds,
     rust::Slice<const int32_t> values) {
   if (ndims.size() != dtypes.size()) throw std::invalid_argument("cuda kernel: one dtype per output");
@@ -61,14 +61,14 @@ std::unique_ptr<ArrayList> cuda_kernel_launch(
   }
   std::vector<mx::Dtype> out_dtypes;
   for (auto d : dtypes) out_dtypes.push_back(dtype_from_code(d));
-  auto arg_names = split_names(names);
-  if (arg_names.size() != kinds.size() || kinds.size() != values.size()) throw std::invalid_argument("cuda kernel: template arguments do not add up");
+  if (names.size() != kinds.size() || kinds.size() != values.size()) throw std::invalid_argument("cuda kernel: template arguments do not add up");
   std::vector<std::pair<std::string, mx::fast::TemplateArg>> template_args;
-  for (size_t i = 0; i < arg_names.size(); ++i) {
+  for (size_t i = 0; i < names.size(); ++i) {
+    std::string name(names[i].data(), names[i].size());
     switch (kinds[i]) {
-      case 0: template_args.emplace_back(arg_names[i], int(values[i])); break;
-      case 1: template_args.emplace_back(arg_names[i], values[i] != 0); break;
-      case 2: template_args.emplace_back(arg_names[i], dtype_from_code(uint8_t(values[i]))); break;
+      case 0: template_args.emplace_back(std::move(name), int(values[i])); break;
+      case 1: template_args.emplace_back(std::move(name), values[i] != 0); break;
+      case 2: template_args.emplace_back(std::move(name), dtype_from_code(uint8_t(values[i]))); break;
       default: throw std::invalid_argument("cuda kernel: unknown template argument kind");
     }
   }

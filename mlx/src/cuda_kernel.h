@@ -26,7 +26,7 @@ std::unique_ptr<CudaKernel> cuda_kernel_new(rust::Str name, rust::Str inputs, ru
 // many each has; `dtypes` their dtype codes. `grid` counts threads (not
 // blocks) per axis, as MLX's custom kernels do; `block` is the threads of
 // one block. Template arguments become constants of the kernel body:
-// `names` comma-separated, `kinds` 0 int, 1 bool, 2 dtype (value: its code).
+// `names`, `kinds` (0 int, 1 bool, 2 dtype) and `values` (a dtype's code).
 std::unique_ptr<ArrayList> cuda_kernel_launch(
     const CudaKernel& kernel,
     const ArrayList& inputs,
@@ -35,7 +35,7 @@ std::unique_ptr<ArrayList> cuda_kernel_launch(
     rust::Slice<const uint8_t> dtypes,
     rust::Slice<const int32_t> grid,
     rust::Slice<const int32_t> block,
-    rust::Str names,
+    rust::Slice<const rust::Str> names,
     rust::Slice<const uint8_t> kinds,
     rust::Slice<const int32_t> values);
 

@@ -144,7 +144,7 @@ pub(crate) mod bridge {
             dtypes: &[u8],
             grid: &[i32],
             block: &[i32],
-            names: &str,
+            names: &[&str],
             kinds: &[u8],
             values: &[i32],
         ) -> Result<UniquePtr<ArrayList>>;

@@ -218,19 +218,22 @@ fn draw(running: &mut [Row], masks: &mut MaskExpander, logits: Vec<Option<mlx::A
     Ok(draws)
 }
 
-/// The primitives [`evaluate`] will run (for traces: the count walks the graph).
-fn count_primitives(draws: &[Draws], scheduled: &[Scheduled], running: &[Row], batch: Option<&KvBatch>) -> mlx::Result<usize> {
+/// What a step evaluates: the draws and the KV it wrote.
+fn step_outputs<'a>(draws: &'a [Draws], scheduled: &[Scheduled], running: &'a [Row], batch: Option<&'a KvBatch>) -> Vec<&'a mlx::Array> {
     let mut outputs: Vec<&mlx::Array> = draws.iter().map(|d| &d.tokens).collect();
     outputs.extend(written_kv(scheduled, running, batch));
-    mlx::cuda::primitive_count(&outputs)
+    outputs
+}
+
+/// The primitives [`evaluate`] will run (for traces: the count walks the graph).
+fn count_primitives(draws: &[Draws], scheduled: &[Scheduled], running: &[Row], batch: Option<&KvBatch>) -> mlx::Result<usize> {
+    mlx::cuda::primitive_count(&step_outputs(draws, scheduled, running, batch))
 }
 
 /// Evaluates the draws and the KV the step wrote in ONE eval, then reads
 /// every row's draws back in one copy, not one per row.
 fn evaluate(draws: Vec<Draws>, scheduled: &[Scheduled], running: &[Row], batch: Option<&KvBatch>) -> mlx::Result<Vec<Sampled>> {
-    let mut to_eval: Vec<&mlx::Array> = draws.iter().map(|d| &d.tokens).collect();
-    to_eval.extend(written_kv(scheduled, running, batch));
-    mlx::eval(&to_eval)?;
+    mlx::eval(&step_outputs(&draws, scheduled, running, batch))?;
     let flat: Vec<i32> = match draws.len() {
         0 => Vec::new(),
         1 => draws[0].tokens.to_vec_i32()?,

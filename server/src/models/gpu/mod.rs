@@ -149,9 +149,9 @@ impl GpuDecode {
         let mut h = m.embedding.rows(&Array::from_i32(&ids, &[1, rows])?, m.dtype)?.reshape(&[rows as i32, d as i32])?;
         for (layer, block) in m.layers.iter().enumerate() {
             let (keys, values) = b.kv.layer(layer).expect("checked above");
-            h = self.layer(block, &h, rows, (keys, values), &places)?;
+            h = self.layer(block, &h, (keys, values), &places)?;
         }
-        let logits = self.head(m, &h, rows)?;
+        let logits = self.head(m, &h)?;
         let real: Vec<usize> = b.tokens.iter().map(Vec::len).collect();
         b.kv.advance(&real);
         let vocab = logits.dim(-1) as i32;
@@ -176,36 +176,36 @@ impl GpuDecode {
         mlx::eval(&[&keys, &values, &h])?;
         let places: Vec<i32> = (0..rows as i32).flat_map(|r| [r, 0]).collect();
         let places = Array::from_i32(&places, &[rows, 2])?;
-        let h = self.layer(&m.layers[0], &h, rows, (&keys, &values), &places)?;
-        mlx::eval(&[&self.head(m, &h, rows)?])
+        let h = self.layer(&m.layers[0], &h, (&keys, &values), &places)?;
+        mlx::eval(&[&self.head(m, &h)?])
     }
 
-    /// One layer for `rows` rows of the residual stream `h` (the module
+    /// One layer for the rows of the residual stream `h` (the module
     /// notes' five kernels); `cache`: the layer's slot buffers, which the
     /// attention writes at `places` (`[rows, 2]` int32: slot, position).
-    fn layer(&self, block: &Block, h: &Array, rows: usize, cache: (&Array, &Array), places: &Array) -> mlx::Result<Array> {
+    fn layer(&self, block: &Block, h: &Array, cache: (&Array, &Array), places: &Array) -> mlx::Result<Array> {
         let (a, mlp) = (&block.attention, &block.mlp);
-        let qkv = self.project(h, rows, &a.qkv, Some(&a.norm), None, 0, Dtype::BF16)?;
-        let heads = self.attend(&qkv, rows, cache.0, cache.1, places, a.qk_norm.as_ref().map(|n| (&n.q, &n.k)))?;
-        let h = self.project(&heads, rows, &a.out, None, Some(h), 0, Dtype::BF16)?;
-        let gated = self.project(&h, rows, &mlp.gate_up, Some(&mlp.norm), None, self.glu, Dtype::BF16)?;
-        self.project(&gated, rows, &mlp.down, None, Some(&h), 0, Dtype::BF16)
+        let qkv = self.project(h, &a.qkv, Some(&a.norm), None, 0, Dtype::BF16)?;
+        let heads = self.attend(&qkv, cache.0, cache.1, places, a.qk_norm.as_ref().map(|n| (&n.q, &n.k)))?;
+        let h = self.project(&heads, &a.out, None, Some(h), 0, Dtype::BF16)?;
+        let gated = self.project(&h, &mlp.gate_up, Some(&mlp.norm), None, self.glu, Dtype::BF16)?;
+        self.project(&gated, &mlp.down, None, Some(&h), 0, Dtype::BF16)
     }
 
     /// The final norm and the LM head: float32 logits `[rows, vocab]`.
-    fn head(&self, m: &Transformer, h: &Array, rows: usize) -> mlx::Result<Array> {
-        self.project(h, rows, &m.lm_head, Some(&m.final_norm), None, 0, Dtype::F32)
+    fn head(&self, m: &Transformer, h: &Array) -> mlx::Result<Array> {
+        self.project(h, &m.lm_head, Some(&m.final_norm), None, 0, Dtype::F32)
     }
 
-    /// `rows` rows of `x` through `linear` (see matvec.cu): normed by `norm`
+    /// The rows of `x` through `linear` (see matvec.cu): normed by `norm`
     /// first, `residual` added after, gated (`glu` > 0: the gate's rows
     /// then the up rows), out in `out`.
     #[allow(clippy::too_many_arguments)]
-    fn project(&self, x: &Array, rows: usize, linear: &Linear, norm: Option<&Array>, residual: Option<&Array>, glu: i32, out: Dtype) -> mlx::Result<Array> {
+    fn project(&self, x: &Array, linear: &Linear, norm: Option<&Array>, residual: Option<&Array>, glu: i32, out: Dtype) -> mlx::Result<Array> {
         let Weight::Dense(w) = &linear.weight else {
             return Err(mlx::Error { op: "gpu_decode", message: "a projection is not dense (checked at load)".into() });
         };
-        let (out_rows, k) = (w.dim(0), w.dim(1));
+        let (rows, out_rows, k) = (x.dim(0), w.dim(0), w.dim(1));
         let outputs = if glu > 0 { out_rows / 2 } else { out_rows };
         let split = k_split(k);
         let per_block = 8 / split;
@@ -229,8 +229,8 @@ impl GpuDecode {
     /// One layer's attention for the step's rows (see attention.cu):
     /// returns `[rows, heads * head_dim]`; writes each row's key and value
     /// into its slot.
-    fn attend(&self, qkv: &Array, rows: usize, keys: &Array, values: &Array, places: &Array, qk_norm: Option<(&Array, &Array)>) -> mlx::Result<Array> {
-        let Heads { q, kv, dim } = self.heads;
+    fn attend(&self, qkv: &Array, keys: &Array, values: &Array, places: &Array, qk_norm: Option<(&Array, &Array)>) -> mlx::Result<Array> {
+        let (Heads { q, kv, dim }, rows) = (self.heads, qkv.dim(0));
         let p = &self.placeholder;
         let (q_norm, k_norm) = qk_norm.unwrap_or((p, p));
         let inputs = [qkv, keys, values, places, &self.inv_freq, q_norm, k_norm];
