@@ -14,6 +14,15 @@
 //! `inflation` times a decode-only step, and the allowance grows while
 //! mixed steps come in under that target and shrinks toward it when they
 //! go over. A spike costs one shrink, not a long memory.
+//!
+//! Where a mixed step costs more than the target whatever its size (on a
+//! GPU whose decode steps run fused kernels, a mixed step runs the general
+//! graph: milliseconds of fixed cost over a decode step of one or two), no
+//! allowance meets it, and the smallest chunks would make a long prompt
+//! pay that fixed cost a hundred times over. So the mixed steps' added time
+//! is also fitted as fixed + per-token cost ([`ChunkFit`]), and the
+//! allowance is at least the chunk whose tokens cost as much as the fixed
+//! part: no mixed step then spends most of its time on its overhead.
 
 /// Weight of the past in the decode-only average (per step).
 const DECAY: f64 = 0.8;
@@ -37,6 +46,67 @@ const BULK_PREFILL_TOKENS: usize = 256;
 /// Most a single slow step may shrink the allowance, so one spike does not
 /// throw away what was learned.
 const MOST_SHRINK: f64 = 0.5;
+/// Weight of the past in the fit of mixed steps' cost (per mixed step).
+const FIT_DECAY: f64 = 0.9;
+/// A mixed step this many times over the fit's line is a spike.
+const SPIKE: f64 = 3.0;
+
+/// A line fitted by least squares to mixed steps' time over a decode-only
+/// step against their prompt tokens, older steps weighing less.
+#[derive(Debug, Default)]
+struct ChunkFit {
+    /// The last step was left out as a spike (see [`ChunkFit::add`]).
+    skipped: bool,
+    weight: f64,
+    tokens: f64,
+    added: f64,
+    tokens_squared: f64,
+    tokens_added: f64,
+}
+
+impl ChunkFit {
+    /// Adds a step, unless it took more than [`SPIKE`] times what the line
+    /// says (the first step of new shapes can take ten times the usual);
+    /// a second such step in a row is taken as the cost having changed.
+    fn add(&mut self, tokens: f64, added: f64) {
+        let spike = self.line().is_some_and(|(fixed, per_token)| added > SPIKE * (fixed + per_token * tokens));
+        self.skipped = spike && !self.skipped;
+        if self.skipped {
+            return;
+        }
+        for sum in [&mut self.weight, &mut self.tokens, &mut self.added, &mut self.tokens_squared, &mut self.tokens_added] {
+            *sum *= FIT_DECAY;
+        }
+        self.weight += 1.0;
+        self.tokens += tokens;
+        self.added += added;
+        self.tokens_squared += tokens * tokens;
+        self.tokens_added += tokens * added;
+    }
+
+    /// (fixed seconds, seconds a token), once the steps' sizes differ
+    /// enough to tell the two apart and both came out positive.
+    fn line(&self) -> Option<(f64, f64)> {
+        if self.weight < 3.0 {
+            return None;
+        }
+        let mean = self.tokens / self.weight;
+        let variance = self.tokens_squared / self.weight - mean * mean;
+        // Sizes within ~10% of each other say nothing about the slope.
+        if variance <= (0.1 * mean).powi(2) {
+            return None;
+        }
+        let per_token = (self.tokens_added / self.weight - mean * self.added / self.weight) / variance;
+        let fixed = self.added / self.weight - per_token * mean;
+        (per_token > 0.0 && fixed > 0.0).then_some((fixed, per_token))
+    }
+
+    /// The fixed cost, given what a token costs, from the steps' mean:
+    /// for steps all of one size (a loop at its floor), which give no slope.
+    fn fixed_at(&self, per_token: f64) -> Option<f64> {
+        (self.weight > 0.0).then(|| (self.added - per_token * self.tokens) / self.weight)
+    }
+}
 
 #[derive(Debug)]
 pub(crate) struct StepCost {
@@ -56,11 +126,13 @@ pub(crate) struct StepCost {
     /// Seconds per prompt token of prompt-only steps of at least
     /// [`BULK_PREFILL_TOKENS`], decayed: what reading a long history costs.
     bulk_token_s: Option<f64>,
+    /// Mixed steps' added time as fixed + per-token cost.
+    fit: ChunkFit,
 }
 
 impl StepCost {
     pub fn new(inflation: f64, floor: usize) -> StepCost {
-        StepCost { inflation, floor, decode_s: None, prefill_only_token_s: None, allowance: None, bulk_token_s: None }
+        StepCost { inflation, floor, decode_s: None, prefill_only_token_s: None, allowance: None, bulk_token_s: None, fit: ChunkFit::default() }
     }
 
     /// Records a step that ran `decode_rows` decoding rows and
@@ -79,6 +151,7 @@ impl StepCost {
                 }
             }
             (_, _, Some(decode)) => {
+                self.fit.add(tokens, seconds - decode);
                 let target = self.inflation * decode;
                 let current = self.allowance.or_else(|| self.first_guess()).unwrap_or(tokens);
                 self.allowance = Some(if seconds <= target {
@@ -125,7 +198,20 @@ impl StepCost {
         if self.inflation <= 1.0 {
             return None;
         }
-        Some(self.spendable(self.allowance.or_else(|| self.first_guess())?))
+        let learned = self.allowance.or_else(|| self.first_guess())?;
+        Some(self.spendable(learned.max(self.amortizing_chunk().unwrap_or(0.0))))
+    }
+
+    /// Prompt tokens whose cost in a mixed step equals the step's fixed
+    /// cost (see the module notes): from the fit where its steps' sizes
+    /// differ, else with a token's cost in bulk (a long prompt read alone;
+    /// whole step counted, so the fixed part comes out low: the safe side).
+    fn amortizing_chunk(&self) -> Option<f64> {
+        let (fixed, per_token) = self.fit.line().or_else(|| {
+            let per_token = self.bulk_token_s?;
+            Some((self.fit.fixed_at(per_token)?, per_token))
+        })?;
+        (fixed > 0.0).then(|| fixed / per_token)
     }
 
     /// The allowance as steps spend it: whole multiples of the floor, so a
@@ -267,11 +353,57 @@ mod tests {
     }
 
     #[test]
-    fn an_unreachable_target_falls_to_the_floor() {
-        // A fixed cost above the whole margin: no chunk size meets 1.5x, so
-        // chunks stay at the minimum and the prompt still moves.
+    fn an_unreachable_target_amortizes_the_fixed_cost() {
+        // A fixed cost above the whole margin: no chunk size meets 1.5x.
+        // The floor would pay 7 ms for every 16 tokens; chunks grow to
+        // where their tokens cost as much as that (280 tokens).
         let mut cost = started(0.0095, 0.0003, 1.5);
+        let chosen = drive(&mut cost, 0.0095, 0.007, 0.000025, 10);
+        assert_eq!(settled(&chosen), 16, "nothing says yet what a token costs: {chosen:?}");
+        cost.record(0, 1024, 0.005 + 1024.0 * 0.000025); // a long prompt, alone
         let chosen = drive(&mut cost, 0.0095, 0.007, 0.000025, 30);
-        assert_eq!(settled(&chosen), 16, "{chosen:?}");
+        let t = settled(&chosen);
+        assert!((240..=320).contains(&t), "{chosen:?}");
+    }
+
+    #[test]
+    fn fused_decode_steps_do_not_starve_a_joining_prompt() {
+        // An NVIDIA H100 whose decode steps run fused kernels (2 ms) while
+        // a mixed step runs the general graph: 6 ms more plus 20 us a
+        // token. A 2,000-token prompt at the 16-token floor would take 125
+        // mixed steps, about a second; amortized, a handful.
+        let gpu = || {
+            let mut cost = started(0.002, 0.0001, 1.5);
+            cost.record(0, 1024, 0.005 + 1024.0 * 0.000020); // the streams' prompts
+            cost
+        };
+        let mut cost = gpu();
+        let chosen = drive(&mut cost, 0.002, 0.006, 0.000020, 20);
+        let t = settled(&chosen);
+        assert!((256..=352).contains(&t), "{chosen:?}");
+        let mut left = 2000usize;
+        let mut steps = 0;
+        let mut cost = gpu();
+        while left > 0 {
+            let t = cost.prefill_allowance().unwrap().min(left);
+            cost.record(8, t, 0.002 + 0.006 + 0.000020 * t as f64);
+            cost.record(8, 0, 0.002);
+            left -= t;
+            steps += 1;
+        }
+        assert!(steps <= 24, "{steps} mixed steps for 2,000 tokens");
+    }
+
+    #[test]
+    fn the_fit_needs_steps_of_different_sizes() {
+        let mut fit = ChunkFit::default();
+        for _ in 0..10 {
+            fit.add(64.0, 0.003);
+        }
+        assert_eq!(fit.line(), None, "one size: no slope");
+        fit.add(128.0, 0.004);
+        fit.add(256.0, 0.006);
+        let (fixed, per_token) = fit.line().unwrap();
+        assert!((fixed - 0.002).abs() < 1e-4 && (per_token - 1.5625e-5).abs() < 1e-6, "{fixed} {per_token}");
     }
 }
