@@ -97,6 +97,14 @@ def coder():
 
 
 @pytest.fixture(scope="session")
+def impatient():
+    """A server that gives a client 2 s to send a request body (and to read)."""
+    s = Server("smollm2-135m", "--stall-timeout-secs", "2")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
 def throttled():
     """A server that takes one request per 10 s per key (burst 1): a second
     request within the test's few seconds is always over the limit."""

@@ -5,6 +5,7 @@ completions with and without `suffix`, logprobs, stop strings, the prefix
 cache across requests within a tenant (never across), errors as the SDK
 raises them, and a client that hangs up mid-stream.
 """
+import socket
 import time
 
 import openai
@@ -215,6 +216,43 @@ def test_bad_chat_requests_get_typed_errors(smollm2, body, status, kind, code):
     assert got["error"]["type"] == kind and got["error"]["message"], got
     if code is not None:
         assert got["error"]["code"] == code, got
+
+
+def raw_request(port, head, body=b"", wait=10.0):
+    """Sends `head` and `body` as they are on a fresh connection and reads
+    until the server answers and closes (or `wait` runs out): (seconds to the
+    answer's first byte, the answer, whether the server closed)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=wait) as s:
+        s.sendall(head + body)
+        started = time.time()
+        answer, first = b"", None
+        while True:
+            try:
+                chunk = s.recv(65536)
+            except socket.timeout:
+                return first, answer, False
+            if not chunk:
+                return first, answer, True
+            first = first if first is not None else time.time() - started
+            answer += chunk
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/completion"])
+def test_a_declared_oversized_body_is_refused_before_it_is_sent(smollm2, path):
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 99999999999999\r\n\r\n".encode()
+    first, answer, closed = raw_request(smollm2.port, head, b'{"model": ')
+    assert first is not None and first < 2.0 and answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert b"connection: close" in answer.lower() and closed, answer[:300]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/completion"])
+def test_a_body_that_never_finishes_is_timed_out(impatient, path):
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n".encode()
+    first, answer, closed = raw_request(impatient.port, head, b'{"model": "x", ', wait=15.0)
+    assert first is not None and 1.5 < first < 6.0 and answer.startswith(b"HTTP/1.1 408"), (first, answer[:200])
+    assert closed, answer[:300]
+    status, got = impatient.post("/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 2})
+    assert status == 200, got
 
 
 def test_oversized_bodies_and_wrong_methods(smollm2):

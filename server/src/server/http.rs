@@ -1,6 +1,7 @@
 //! The HTTP side: routing, the WebSocket upgrade of `GET /v1/ws` (with the
 //! Origin and bearer-token checks done BEFORE upgrading), `/healthz`,
 //! `/metrics`, and with `--ui-dir` static files (the playground) elsewhere.
+pub mod request_body;
 mod static_files;
 pub mod stream_body;
 

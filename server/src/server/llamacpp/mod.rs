@@ -17,13 +17,14 @@ mod wire;
 use std::sync::Arc;
 use std::time::Instant;
 
-use http_body_util::{BodyExt, Limited};
-use hyper::body::{Bytes, Incoming};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
 use hyper::header::{self, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
 use protocol::{ErrorCode, ProtocolError};
 use serde_json::{json, Map, Value};
 
+use super::http::request_body::{close_if_body_unread, read_json_object, BodyError};
 use super::http::stream_body::ChannelBody;
 use super::http::{full, Body};
 use super::request::{fim_unsupported, launch, Launch, Launched, Length};
@@ -61,7 +62,9 @@ impl LlamaError {
     }
 
     fn response(&self) -> Response<Body> {
-        json_response(self.status, &self.body())
+        let mut r = json_response(self.status, &self.body());
+        close_if_body_unread(&mut r);
+        r
     }
 }
 
@@ -150,20 +153,14 @@ fn health(state: &ServerState) -> Response<Body> {
     json_response(StatusCode::OK, &json!({"status": "ok"}))
 }
 
+/// The request body as a JSON object (see `http::request_body`), or the
+/// failure in llama.cpp's shape.
 async fn read_json(state: &ServerState, req: Request<Incoming>) -> Result<Map<String, Value>, LlamaError> {
-    let limit = state.config.max_frame_bytes;
-    let bytes: Bytes = match Limited::new(req.into_body(), limit).collect().await {
-        Ok(b) => b.to_bytes(),
-        Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
-            return Err(LlamaError::new(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", format!("the request body is over {limit} bytes")))
-        }
-        Err(e) => return Err(LlamaError::invalid(format!("reading the request body failed: {e}"))),
-    };
-    match serde_json::from_slice::<Value>(&bytes) {
-        Ok(Value::Object(map)) => Ok(map),
-        Ok(_) => Err(LlamaError::invalid("the request body must be a JSON object")),
-        Err(e) => Err(LlamaError::invalid(format!("the request body is not valid JSON: {e}"))),
-    }
+    read_json_object(req, state.config.max_frame_bytes, state.config.stall_timeout).await.map_err(|e| match e {
+        BodyError::TooLarge { .. } => LlamaError::new(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", e.message()),
+        BodyError::TooSlow { .. } => LlamaError::new(StatusCode::REQUEST_TIMEOUT, "invalid_request_error", e.message()),
+        _ => LlamaError::invalid(e.message()),
+    })
 }
 
 fn parse<T: serde::de::DeserializeOwned>(body: Map<String, Value>, known: &[&str]) -> Result<T, LlamaError> {

@@ -18,13 +18,14 @@ mod wire;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use http_body_util::{BodyExt, Limited};
-use hyper::body::{Bytes, Incoming};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
 use hyper::header::{self, HeaderValue};
 use hyper::{Request, Response, StatusCode};
 use protocol::{ErrorCode, GenerateRequest, ProtocolError};
 use sha2::{Digest, Sha256};
 
+use super::http::request_body::{read_json_object, BodyError};
 use super::http::stream_body::ChannelBody;
 use super::http::Body;
 use super::request::{launch, Launch, Launched, Length};
@@ -122,21 +123,14 @@ pub fn owner(tenant: &str, prompt_cache_key: Option<&str>) -> String {
     }
 }
 
+/// The request body as a JSON object (see `http::request_body`), or the
+/// failure in OpenAI's shape.
 async fn read_json(state: &ServerState, req: Request<Incoming>) -> Result<serde_json::Map<String, serde_json::Value>, ApiError> {
-    let limit = state.config.max_frame_bytes;
-    let bytes: Bytes = match Limited::new(req.into_body(), limit).collect().await {
-        Ok(b) => b.to_bytes(),
-        Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
-            return Err(ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", format!("the request body is over {limit} bytes"))
-                .with_code("request_too_large"))
-        }
-        Err(e) => return Err(ApiError::invalid(None, format!("reading the request body failed: {e}"))),
-    };
-    match serde_json::from_slice::<serde_json::Value>(&bytes) {
-        Ok(serde_json::Value::Object(map)) => Ok(map),
-        Ok(_) => Err(ApiError::invalid(None, "the request body must be a JSON object")),
-        Err(e) => Err(ApiError::invalid(None, format!("the request body is not valid JSON: {e}"))),
-    }
+    read_json_object(req, state.config.max_frame_bytes, state.config.stall_timeout).await.map_err(|e| match e {
+        BodyError::TooLarge { .. } => ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", e.message()).with_code("request_too_large"),
+        BodyError::TooSlow { .. } => ApiError::new(StatusCode::REQUEST_TIMEOUT, "invalid_request_error", e.message()).with_code("request_timeout"),
+        _ => ApiError::invalid(None, e.message()),
+    })
 }
 
 /// An unknown field's error, as OpenAI words it.

@@ -10,6 +10,7 @@ use protocol::{ErrorCode, FinishReason, ProtocolError, TokenLogprob, ToolCall, U
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 
+use super::super::http::request_body::close_if_body_unread;
 use super::super::http::{full, Body};
 use super::super::relay::{Ending, Piece, Writer};
 use crate::tokenizer::TextTokenizer;
@@ -55,7 +56,9 @@ impl ApiError {
     }
 
     pub fn response(&self) -> Response<Body> {
-        json(self.status, self.body())
+        let mut r = json(self.status, self.body());
+        close_if_body_unread(&mut r);
+        r
     }
 }
 
