@@ -260,8 +260,11 @@ def test_oversized_bodies_and_wrong_methods(smollm2):
     assert status == 413 and got["error"]["code"] == "request_too_large"
     status, got = smollm2.post("/v1/models", {})
     assert status == 405
-    status, got = smollm2.post("/v1/nothing-here", {})
-    assert status == 404
+    # Every unknown path and wrong method answers in OpenAI's error shape.
+    for path, want in [("/v1/nothing-here", 404), ("/nothing-here", 404), ("/healthz", 405), ("/v1/ws", 405)]:
+        status, got = smollm2.post(path, {})
+        assert status == want and set(got) == {"error"} and set(got["error"]) == {"message", "type", "param", "code"}, (path, got)
+        assert got["error"]["type"] == "invalid_request_error" and path in got["error"]["message"], (path, got)
     # Still serving.
     status, got = smollm2.post("/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 2})
     assert status == 200 and got["choices"][0]["finish_reason"] in ("stop", "length")

@@ -78,9 +78,10 @@ pub async fn handle(state: Arc<ServerState>, req: Request<Incoming>) -> Result<R
             return Ok(super::openai::unauthorized(why));
         }
         let path = req.uri().path().to_string();
+        let method = req.method().clone();
         return Ok(match super::openai::handle(&state, req, bearer).await {
             Some(r) => r,
-            None => not_found(&path),
+            None => super::openai::unknown_path(&method, &path),
         });
     }
     let path = req.uri().path();
@@ -88,20 +89,18 @@ pub async fn handle(state: Arc<ServerState>, req: Request<Incoming>) -> Result<R
         (&Method::GET, "/v1/ws") => upgrade(state, req, Socket::TetherV1),
         (&Method::GET, "/healthz") => healthz(&state).await,
         (&Method::GET, "/metrics") => metrics(&state).await,
-        (_, "/v1/ws" | "/healthz" | "/metrics") => {
-            let mut r = json(StatusCode::METHOD_NOT_ALLOWED, serde_json::json!({"error": "method not allowed"}).to_string());
-            r.headers_mut().insert(header::ALLOW, HeaderValue::from_static("GET"));
-            r
-        }
+        (method, "/v1/ws" | "/healthz" | "/metrics") => super::openai::method_not_allowed(method, path, "GET"),
         (method, _) => match &state.config.ui_dir {
             Some(dir) if method == Method::GET || method == Method::HEAD => static_files::serve(dir, path).await,
-            _ => not_found(path),
+            _ => not_found(req.method(), path),
         },
     })
 }
 
-fn not_found(path: &str) -> Response<Body> {
-    json(StatusCode::NOT_FOUND, serde_json::json!({"error": "not found", "path": path}).to_string())
+/// A path no edge serves, answered in OpenAI's error shape (the shape most
+/// clients of this server parse).
+fn not_found(method: &Method, path: &str) -> Response<Body> {
+    super::openai::unknown_path(method, path)
 }
 
 fn json(status: StatusCode, body: String) -> Response<Body> {

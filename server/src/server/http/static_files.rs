@@ -26,7 +26,7 @@ enum Found {
 /// The response for `uri_path` under `root` (an absolute, canonical folder).
 pub async fn serve(root: &Path, uri_path: &str) -> Response<Body> {
     let Some(rel) = relative_path(uri_path) else {
-        return super::not_found(uri_path);
+        return super::not_found(&hyper::Method::GET, uri_path);
     };
     let root = root.to_path_buf();
     let found = tokio::task::spawn_blocking(move || lookup(&root, &rel)).await.unwrap_or(Found::Missing);
@@ -46,9 +46,9 @@ pub async fn serve(root: &Path, uri_path: &str) -> Response<Body> {
                 r.headers_mut().insert(header::LOCATION, location);
                 r
             }
-            Err(_) => super::not_found(uri_path),
+            Err(_) => super::not_found(&hyper::Method::GET, uri_path),
         },
-        Found::Missing => super::not_found(uri_path),
+        Found::Missing => super::not_found(&hyper::Method::GET, uri_path),
     }
 }
 

@@ -89,6 +89,20 @@ pub async fn handle(state: &Arc<ServerState>, req: Request<Incoming>, bearer: Op
     })
 }
 
+/// A path nothing here serves: 404 in OpenAI's shape, worded as OpenAI's
+/// API words it.
+pub fn unknown_path(method: &hyper::Method, path: &str) -> Response<Body> {
+    ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", format!("Invalid URL ({method} {path})")).response()
+}
+
+/// A served path asked for with the wrong method: 405 in OpenAI's shape,
+/// with `Allow`.
+pub fn method_not_allowed(method: &hyper::Method, path: &str, allow: &'static str) -> Response<Body> {
+    let mut r = ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", format!("{path} requires {allow}, not {method}")).response();
+    r.headers_mut().insert(header::ALLOW, HeaderValue::from_static(allow));
+    r
+}
+
 /// `GET /v1/models`: the one model this server serves.
 fn models(state: &ServerState, req: &Request<Incoming>) -> Response<Body> {
     if req.method() != hyper::Method::GET {
