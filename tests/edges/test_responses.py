@@ -6,6 +6,9 @@ lanes, cancel, a reconnect that continues where the dropped socket was,
 and bad events answered with `error` events on a socket that stays up.
 """
 import json
+import os
+import socket
+import struct
 import time
 
 import openai
@@ -290,3 +293,37 @@ def test_a_flood_of_requests_gets_429_and_other_keys_are_unharmed(throttled):
         client(throttled, api_key="sk-flood").responses.create(model=MODEL, input="hi", max_output_tokens=1)
     r = client(throttled, api_key="sk-calm").responses.create(model=MODEL, input="hi", max_output_tokens=1)
     assert r.usage.output_tokens == 1
+
+
+def test_a_socket_whose_client_stops_reading_is_closed(impatient):
+    """A client that sends `response.create` and never reads: once the
+    server's writes have blocked for the stall timeout (2 s here) the socket
+    closes and its response is cancelled, freeing the engine."""
+    raw = socket.socket()
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    raw.connect(("127.0.0.1", impatient.port))
+    raw.sendall(b"GET /v1/responses HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    assert raw.recv(4096).startswith(b"HTTP/1.1 101"), "no upgrade"
+    # A prompt the model answers at length (3,000 tokens, ~220 KB of events: past the socket's buffers).
+    event = json.dumps({"type": "response.create", "model": MODEL, "input": "Repeat the word hello forever: hello hello hello hello",
+                        "max_output_tokens": 3000, "temperature": 0}).encode()
+    mask = os.urandom(4)
+    header = bytes([0x81, 0x80 | 126]) + struct.pack(">H", len(event)) if len(event) >= 126 else bytes([0x81, 0x80 | len(event)])
+    raw.sendall(header + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(event)))
+    deadline = time.time() + 20
+    while impatient.health()["requests_in_flight"] == 0:
+        assert time.time() < deadline, "the response never started"
+        time.sleep(0.05)
+    # Never read again; the server must give up on its own: cancel the
+    # response before it ends and close the socket.
+    deadline = time.time() + 60
+    while (h := impatient.health())["requests_in_flight"] != 0 or (h["engine"] or {"running": 1})["running"] != 0:
+        assert time.time() < deadline, h
+        time.sleep(0.2)
+    raw.settimeout(5)
+    received = 0
+    while chunk := raw.recv(1 << 16):
+        received += len(chunk)
+    raw.close()
+    assert received < 200_000, f"the response ran to its end ({received} bytes)"

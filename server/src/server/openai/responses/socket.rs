@@ -94,14 +94,25 @@ pub async fn run(state: Arc<ServerState>, ws: Ws, tenant: String) {
     state.metrics.connections.inc();
     let (mut sink, mut stream) = ws.split();
     let (out, mut outgoing) = mpsc::channel::<String>(OUTGOING);
-    let writer = tokio::spawn(async move {
-        while let Some(text) = outgoing.recv().await {
-            if sink.send(Message::text(text)).await.is_err() {
-                return;
+    // A client that takes no event for the stall timeout stopped reading:
+    // the socket closes (as `/v1/ws` does), its responses are cancelled.
+    let stalled = Arc::new(tokio::sync::Notify::new());
+    let writer = {
+        let (stalled, stall) = (stalled.clone(), state.config.stall_timeout);
+        tokio::spawn(async move {
+            while let Some(text) = outgoing.recv().await {
+                match tokio::time::timeout(stall, sink.send(Message::text(text))).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(_)) => return,
+                    Err(_) => {
+                        stalled.notify_one();
+                        return;
+                    }
+                }
             }
-        }
-        let _ = sink.close().await;
-    });
+            let _ = sink.close().await;
+        })
+    };
     let owner = format!("responses:{tenant}:{}", crate::server::new_secret(""));
     let engine = state.engines.for_session(&owner).clone();
     engine.set_scope_live(Scope::Session(owner.clone()), true);
@@ -116,7 +127,10 @@ pub async fn run(state: Arc<ServerState>, ws: Ws, tenant: String) {
     });
     let mut reader =
         Reader { shared: shared.clone(), lanes: HashMap::new(), bucket: TokenBucket::new(state.config.rate_limit_per_sec, state.config.rate_limit_burst) };
-    reader.run(&mut stream).await;
+    tokio::select! {
+        _ = reader.run(&mut stream) => {}
+        _ = stalled.notified() => {}
+    }
     // Gone: nothing queued starts, what runs is cancelled (freeing its KV
     // rows), and the conversations wait a session TTL for a reconnect.
     shared.closed.store(true, Ordering::Release);
