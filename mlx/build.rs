@@ -12,6 +12,8 @@ fn main() {
     println!("cargo:rerun-if-env-changed=MLX_DIR");
     println!("cargo:rerun-if-changed=src/shim.h");
     println!("cargo:rerun-if-changed=src/shim.cc");
+    println!("cargo:rerun-if-changed=src/cpu_isa.h");
+    println!("cargo:rerun-if-changed=src/cpu_isa.cc");
     println!("cargo:rerun-if-changed=src/cpu_qmm.h");
     println!("cargo:rerun-if-changed=src/cpu_qmm.cc");
     println!("cargo:rerun-if-changed=src/cpu_dequantize.h");
@@ -48,6 +50,7 @@ fn main() {
 
     cxx_build::bridge("src/ffi.rs")
         .file("src/shim.cc")
+        .file("src/cpu_isa.cc")
         .file("src/cpu_qmm.cc")
         .file("src/cpu_dequantize.cc")
         .file("src/cpu_panels.cc")

@@ -28,6 +28,9 @@ bench/peer/setup.sh
 tests/reference/setup.sh >/dev/null
 # Release profile: the numerical tests run real models token by token.
 cargo test --release --locked --workspace
+# The reference forward again with the CPU kernels held to AVX2 (the path of
+# CPUs without AVX-512), so it is tested on any machine.
+TETHER_CPU_ISA=avx2 cargo test --release --locked -p tether --test reference_forward
 export TETHER_BIN="$(realpath "$TETHER_BIN")"
 # The HTTP edges: OpenAI's API and its Responses API (with the WebSocket
 # mode) through the official `openai` Python SDK (pinned, in a venv under

@@ -412,3 +412,9 @@ pub fn cpu_panel_matmul(x: &Array, panels: &Array, out_features: usize) -> Resul
 pub fn cpu_panels_supported() -> bool {
     bridge::cpu_panels_supported()
 }
+
+/// The instruction sets the CPU kernels use: `avx512vnni`, `avx512`,
+/// `avx2` or `portable`, what the CPU has lowered by `TETHER_CPU_ISA`.
+pub fn cpu_isa() -> String {
+    bridge::cpu_isa_level()
+}

@@ -46,6 +46,7 @@
 // query's lowest visible index is >= 0 (checked when built), so blocks
 // before it are skipped, never read out of range.
 #include "tether-mlx/src/cpu_attention.h"
+#include "tether-mlx/src/cpu_isa.h"
 
 #include <algorithm>
 #include <cmath>
@@ -543,10 +544,7 @@ void dequantize_values_avx512(const CodeLayout& l, const uint8_t* head, int j0, 
   }
 }
 
-bool has_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f");
-  return yes;
-}
+bool has_avx512() { return isa_at_least(Isa::Avx512); }
 
 const BlockOps& block_ops(int dim, int group, int bits) {
   static const BlockOps portable{pack_keys_scalar, scores_scalar, softmax_row_scalar, accumulate_scalar, dequantize_keys_scalar, dequantize_values_scalar};

@@ -8,6 +8,7 @@
 // primitive is built); the output is allocated in eval_cpu and filled by the
 // dispatched task, which holds copies of the input arrays.
 #include "tether-mlx/src/cpu_dequantize.h"
+#include "tether-mlx/src/cpu_isa.h"
 
 #include <cstdint>
 #include <stdexcept>
@@ -83,10 +84,7 @@ void expand_rows_5bit(const uint8_t* w, const float* scales, const float* biases
   }
 }
 
-bool has_avx512bw() {
-  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-  return yes;
-}
+bool has_avx512bw() { return isa_at_least(Isa::Avx512); }
 
 class CpuAffineDequantize : public mx::UnaryPrimitive {
  public:

@@ -6,6 +6,7 @@
 // buffer is allocated in eval_cpu and filled by the dispatched task, which
 // holds copies of the input arrays so their buffers outlive it.
 #include "tether-mlx/src/cpu_panels.h"
+#include "tether-mlx/src/cpu_isa.h"
 
 #include <algorithm>
 #include <cstring>
@@ -122,10 +123,7 @@ class CpuPanelMatmul : public mx::UnaryPrimitive {
 
 }  // namespace
 
-bool panel_kernel_supported() {
-  static const bool yes = __builtin_cpu_supports("avx512f");
-  return yes;
-}
+bool panel_kernel_supported() { return isa_at_least(Isa::Avx512); }
 
 mx::array pack_panels(const mx::array& w) {
   if (w.dtype() != mx::float32 || w.ndim() != 2) throw std::invalid_argument("pack_panels needs a 2-D float32 weight");

@@ -20,6 +20,7 @@
 // the primitive is built); x is read through row_major_f32; the output buffer is allocated in eval_cpu and filled by the dispatched task,
 // which holds copies of the input arrays so their buffers outlive it.
 #include "tether-mlx/src/cpu_qmm.h"
+#include "tether-mlx/src/cpu_isa.h"
 
 #include <cmath>
 #include <cstdlib>
@@ -535,10 +536,7 @@ void rows_int(const Problem& p, const IntActivations& xa, int n0, int n1) {
   for (; n < n1; ++n) int_block_rows<F, 1>(p, xa, n);
 }
 
-bool has_vnni() {
-  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
-  return yes;
-}
+bool has_vnni() { return isa_at_least(Isa::Avx512Vnni); }
 
 // The integer path's format for this problem, if it has one.
 std::optional<Format> int_format(const Problem& p) {
@@ -551,10 +549,7 @@ std::optional<Format> int_format(const Problem& p) {
   return std::nullopt;
 }
 
-bool has_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-  return yes;
-}
+bool has_avx512() { return isa_at_least(Isa::Avx512); }
 
 // ---------------------------------------------------------------------------
 // AVX2 + FMA path, for CPUs without AVX-512 (AMD Zen 2 and 3, older Intel).
@@ -570,10 +565,7 @@ bool has_avx512() {
 
 constexpr int kAvx2Rows = 4;
 
-bool has_avx2_fma() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
-}
+bool has_avx2_fma() { return isa_at_least(Isa::Avx2); }
 
 // Group sizes the AVX2 kernel takes: it unpacks 8 bytes (16 4-bit codes,
 // 8 8-bit codes) at a time.

@@ -1,5 +1,6 @@
 // See cpu_swiglu.h.
 #include "tether-mlx/src/cpu_swiglu.h"
+#include "tether-mlx/src/cpu_isa.h"
 
 #include <cmath>
 #include <stdexcept>
@@ -47,8 +48,7 @@ class CpuSwiglu : public mx::UnaryPrimitive {
     enc.dispatch([in, dst = out.data<float>(), ff = out.shape(-1), rows = static_cast<int>(out.size() / out.shape(-1))]() {
       thread_local std::vector<float> copy;
       const float* src = row_major_f32(in[0], copy);
-      static const bool avx512 = __builtin_cpu_supports("avx512f");
-      auto row = avx512 && ff % 16 == 0 ? swiglu_row_avx512 : swiglu_row_scalar;
+      auto row = isa_at_least(Isa::Avx512) && ff % 16 == 0 ? swiglu_row_avx512 : swiglu_row_scalar;
       RowPool::get().run(rows, kRowsPerTask, [&](int b, int e) {
         for (int t = b; t < e; ++t) {
           const float* g = src + static_cast<size_t>(t) * 2 * ff;

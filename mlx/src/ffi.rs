@@ -98,6 +98,7 @@ pub(crate) mod bridge {
         fn cpu_pack_panels(w: &Array) -> Result<UniquePtr<Array>>;
         fn cpu_panel_matmul(x: &Array, panels: &Array, out_features: i32) -> Result<UniquePtr<Array>>;
         fn cpu_panels_supported() -> bool;
+        fn cpu_isa_level() -> String;
 
         fn rms_norm(x: &Array, weight: &Array, eps: f32) -> Result<UniquePtr<Array>>;
         fn rope(x: &Array, dims: i32, traditional: bool, base: f32, scale: f32, offset: i32) -> Result<UniquePtr<Array>>;

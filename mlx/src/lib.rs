@@ -22,7 +22,7 @@ pub mod random;
 mod safetensors;
 
 pub use array::{
-    async_eval, concatenate, cpu_dequantize, cpu_five_bit_codes_fast, cpu_pack_panels, cpu_panel_matmul, cpu_panels_supported, cpu_quantized_matmul,
+    async_eval, concatenate, cpu_dequantize, cpu_five_bit_codes_fast, cpu_isa, cpu_pack_panels, cpu_panel_matmul, cpu_panels_supported, cpu_quantized_matmul,
     cpu_quantized_matmul_fused, cpu_quantized_matmul_max_rows, dequantize, eval, pack_5bit_codes, quantize, quantized_matmul, stack, where_, Array, QmmFusion,
     QuantizedWeights,
 };

@@ -8,6 +8,7 @@
 #endif
 
 #include "tether-mlx/src/cpu_attention.h"
+#include "tether-mlx/src/cpu_isa.h"
 #include "tether-mlx/src/cpu_panels.h"
 #include "tether-mlx/src/cpu_swiglu.h"
 #include "tether-mlx/src/cpu_qmm.h"
@@ -247,6 +248,8 @@ std::unique_ptr<Array> cpu_dequantize(const Array& w, const Array& scales, const
 std::unique_ptr<Array> cpu_pack_panels(const Array& w) { return boxed(pack_panels(w)); }
 std::unique_ptr<Array> cpu_panel_matmul(const Array& x, const Array& panels, int32_t out_features) { return boxed(panel_matmul(x, panels, out_features)); }
 bool cpu_panels_supported() { return panel_kernel_supported(); }
+
+rust::String cpu_isa_level() { return rust::String(isa_name(cpu_isa())); }
 
 std::unique_ptr<Array> rms_norm(const Array& x, const Array& w, float eps) { return boxed(mx::fast::rms_norm(x, w, eps)); }
 std::unique_ptr<Array> rope(const Array& x, int32_t dims, bool traditional, float base, float scale, int32_t offset) {

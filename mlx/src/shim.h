@@ -114,6 +114,8 @@ std::unique_ptr<Array> cpu_dequantize(const Array& w, const Array& scales, const
 std::unique_ptr<Array> cpu_pack_panels(const Array& w);
 std::unique_ptr<Array> cpu_panel_matmul(const Array& x, const Array& panels, int32_t out_features);
 bool cpu_panels_supported();
+// The instruction sets the CPU kernels use (see cpu_isa.h), by name.
+rust::String cpu_isa_level();
 
 // ---- fused kernels
 std::unique_ptr<Array> rms_norm(const Array& x, const Array& weight, float eps);

@@ -10,6 +10,20 @@ use tether::models::{load_transformer, LoadOptions, Transformer, Weight, WeightF
 
 const MAX_RELATIVE_ERROR: f64 = 1e-3;
 
+/// `TETHER_CPU_ISA` lowers the CPU kernels' instruction sets (scripts/test.sh
+/// runs these tests again with `avx2`): the level they run at is the one
+/// asked for or, on a CPU without it, a lower one.
+#[test]
+fn the_cpu_kernels_run_at_the_level_asked_for() {
+    let levels = ["portable", "avx2", "avx512", "avx512vnni"];
+    let rank = |level: &str| levels.iter().position(|&l| l == level);
+    let running = mlx::cpu_isa();
+    assert!(rank(&running).is_some(), "{running}");
+    if let Some(asked) = std::env::var("TETHER_CPU_ISA").ok().and_then(|v| rank(&v)) {
+        assert!(rank(&running) <= Some(asked), "asked for {}, running {running}", levels[asked]);
+    }
+}
+
 fn load(name: &str, weights: WeightFormat) -> Transformer {
     mlx::set_default_device(mlx::Device::Cpu).unwrap();
     load_transformer(&model_path(name), LoadOptions { dtype: mlx::Dtype::F32, weights }).unwrap()

@@ -89,6 +89,10 @@ impl ModelArgs {
     /// `tokenizer` (the caller's: the engine never sees text) must fit them.
     pub(super) fn start_worker(&self, config: EngineConfig, tokenizer: &TextTokenizer) -> anyhow::Result<EngineHandle> {
         let device = self.device()?;
+        if device == mlx::Device::Cpu {
+            // Which of the CPU kernels' paths run (TETHER_CPU_ISA lowers it).
+            eprintln!("cpu kernels: {}", mlx::cpu_isa());
+        }
         let opts = self.load_options()?;
         let name = self.model.clone();
         let engine = EngineHandle::start(config, move || {

@@ -26,6 +26,8 @@ pub(super) struct DecodeBench {
     engine: &'static str,
     model: String,
     device: String,
+    /// The CPU kernels' instruction sets (see `mlx::cpu_isa`).
+    cpu_isa: String,
     weights: String,
     prompt_tokens: usize,
     gen_tokens: usize,
@@ -56,6 +58,7 @@ pub(super) fn run_decode_bench(model: &ModelWithTokenizer, prompt_len: usize, ge
         engine: "tether",
         model: model.name.clone(),
         device: format!("{:?}", mlx::default_device()).to_lowercase(),
+        cpu_isa: mlx::cpu_isa(),
         weights: model.transformer.weight_form().to_string(),
         prompt_tokens: stats.prompt_tokens,
         gen_tokens: stats.completion_tokens,
@@ -97,6 +100,8 @@ pub(super) struct StreamsBench {
     engine: &'static str,
     model: String,
     device: String,
+    /// The CPU kernels' instruction sets (see `mlx::cpu_isa`).
+    cpu_isa: String,
     streams: usize,
     prompt_tokens: usize,
     gen_tokens: usize,
@@ -151,6 +156,7 @@ pub(super) fn run_streams_bench(engine: &EngineHandle, name: &str, prompt: Vec<u
             engine: "tether",
             model: name.to_string(),
             device: format!("{:?}", mlx::default_device()).to_lowercase(),
+            cpu_isa: mlx::cpu_isa(),
             streams,
             prompt_tokens: prompt.len(),
             gen_tokens: gen,
