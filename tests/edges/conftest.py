@@ -105,6 +105,14 @@ def impatient():
 
 
 @pytest.fixture(scope="session")
+def crowded():
+    """A server that takes three connections at a time."""
+    s = Server("smollm2-135m", "--max-connections", "3")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
 def throttled():
     """A server that takes one request per 10 s per key (burst 1): a second
     request within the test's few seconds is always over the limit."""

@@ -5,6 +5,7 @@ completions with and without `suffix`, logprobs, stop strings, the prefix
 cache across requests within a tenant (never across), errors as the SDK
 raises them, and a client that hangs up mid-stream.
 """
+import json
 import socket
 import time
 
@@ -253,6 +254,26 @@ def test_a_body_that_never_finishes_is_timed_out(impatient, path):
     assert closed, answer[:300]
     status, got = impatient.post("/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 2})
     assert status == 200, got
+
+
+def test_every_connection_counts_toward_the_cap(crowded):
+    """Plain HTTP connections count toward --max-connections as WebSockets
+    do: three idle ones fill a server of three, a fourth is answered 503 and
+    closed, and once one goes the server serves again."""
+    idle = [socket.create_connection(("127.0.0.1", crowded.port)) for _ in range(3)]
+    time.sleep(0.3)
+    head = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    first, answer, closed = raw_request(crowded.port, head)
+    assert answer.startswith(b"HTTP/1.1 503") and closed, answer[:300]
+    body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+    assert body["error"]["code"] == "server_busy" and body["error"]["type"] == "server_error", body
+    idle.pop().close()
+    deadline = time.time() + 10
+    while not raw_request(crowded.port, head)[1].startswith(b"HTTP/1.1 200"):
+        assert time.time() < deadline, "a freed place was not taken back"
+        time.sleep(0.1)
+    for s in idle:
+        s.close()
 
 
 def test_oversized_bodies_and_wrong_methods(smollm2):

@@ -24,7 +24,7 @@ pub struct ServerConfig {
     pub max_in_flight: usize,
     /// Sessions per server (attached or waiting for a resume).
     pub max_sessions: usize,
-    /// Open WebSocket / HTTP connections; more are refused with 503 before the upgrade.
+    /// Open connections, HTTP and WebSocket; one more is answered 503 and closed.
     pub max_connections: usize,
     /// How long a session outlives its socket.
     pub session_ttl: Duration,

@@ -229,10 +229,7 @@ fn upgrade(state: Arc<ServerState>, mut req: Request<Incoming>, socket: Socket) 
         r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         return r;
     }
-    if !state.try_open_connection() {
-        state.metrics.error(ErrorCode::ServerBusy);
-        return refuse(StatusCode::SERVICE_UNAVAILABLE, ErrorCode::ServerBusy, "too many connections; retry later");
-    }
+    state.connection_upgraded();
     let chosen = offered
         .iter()
         .find(|p| p.as_str() == SUBPROTOCOL)

@@ -115,6 +115,13 @@ impl ServerState {
         }
     }
 
+    /// A counted connection that became a WebSocket: the socket holds a
+    /// count of its own from here, as the HTTP connection's ends with the
+    /// upgrade (so no check: the connection was admitted at accept).
+    fn connection_upgraded(&self) {
+        self.connections.fetch_add(1, Ordering::AcqRel);
+    }
+
     fn connection_closed(&self) {
         self.connections.fetch_sub(1, Ordering::AcqRel);
     }
@@ -229,12 +236,26 @@ async fn accept_loop(state: Arc<ServerState>, listener: TcpListener) {
         // soon, so the stall timeout can see it, and stalled connections
         // cannot pile up kernel memory.
         let _ = socket2::SockRef::from(&stream).set_send_buffer_size(SEND_BUFFER_BYTES);
+        // Every connection counts toward --max-connections, HTTP or
+        // WebSocket; one over it gets a 503 for its request and is closed.
+        let admitted = state.try_open_connection();
+        if !admitted {
+            state.metrics.error(protocol::ErrorCode::ServerBusy);
+        }
         let state = state.clone();
         tokio::spawn(async move {
             let mut stop = state.stop_accepting.subscribe();
             let svc = {
                 let state = state.clone();
-                service_fn(move |req| http::handle(state.clone(), req))
+                service_fn(move |req| {
+                    let state = state.clone();
+                    async move {
+                        match admitted {
+                            true => http::handle(state, req).await,
+                            false => Ok(openai::too_many_connections()),
+                        }
+                    }
+                })
             };
             let conn = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
@@ -248,6 +269,9 @@ async fn accept_loop(state: Arc<ServerState>, listener: TcpListener) {
                     conn.as_mut().graceful_shutdown();
                     let _ = tokio::time::timeout(Duration::from_secs(5), conn.as_mut()).await;
                 }
+            }
+            if admitted {
+                state.connection_closed();
             }
         });
     }

@@ -95,6 +95,15 @@ pub fn unknown_path(method: &hyper::Method, path: &str) -> Response<Body> {
     ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", format!("Invalid URL ({method} {path})")).response()
 }
 
+/// The answer to a connection over `--max-connections`: 503 in OpenAI's
+/// shape, and the connection closes.
+pub fn too_many_connections() -> Response<Body> {
+    let mut r = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", "too many connections; retry later").with_code("server_busy").response();
+    r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    r.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+    r
+}
+
 /// A served path asked for with the wrong method: 405 in OpenAI's shape,
 /// with `Allow`.
 pub fn method_not_allowed(method: &hyper::Method, path: &str, allow: &'static str) -> Response<Body> {
