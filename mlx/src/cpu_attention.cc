@@ -544,14 +544,12 @@ void dequantize_values_avx512(const CodeLayout& l, const uint8_t* head, int j0, 
   }
 }
 
-bool has_avx512() { return isa_at_least(Isa::Avx512); }
-
 const BlockOps& block_ops(int dim, int group, int bits) {
   static const BlockOps portable{pack_keys_scalar, scores_scalar, softmax_row_scalar, accumulate_scalar, dequantize_keys_scalar, dequantize_values_scalar};
   static const BlockOps avx512{pack_keys_avx512, scores_avx512, softmax_row_avx512, accumulate_avx512, dequantize_keys_avx512<8>, dequantize_values_avx512<8>};
   static const BlockOps avx512_4bit{pack_keys_avx512, scores_avx512, softmax_row_avx512, accumulate_avx512, dequantize_keys_avx512<4>, dequantize_values_avx512<4>};
   // 16 codes a vector: a group's run of 16 features, and (4-bit) half a position's features, stay whole.
-  if (!has_avx512() || dim % 16 != 0 || group % 16 != 0 || (bits == 4 && dim % 32 != 0)) return portable;
+  if (!isa_at_least(Isa::Avx512) || dim % 16 != 0 || group % 16 != 0 || (bits == 4 && dim % 32 != 0)) return portable;
   return bits == 4 ? avx512_4bit : avx512;
 }
 

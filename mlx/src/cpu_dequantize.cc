@@ -84,8 +84,6 @@ void expand_rows_5bit(const uint8_t* w, const float* scales, const float* biases
   }
 }
 
-bool has_avx512bw() { return isa_at_least(Isa::Avx512); }
-
 class CpuAffineDequantize : public mx::UnaryPrimitive {
  public:
   CpuAffineDequantize(mx::Stream s, int group_size, int bits) : mx::UnaryPrimitive(s), group_size_(group_size), bits_(bits) {}
@@ -101,7 +99,7 @@ class CpuAffineDequantize : public mx::UnaryPrimitive {
       RowPool::get().run(N, 16, [&](int n0, int n1) {
         if (bits == 8) expand_rows<8>(w, s, b, K, gs, dst, n0, n1);
         else if (bits == 4) expand_rows<4>(w, s, b, K, gs, dst, n0, n1);
-        else if (has_avx512bw()) expand_rows_5bit(w, s, b, K, dst, n0, n1);
+        else if (isa_at_least(Isa::Avx512)) expand_rows_5bit(w, s, b, K, dst, n0, n1);
         else expand_rows<5>(w, s, b, K, gs, dst, n0, n1);
       });
     });

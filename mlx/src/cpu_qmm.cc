@@ -536,20 +536,16 @@ void rows_int(const Problem& p, const IntActivations& xa, int n0, int n1) {
   for (; n < n1; ++n) int_block_rows<F, 1>(p, xa, n);
 }
 
-bool has_vnni() { return isa_at_least(Isa::Avx512Vnni); }
-
 // The integer path's format for this problem, if it has one.
 std::optional<Format> int_format(const Problem& p) {
   const int gs = p.K / p.G;
-  if (!has_vnni() || p.G % step_groups != 0) return std::nullopt;
+  if (!isa_at_least(Isa::Avx512Vnni) || p.G % step_groups != 0) return std::nullopt;
   if (p.bits == 4 && gs == 32) return Format::kQ4G32;
   if (p.bits == 5 && gs == 32) return Format::kQ5G32;
   if (p.bits == 8 && gs == 32) return Format::kQ8G32;
   if (p.bits == 8 && gs == 16) return Format::kQ8G16;
   return std::nullopt;
 }
-
-bool has_avx512() { return isa_at_least(Isa::Avx512); }
 
 // ---------------------------------------------------------------------------
 // AVX2 + FMA path, for CPUs without AVX-512 (AMD Zen 2 and 3, older Intel).
@@ -565,13 +561,11 @@ bool has_avx512() { return isa_at_least(Isa::Avx512); }
 
 constexpr int kAvx2Rows = 4;
 
-bool has_avx2_fma() { return isa_at_least(Isa::Avx2); }
-
 // Group sizes the AVX2 kernel takes: it unpacks 8 bytes (16 4-bit codes,
 // 8 8-bit codes) at a time.
 bool avx2_supports(const Problem& p) {
   const int gs = p.K / p.G;
-  return has_avx2_fma() && p.bits != 5 && gs % (p.bits == 4 ? 16 : 8) == 0;
+  return isa_at_least(Isa::Avx2) && p.bits != 5 && gs % (p.bits == 4 ? 16 : 8) == 0;
 }
 
 __attribute__((target("avx2,fma")))
@@ -695,7 +689,7 @@ void run_problem(Problem p) {
     });
     return;
   }
-  if (!has_avx512() && avx2_supports(p)) {
+  if (!isa_at_least(Isa::Avx512) && avx2_supports(p)) {
     const float* xp = p.bits == 4 ? permute_x_for_4bit(p, xperm) : p.x;
     RowPool::get().run(p.N, 64, [&](int a, int b) {
       if (p.bits == 4) rows_avx2<4>(p, xp, a, b);
@@ -704,8 +698,8 @@ void run_problem(Problem p) {
     return;
   }
   enum { kScalar, kG32, kG16, kTiled } path = kScalar;
-  if (has_avx512() && gs == 32) path = kG32;
-  if (has_avx512() && gs == 16 && p.bits == 8) path = kG16;
+  if (isa_at_least(Isa::Avx512) && gs == 32) path = kG32;
+  if (isa_at_least(Isa::Avx512) && gs == 16 && p.bits == 8) path = kG16;
   // 5-bit codes have no per-row float kernel: any number of rows goes tiled.
   if (path != kScalar && (p.M >= kTiledMinRows || p.bits == 5) && (p.bits == 8 || gs == 32)) path = kTiled;
   const float* xp = p.x;
@@ -820,7 +814,7 @@ class CpuAffineMatmul : public mx::UnaryPrimitive {
 
 }  // namespace
 
-bool cpu_affine_five_bit_fast() { return has_vnni(); }
+bool cpu_affine_five_bit_fast() { return isa_at_least(Isa::Avx512Vnni); }
 
 mx::array cpu_affine_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
                             const std::optional<mx::array>& norm_weight, float eps, const std::optional<mx::array>& bias,

@@ -92,15 +92,10 @@ pub async fn handle(state: Arc<ServerState>, req: Request<Incoming>) -> Result<R
         (method, "/v1/ws" | "/healthz" | "/metrics") => super::openai::method_not_allowed(method, path, "GET"),
         (method, _) => match &state.config.ui_dir {
             Some(dir) if method == Method::GET || method == Method::HEAD => static_files::serve(dir, path).await,
-            _ => not_found(req.method(), path),
+            // Answered in OpenAI's error shape, the one most clients here parse.
+            _ => super::openai::unknown_path(req.method(), path),
         },
     })
-}
-
-/// A path no edge serves, answered in OpenAI's error shape (the shape most
-/// clients of this server parse).
-fn not_found(method: &Method, path: &str) -> Response<Body> {
-    super::openai::unknown_path(method, path)
 }
 
 fn json(status: StatusCode, body: String) -> Response<Body> {

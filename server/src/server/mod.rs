@@ -250,9 +250,10 @@ async fn accept_loop(state: Arc<ServerState>, listener: TcpListener) {
                 service_fn(move |req| {
                     let state = state.clone();
                     async move {
-                        match admitted {
-                            true => http::handle(state, req).await,
-                            false => Ok(openai::too_many_connections()),
+                        if admitted {
+                            http::handle(state, req).await
+                        } else {
+                            Ok(openai::too_many_connections())
                         }
                     }
                 })

@@ -9,9 +9,10 @@
 use std::path::{Path, PathBuf};
 
 use hyper::header::{self, HeaderValue};
-use hyper::{Response, StatusCode};
+use hyper::{Method, Response, StatusCode};
 
 use super::Body;
+use crate::server::openai::unknown_path;
 
 /// Files larger than this are not served (the playground's are a few KiB).
 const MAX_FILE_BYTES: u64 = 16 << 20;
@@ -26,7 +27,7 @@ enum Found {
 /// The response for `uri_path` under `root` (an absolute, canonical folder).
 pub async fn serve(root: &Path, uri_path: &str) -> Response<Body> {
     let Some(rel) = relative_path(uri_path) else {
-        return super::not_found(&hyper::Method::GET, uri_path);
+        return unknown_path(&Method::GET, uri_path);
     };
     let root = root.to_path_buf();
     let found = tokio::task::spawn_blocking(move || lookup(&root, &rel)).await.unwrap_or(Found::Missing);
@@ -46,9 +47,9 @@ pub async fn serve(root: &Path, uri_path: &str) -> Response<Body> {
                 r.headers_mut().insert(header::LOCATION, location);
                 r
             }
-            Err(_) => super::not_found(&hyper::Method::GET, uri_path),
+            Err(_) => unknown_path(&Method::GET, uri_path),
         },
-        Found::Missing => super::not_found(&hyper::Method::GET, uri_path),
+        Found::Missing => unknown_path(&Method::GET, uri_path),
     }
 }
 
