@@ -4,6 +4,8 @@
 pub struct StopMatcher {
     stops: Vec<String>,
     held: String,
+    /// The stop string that matched, once one has.
+    matched: Option<String>,
 }
 
 /// What a piece of new text produced.
@@ -17,13 +19,16 @@ pub enum StopScan {
 
 impl StopMatcher {
     pub fn new(stops: Vec<String>) -> StopMatcher {
-        StopMatcher { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), held: String::new() }
+        StopMatcher { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), held: String::new(), matched: None }
     }
 
     pub fn push(&mut self, text: &str) -> StopScan {
         self.held.push_str(text);
-        if let Some(pos) = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min() {
+        // The earliest match wins; at one position, the longer stop string.
+        if let Some((pos, stop)) = self.stops.iter().filter_map(|s| Some((self.held.find(s.as_str())?, s))).min_by_key(|&(pos, s)| (pos, usize::MAX - s.len()))
+        {
             let out = self.held[..pos].to_string();
+            self.matched = Some(stop.clone());
             self.held.clear();
             return StopScan::Stopped(out);
         }
@@ -40,6 +45,11 @@ impl StopMatcher {
         let out = self.held[..cut].to_string();
         self.held.drain(..cut);
         StopScan::Continue(out)
+    }
+
+    /// The stop string that ended the text (Anthropic's `stop_sequence`).
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.as_deref()
     }
 
     /// Releases held text at the end of generation.
@@ -66,6 +76,7 @@ mod tests {
     fn earliest_stop_wins_and_finish_releases() {
         let mut m = StopMatcher::new(vec!["b".into(), "abc".into()]);
         assert_eq!(m.push("xxab"), StopScan::Stopped("xxa".into()));
+        assert_eq!(m.matched(), Some("b"));
         let mut m = StopMatcher::new(vec!["STOP".into()]);
         assert_eq!(m.push("ST"), StopScan::Continue("".into()));
         assert_eq!(m.finish(), "ST");

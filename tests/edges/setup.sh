@@ -11,4 +11,4 @@ if [ ! -f "$STAMP" ]; then
   "$VENV/bin/python" -m pip install --quiet -r "$HERE/requirements.txt"
   touch "$STAMP"
 fi
-"$VENV/bin/python" -c 'import openai, pytest; print("openai-venv ok: openai", openai.__version__, "pytest", pytest.__version__)'
+"$VENV/bin/python" -c 'import anthropic, openai, pytest; print("openai-venv ok: openai", openai.__version__, "anthropic", anthropic.__version__, "pytest", pytest.__version__)'

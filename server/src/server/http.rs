@@ -71,6 +71,14 @@ pub async fn handle(state: Arc<ServerState>, req: Request<Incoming>) -> Result<R
         }
         return Ok(super::llamacpp::handle(&state, req, &super::openai::tenant(bearer.as_deref())).await);
     }
+    if super::anthropic::serves(req.uri().path()) {
+        let key = presented_tokens(&req, &[]).into_iter().next();
+        if let Some(why) = auth_problem(&state, &req, &[]) {
+            state.metrics.error(ErrorCode::Unauthorized);
+            return Ok(super::anthropic::unauthorized(why));
+        }
+        return Ok(super::anthropic::handle(&state, req, &super::openai::tenant(key.as_deref())).await);
+    }
     if req.uri().path().starts_with("/v1/") && req.uri().path() != "/v1/ws" {
         let bearer = presented_tokens(&req, &[]).into_iter().next();
         if let Some(why) = auth_problem(&state, &req, &[]) {

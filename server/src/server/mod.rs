@@ -11,11 +11,13 @@
 //! * `request` — `generate` → token ids → engine; engine events → frames.
 //! * `relay` — engine events → text pieces and endings, for every edge.
 //! * `openai` — OpenAI's HTTP API and the Responses API's WebSocket mode.
+//! * `anthropic` — Anthropic's Messages API (`/v1/messages`, `count_tokens`).
 //! * `llamacpp` — llama.cpp's editor endpoints (`/infill`, `/completion`, ...).
 //! * `rate` — flood limits per socket and per HTTP tenant.
 //! * `metrics` — the Prometheus registry.
 //!
 //! [`serve`] binds and starts serving; [`ServerHandle::shutdown`] drains.
+mod anthropic;
 mod config;
 mod conn;
 mod http;

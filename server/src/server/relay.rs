@@ -32,8 +32,8 @@ pub struct Piece {
 /// How a request ended, when it ran to an end.
 pub struct Finished {
     pub reason: FinishReason,
-    /// A stop string (not an end-of-sequence token) ended it.
-    pub by_stop_string: bool,
+    /// The stop string that ended it (not an end-of-sequence token).
+    pub stop_string: Option<String>,
     pub usage: Usage,
     pub timing: Timing,
     pub speculative: Option<SpeculativeStats>,
@@ -256,7 +256,7 @@ impl Relay {
                 self.state.metrics.request_finished(reason);
                 Ok(Finished {
                     reason,
-                    by_stop_string: stopped,
+                    stop_string: stops.matched().map(str::to_string),
                     usage: Usage {
                         prompt_tokens: if info.prompt_tokens > 0 { info.prompt_tokens } else { self.prompt_tokens } as u32,
                         cached_tokens: info.cached_tokens as u32,

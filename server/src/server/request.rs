@@ -263,6 +263,18 @@ pub async fn prepare(
     .unwrap_or_else(|e| Err(ProtocolError::new(ErrorCode::Internal, format!("tokenizer task failed: {e}")).with_request_id(rid)))
 }
 
+/// How many tokens `req`'s input comes to, its tools shown as for a
+/// generation, without submitting it (Anthropic's `count_tokens`).
+pub async fn count_prompt_tokens(state: &Arc<ServerState>, req: &GenerateRequest) -> Result<usize, ProtocolError> {
+    let (state, req) = (state.clone(), req.clone());
+    tokio::task::spawn_blocking(move || {
+        let tools = (req.tools.as_slice(), state.tool_prompting);
+        tokenize(&state.tokenizer, state.fim.as_ref(), &req.input, tools, None).map(|(ids, _)| ids.len())
+    })
+    .await
+    .unwrap_or_else(|e| Err(ProtocolError::new(ErrorCode::Internal, format!("tokenizer task failed: {e}"))))
+}
+
 /// Submits a prepared request to `engine`; returns its handles and the
 /// guard that counts it in flight, and the relay that takes it to a writer.
 pub fn submit(
@@ -323,6 +335,9 @@ pub enum Length {
     AsAsked,
     /// Until the context is full (OpenAI's default when no limit is given).
     FillContext,
+    /// This many, or fewer where the context has less room (Anthropic's
+    /// `max_tokens`: a large one is a ceiling, not an error).
+    UpTo(u32),
     /// None: the prompt only warms the prefix cache.
     WarmOnly,
 }
@@ -364,9 +379,14 @@ pub async fn launch(
     generate.validate()?;
     check_request(state, generate)?;
     let mut prepared = prepare(state, owner, generate, earlier, received).await?;
-    if length == Length::FillContext {
+    let ceiling = match length {
+        Length::FillContext => Some(state.limits.max_tokens as usize),
+        Length::UpTo(n) => Some((n as usize).min(state.limits.max_tokens as usize)),
+        Length::AsAsked | Length::WarmOnly => None,
+    };
+    if let Some(ceiling) = ceiling {
         let room = (state.limits.context_length as usize).saturating_sub(prepared.submit.prompt.len());
-        let max_tokens = room.min(state.limits.max_tokens as usize);
+        let max_tokens = room.min(ceiling);
         if max_tokens == 0 {
             let message =
                 format!("the prompt ({} tokens) leaves no room to generate in the {}-token context", prepared.submit.prompt.len(), state.limits.context_length);

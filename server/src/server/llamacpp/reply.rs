@@ -137,7 +137,7 @@ impl EditorWriter {
         match f.reason {
             _ if self.cut => "limit",
             FinishReason::Length | FinishReason::TimeLimit => "limit",
-            FinishReason::Stop if f.by_stop_string => "word",
+            FinishReason::Stop if f.stop_string.is_some() => "word",
             // (This edge offers no tools, so no call ends its turns.)
             FinishReason::Stop | FinishReason::ToolCalls => "eos",
             FinishReason::Cancelled => "none",

@@ -128,7 +128,7 @@ async fn tokens_become_text_and_the_request_ends_with_its_usage() {
     assert!(client.pieces.iter().all(|p| p.logprobs.is_none() && p.tool_calls.is_empty()));
     let done = client.finished();
     assert_eq!(done.reason, FinishReason::Length);
-    assert!(!done.by_stop_string);
+    assert_eq!(done.stop_string, None);
     // The relay counts the tokens it relayed; the engine's numbers give the prompt.
     assert_eq!((done.usage.prompt_tokens, done.usage.cached_tokens, done.usage.completion_tokens), (4, 2, ids(text).len() as u32));
     assert!(done.timing.queue_ms <= done.timing.ttft_ms && done.timing.ttft_ms <= done.timing.total_ms, "{:?}", done.timing);
@@ -188,7 +188,7 @@ async fn a_stop_string_ends_the_turn_and_stops_the_engine() {
     assert_eq!(stop.requested(), Some(StopReason::StopString));
     let done = client.finished();
     assert_eq!(done.reason, FinishReason::Stop);
-    assert!(done.by_stop_string);
+    assert_eq!(done.stop_string.as_deref(), Some("lo w"));
     // Up to the token that completed "lo w"; those after it were dropped.
     assert_eq!(done.usage.completion_tokens, ids("Hello w").len() as u32);
     assert_eq!(client.pieces.len(), ids("Hello w").len());
