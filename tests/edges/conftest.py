@@ -113,6 +113,14 @@ def crowded():
 
 
 @pytest.fixture(scope="session")
+def capped():
+    """A server whose requests without a length cap stop at 6 tokens."""
+    s = Server("smollm2-135m", "--default-max-tokens", "6")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
 def throttled():
     """A server that takes one request per 10 s per key (burst 1): a second
     request within the test's few seconds is always over the limit."""

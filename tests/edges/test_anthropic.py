@@ -8,6 +8,7 @@ statuses as the SDK raises them.
 import json
 
 import anthropic
+import urllib.error
 import urllib.request
 import jsonschema
 import pytest
@@ -162,3 +163,60 @@ def test_errors_come_in_anthropics_shape(smollm2, guarded):
     assert status == 400 and "anthropic-version" in body["error"]["message"]
     # The server still serves.
     assert text_of(c.messages.create(**ok))
+
+
+U = [{"role": "user", "content": "hi"}]
+# (body, status, error type, words in the message): each refused whole, in Anthropic's shape.
+BAD_BODIES = [
+    (b"not json", 400, "invalid_request_error", ""),
+    (b"[1, 2]", 400, "invalid_request_error", "object"),
+    ({"max_tokens": 4, "messages": U}, 400, "invalid_request_error", "model: Field required"),
+    ({"model": SMOL, "max_tokens": 4}, 400, "invalid_request_error", "messages: Field required"),
+    ({"model": SMOL, "max_tokens": 4, "messages": []}, 400, "invalid_request_error", "at least one message"),
+    ({"model": SMOL, "max_tokens": 4, "messages": "hi"}, 400, "invalid_request_error", "messages: Input should be a valid list"),
+    ({"model": SMOL, "max_tokens": -1, "messages": U}, 400, "invalid_request_error", "max_tokens"),
+    ({"model": SMOL, "max_tokens": "8", "messages": U}, 400, "invalid_request_error", "max_tokens"),
+    ({"model": SMOL, "max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}, 400, "invalid_request_error", "messages.0.role"),
+    ({"model": SMOL, "max_tokens": 4, "messages": [{"role": "user"}]}, 400, "invalid_request_error", "messages.0.content: Field required"),
+    ({"model": SMOL, "max_tokens": 4, "messages": [{"role": "user", "content": 5}]}, 400, "invalid_request_error", "messages.0.content"),
+    ({"model": SMOL, "max_tokens": 4, "messages": [{"role": "user", "content": "x", "name": "n"}]}, 400, "invalid_request_error", "messages.0.name: Extra inputs"),
+    ({"model": SMOL, "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "invalid_request_error", "messages.0.content.0.text: Field required"),
+    ({"model": SMOL, "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, 400, "invalid_request_error", "document"),
+    ({"model": SMOL, "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "thinking", "thinking": "x"}]}]}, 400, "invalid_request_error", "thinking"),
+    ({"model": SMOL, "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}, 400, "invalid_request_error", "assistant messages"),
+    ({"model": SMOL, "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "banana"}]}]}, 400, "invalid_request_error", "unknown content block"),
+    ({"model": SMOL, "max_tokens": 4, "messages": U, "system": 7}, 400, "invalid_request_error", "system"),
+    ({"model": SMOL, "max_tokens": 4, "messages": U, "system": [{"type": "image"}]}, 400, "invalid_request_error", "system.0"),
+    ({"model": SMOL, "max_tokens": 4, "messages": U, "temperature": "hot"}, 400, "invalid_request_error", "temperature"),
+    ({"model": SMOL, "max_tokens": 4, "messages": U, "top_p": 0}, 400, "invalid_request_error", "top_p"),
+    ({"model": SMOL, "max_tokens": 4, "messages": U, "top_k": -3}, 400, "invalid_request_error", "top_k"),
+    ({"model": SMOL, "max_tokens": 4, "messages": U, "stop_sequences": "END"}, 400, "invalid_request_error", "stop_sequences"),
+    ({"model": SMOL, "max_tokens": 4, "messages": U, "stop_sequences": [""]}, 400, "invalid_request_error", "stop"),
+    ({"model": SMOL, "max_tokens": 4, "messages": U, "stream": "yes"}, 400, "invalid_request_error", "stream"),
+    ({"model": SMOL, "max_tokens": 4, "messages": U, "metadata": {"session": "x"}}, 400, "invalid_request_error", "metadata.session"),
+    ({"model": SMOL, "max_tokens": 4, "messages": U, "tools": [{"name": "f"}]}, 400, "invalid_request_error", "tools.0.input_schema: Field required"),
+    ({"model": SMOL, "max_tokens": 4, "messages": U, "tools": [{"name": "f", "input_schema": {"type": "array"}}]}, 400, "invalid_request_error", "input_schema.type"),
+    ({"model": SMOL, "max_tokens": 4, "messages": U, "tools": [{"name": "bad name!", "input_schema": {"type": "object"}}]}, 400, "invalid_request_error", "name"),
+    ({"model": SMOL, "max_tokens": 4, "messages": U, "tool_choice": {"type": "any"}}, 400, "invalid_request_error", "tools` is empty"),
+    ({"model": SMOL, "max_tokens": 4, "messages": U, "tool_choice": {"type": "sometimes"}}, 400, "invalid_request_error", "tool_choice.type"),
+    ({"model": SMOL, "max_tokens": 4, "messages": U, "output_config": {"format": {"type": "json_object"}}}, 400, "invalid_request_error", "output_config.format.type"),
+    ({"model": SMOL, "max_tokens": 4, "messages": U, "cache_control": {"type": "forever"}}, 400, "invalid_request_error", "cache_control.type"),
+    ({"model": SMOL, "max_tokens": 4, "messages": U, "mcp_servers": []}, 400, "invalid_request_error", "mcp_servers"),
+    ({"model": "gpt-4o", "max_tokens": 4, "messages": U}, 404, "not_found_error", "does not exist"),
+]
+
+
+@pytest.mark.parametrize("body,status,kind,words", BAD_BODIES, ids=range(len(BAD_BODIES)))
+def test_bad_bodies_are_refused_in_anthropics_shape(smollm2, body, status, kind, words):
+    got, reply = smollm2.post("/v1/messages", body, {"anthropic-version": "2023-06-01"})
+    assert (got, reply["type"], reply["error"]["type"]) == (status, "error", kind), reply
+    assert words in reply["error"]["message"], reply
+
+
+def test_the_edge_answers_methods_and_keeps_serving(smollm2):
+    req = urllib.request.Request(f"http://127.0.0.1:{smollm2.port}/v1/messages", method="GET")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    assert e.value.code == 405 and e.value.headers["allow"] == "POST"
+    assert json.loads(e.value.read())["error"]["type"] == "invalid_request_error"
+    assert text_of(client(smollm2).messages.create(model=SMOL, max_tokens=4, messages=U))

@@ -129,6 +129,18 @@ def test_completions_stream_with_logprobs(smollm2):
     assert offsets == sorted(offsets)
 
 
+def test_a_request_without_a_length_cap_stops_at_the_servers_default(capped):
+    c = client(capped)
+    # Sampling at temperature 1 (OpenAI's default), as a user's first request would.
+    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell me a long story."}], seed=1)
+    assert (chat.choices[0].finish_reason, chat.usage.completion_tokens) == ("length", 6), chat
+    response = c.responses.create(model=MODEL, input="Tell me a long story.", temperature=0)
+    assert response.status == "incomplete" and response.usage.output_tokens == 6, response
+    # A cap the request gives is its own.
+    asked = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count to fifty."}], max_tokens=9, temperature=0)
+    assert asked.usage.completion_tokens == 9
+
+
 def test_errors_are_the_sdks_exceptions(smollm2):
     c = client(smollm2)
     before = c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, temperature=0)

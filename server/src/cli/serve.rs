@@ -63,6 +63,10 @@ pub(super) struct ServeArgs {
     /// Largest `max_tokens` a request may ask for.
     #[arg(long, default_value_t = 4096)]
     max_tokens: usize,
+    /// Most tokens for an OpenAI or llama.cpp request that gives no length
+    /// cap (theirs would run until the context is full).
+    #[arg(long, default_value_t = 2048)]
+    default_max_tokens: usize,
     /// Concurrent requests per session.
     #[arg(long, default_value_t = 8)]
     max_in_flight: usize,
@@ -111,6 +115,7 @@ pub(super) fn run(args: ServeArgs) -> anyhow::Result<()> {
         max_frame_bytes: args.max_frame_bytes,
         max_prompt_tokens: args.max_prompt_tokens,
         max_tokens: args.max_tokens,
+        default_max_tokens: args.default_max_tokens,
         max_in_flight: args.max_in_flight,
         max_sessions: args.max_sessions,
         max_connections: args.max_connections,

@@ -20,6 +20,10 @@ pub struct ServerConfig {
     pub max_prompt_tokens: Option<usize>,
     /// Largest `max_tokens` a request may ask for (clamped below the context length).
     pub max_tokens: usize,
+    /// The length cap of a request that gives none (OpenAI's and llama.cpp's
+    /// run until the context is full, which a small model sampling at
+    /// temperature 1 fills with minutes of text).
+    pub default_max_tokens: usize,
     /// Concurrent requests per session.
     pub max_in_flight: usize,
     /// Sessions per server (attached or waiting for a resume).
@@ -71,6 +75,7 @@ impl Default for ServerConfig {
             max_frame_bytes: 1 << 20,
             max_prompt_tokens: None,
             max_tokens: 4096,
+            default_max_tokens: 2048,
             max_in_flight: 8,
             max_sessions: 256,
             max_connections: 1024,
@@ -114,6 +119,7 @@ impl ServerConfig {
         let positive = [
             ("max_frame_bytes", self.max_frame_bytes),
             ("max_tokens", self.max_tokens),
+            ("default_max_tokens", self.default_max_tokens),
             ("max_in_flight", self.max_in_flight),
             ("max_sessions", self.max_sessions),
             ("max_connections", self.max_connections),

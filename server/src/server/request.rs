@@ -333,7 +333,8 @@ pub enum Length {
     /// The request's `max_tokens`.
     #[default]
     AsAsked,
-    /// Until the context is full (OpenAI's default when no limit is given).
+    /// Until the context is full (OpenAI's default when no limit is given),
+    /// or `--default-max-tokens`, whichever comes first.
     FillContext,
     /// This many, or fewer where the context has less room (Anthropic's
     /// `max_tokens`: a large one is a ceiling, not an error).
@@ -380,7 +381,7 @@ pub async fn launch(
     check_request(state, generate)?;
     let mut prepared = prepare(state, owner, generate, earlier, received).await?;
     let ceiling = match length {
-        Length::FillContext => Some(state.limits.max_tokens as usize),
+        Length::FillContext => Some(state.config.default_max_tokens.min(state.limits.max_tokens as usize)),
         Length::UpTo(n) => Some((n as usize).min(state.limits.max_tokens as usize)),
         Length::AsAsked | Length::WarmOnly => None,
     };
