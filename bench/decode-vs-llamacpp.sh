@@ -9,6 +9,8 @@
 # gives each one's median and the ratios to llama.cpp.
 #
 # usage: bench/decode-vs-llamacpp.sh
+# The AVX2 comparison on any x86 CPU: TETHER_CPU_ISA=avx2 LLAMACPP_ISA=avx2 (both
+# restricted to AVX2; see bench/peer/llamacpp.sh).
 # env:   MODEL=gemma3-270m (any known model or .gguf)   ROUNDS=3   REQUESTS=3
 #        N_PREDICT=128   TETHER_BIN=PATH (no build)   PREV_BIN=PATH (a previous
 #        build, e.g. one built from an older commit)   OUT=DIR (default: a temp dir)

@@ -544,13 +544,240 @@ void dequantize_values_avx512(const CodeLayout& l, const uint8_t* head, int j0, 
   }
 }
 
+// ---- AVX2 versions (head size and groups multiples of 8; 4-bit codes:
+// head size a multiple of 16), for CPUs without AVX-512: the same steps on
+// 8 lanes, score and output tiles sized to AVX2's 16 registers.
+
+// Transposes the 8x8 block held in r (r[i] = row i) in registers.
+__attribute__((target("avx2,fma")))
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < 2; ++i) {
+    const __m256d a = _mm256_castps_pd(t[4 * i]), b = _mm256_castps_pd(t[4 * i + 1]);
+    const __m256d c = _mm256_castps_pd(t[4 * i + 2]), d = _mm256_castps_pd(t[4 * i + 3]);
+    u[4 * i] = _mm256_castpd_ps(_mm256_unpacklo_pd(a, c));
+    u[4 * i + 1] = _mm256_castpd_ps(_mm256_unpackhi_pd(a, c));
+    u[4 * i + 2] = _mm256_castpd_ps(_mm256_unpacklo_pd(b, d));
+    u[4 * i + 3] = _mm256_castpd_ps(_mm256_unpackhi_pd(b, d));
+  }
+  // u[k] holds column k of rows 0-3 (low lane: columns 0-3's k, high: 4-7's) and u[4 + k] of rows 4-7.
+#pragma GCC unroll 8
+  for (int k = 0; k < 4; ++k) {
+    r[k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x20);
+    r[4 + k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x31);
+  }
+}
+
+__attribute__((target("avx2,fma")))
+void pack_keys_avx2(const CacheView& k, int j0, int kb, int dim, float* kt) {
+  if (k.d != 1) return pack_keys_scalar(k, j0, kb, dim, kt);
+  for (int jt = 0; jt < kKeyBlock; jt += 8) {
+    for (int dt = 0; dt < dim; dt += 8) {
+      __m256 r[8];
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) r[i] = jt + i < kb ? _mm256_loadu_ps(k.p + (j0 + jt + i) * k.pos + dt) : _mm256_setzero_ps();
+      transpose8(r);
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kt + static_cast<size_t>(dt + i) * kKeyBlock + jt, r[i]);
+    }
+  }
+}
+
+// R query rows against 32 of the block's keys (from column c0).
+template <int R>
+__attribute__((target("avx2,fma")))
+void scores_tile_avx2(const float* q, int dim, const float* kt, int c0, float* s) {
+  __m256 acc[R][4];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int d = 0; d < dim; ++d) {
+    const float* kd = kt + static_cast<size_t>(d) * kKeyBlock + c0;
+    const __m256 k0 = _mm256_loadu_ps(kd), k1 = _mm256_loadu_ps(kd + 8), k2 = _mm256_loadu_ps(kd + 16), k3 = _mm256_loadu_ps(kd + 24);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 qd = _mm256_set1_ps(q[static_cast<size_t>(r) * dim + d]);
+      acc[r][0] = _mm256_fmadd_ps(qd, k0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(qd, k1, acc[r][1]);
+      acc[r][2] = _mm256_fmadd_ps(qd, k2, acc[r][2]);
+      acc[r][3] = _mm256_fmadd_ps(qd, k3, acc[r][3]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(s + static_cast<size_t>(r) * kKeyBlock + c0 + 8 * c, acc[r][c]);
+}
+
+__attribute__((target("avx2,fma")))
+void scores_avx2(const float* q, int rows, int dim, const float* kt, float* s) {
+  for (int c0 = 0; c0 < kKeyBlock; c0 += 32) {
+    int m = 0;
+    for (; m + 2 <= rows; m += 2) scores_tile_avx2<2>(q + static_cast<size_t>(m) * dim, dim, kt, c0, s + static_cast<size_t>(m) * kKeyBlock);
+    if (m < rows) scores_tile_avx2<1>(q + static_cast<size_t>(m) * dim, dim, kt, c0, s + static_cast<size_t>(m) * kKeyBlock);
+  }
+}
+
+__attribute__((target("avx2,fma")))
+inline float max_lanes(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+__attribute__((target("avx2,fma")))
+inline float add_lanes(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_add_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+__attribute__((target("avx2,fma")))
+float softmax_row_avx2(float* s, int lo, int lim, float* max, float* sum) {
+  if (lim <= lo) {
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) _mm256_storeu_ps(s + 8 * c, _mm256_setzero_ps());
+    return 1.f;
+  }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 visible[8], v[8];
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 best = neg_inf;
+#pragma GCC unroll 8
+  for (int c = 0; c < 8; ++c) {
+    // Column 8c + lane is seen when lo <= it < lim.
+    const __m256i col = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * c));
+    const __m256i seen = _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(lo), col), _mm256_cmpgt_epi32(_mm256_set1_epi32(lim), col));
+    visible[c] = _mm256_castsi256_ps(seen);
+    v[c] = _mm256_loadu_ps(s + 8 * c);
+    best = _mm256_max_ps(best, _mm256_blendv_ps(neg_inf, v[c], visible[c]));
+  }
+  const float m = std::max(*max, max_lanes(best));
+  const float alpha = std::exp(*max - m);  // 0 on a query's first block (max = -inf)
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 total = _mm256_setzero_ps();
+#pragma GCC unroll 8
+  for (int c = 0; c < 8; ++c) {
+    const __m256 e = _mm256_and_ps(visible[c], exp_nonpositive_avx2(_mm256_sub_ps(_mm256_min_ps(v[c], mv), mv)));
+    _mm256_storeu_ps(s + 8 * c, e);
+    total = _mm256_add_ps(total, e);
+  }
+  *sum = *sum * alpha + add_lanes(total);
+  *max = m;
+  return alpha;
+}
+
+// R query rows, NC x 8 output features starting at o / v.
+template <int R, int NC>
+__attribute__((target("avx2,fma")))
+void accumulate_tile_avx2(const float* p, int kb, const float* v, int64_t v_pos, int dim, const float* alpha, float* o) {
+  __m256 acc[R][NC];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const __m256 a = _mm256_set1_ps(alpha[r]);
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_mul_ps(_mm256_loadu_ps(o + static_cast<size_t>(r) * dim + 8 * c), a);
+  }
+  for (int j = 0; j < kb; ++j) {
+    __m256 vj[NC];
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) vj[c] = _mm256_loadu_ps(v + j * v_pos + 8 * c);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 pj = _mm256_set1_ps(p[static_cast<size_t>(r) * kKeyBlock + j]);
+#pragma GCC unroll 8
+      for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_fmadd_ps(pj, vj[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(o + static_cast<size_t>(r) * dim + 8 * c, acc[r][c]);
+}
+
+template <int R>
+__attribute__((target("avx2,fma")))
+void accumulate_rows_avx2(const float* p, int kb, const float* v, int64_t v_pos, int dim, const float* alpha, float* o) {
+  int f = 0;
+  for (; f + 32 <= dim; f += 32) accumulate_tile_avx2<R, 4>(p, kb, v + f, v_pos, dim, alpha, o + f);
+  for (; f < dim; f += 8) accumulate_tile_avx2<R, 1>(p, kb, v + f, v_pos, dim, alpha, o + f);
+}
+
+__attribute__((target("avx2,fma")))
+void accumulate_avx2(const float* p, int rows, int kb, const float* v, int64_t v_pos, int dim, const float* alpha, float* o) {
+  int m = 0;
+  for (; m + 2 <= rows; m += 2)
+    accumulate_rows_avx2<2>(p + static_cast<size_t>(m) * kKeyBlock, kb, v, v_pos, dim, alpha + m, o + static_cast<size_t>(m) * dim);
+  if (m < rows) accumulate_rows_avx2<1>(p + static_cast<size_t>(m) * kKeyBlock, kb, v, v_pos, dim, alpha + m, o + static_cast<size_t>(m) * dim);
+}
+
+// The 8 codes of `Bits` bits in the 8 bytes at c (4-bit: the nibbles at `shift`), as floats.
+template <int Bits>
+__attribute__((target("avx2,fma")))
+inline __m256 codes8(const uint8_t* c, int shift) {
+  __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
+  if constexpr (Bits == 4) x = _mm256_and_si256(_mm256_srlv_epi32(x, _mm256_set1_epi32(shift)), _mm256_set1_epi32(15));
+  return _mm256_cvtepi32_ps(x);
+}
+
+template <int Bits>
+__attribute__((target("avx2,fma")))
+void dequantize_keys_avx2(const CodeLayout& l, const uint8_t* head, int j0, int kb, float* kt) {
+  if (!l.in_blocks) return dequantize_keys_scalar(l, head, j0, kb, kt);
+  constexpr int stripe = kKeyBlock * Bits / 8;  // one feature's codes of the block
+  const uint8_t* block = head + l.block(j0);
+  const float* scales = reinterpret_cast<const float*>(head + l.scale(j0, 0));  // group g: 64 scales, then 64 biases
+  for (int g = 0; g < l.dim / l.group; ++g) {
+    const float* scale = scales + 2 * g * kKeyBlock;
+    const float* bias = scale + kKeyBlock;
+    for (int c = 0; c < kKeyBlock; c += 8) {
+      const __m256 sc = _mm256_loadu_ps(scale + c), bi = _mm256_loadu_ps(bias + c);
+      const int byte = c % stripe, shift = c < stripe ? 0 : 4;
+      for (int d = g * l.group; d < (g + 1) * l.group; ++d)
+        _mm256_storeu_ps(kt + static_cast<size_t>(d) * kKeyBlock + c, _mm256_fmadd_ps(codes8<Bits>(block + static_cast<size_t>(d) * stripe + byte, shift), sc, bi));
+    }
+  }
+}
+
+template <int Bits>
+__attribute__((target("avx2,fma")))
+void dequantize_values_avx2(const CodeLayout& l, const uint8_t* head, int j0, int kb, float* v) {
+  const int half = l.dim / 2;  // 4-bit: features d and d + half share byte d
+  for (int j = 0; j < kb; ++j) {
+    const uint8_t* row = head + static_cast<int64_t>(j0 + j) * l.width;
+    const uint8_t* scales = row + l.codes_bytes();
+    float* out = v + static_cast<size_t>(j) * l.dim;
+    for (int g = 0; g < l.dim / l.group; ++g) {
+      const __m256 sc = _mm256_set1_ps(load_f32(scales + 8 * g)), bi = _mm256_set1_ps(load_f32(scales + 8 * g + 4));
+      for (int d = g * l.group; d < (g + 1) * l.group; d += 8) {
+        const bool high = Bits == 4 && d >= half;
+        _mm256_storeu_ps(out + d, _mm256_fmadd_ps(codes8<Bits>(row + (high ? d - half : d), high ? 4 : 0), sc, bi));
+      }
+    }
+  }
+}
+
 const BlockOps& block_ops(int dim, int group, int bits) {
   static const BlockOps portable{pack_keys_scalar, scores_scalar, softmax_row_scalar, accumulate_scalar, dequantize_keys_scalar, dequantize_values_scalar};
   static const BlockOps avx512{pack_keys_avx512, scores_avx512, softmax_row_avx512, accumulate_avx512, dequantize_keys_avx512<8>, dequantize_values_avx512<8>};
   static const BlockOps avx512_4bit{pack_keys_avx512, scores_avx512, softmax_row_avx512, accumulate_avx512, dequantize_keys_avx512<4>, dequantize_values_avx512<4>};
-  // 16 codes a vector: a group's run of 16 features, and (4-bit) half a position's features, stay whole.
-  if (!isa_at_least(Isa::Avx512) || dim % 16 != 0 || group % 16 != 0 || (bits == 4 && dim % 32 != 0)) return portable;
-  return bits == 4 ? avx512_4bit : avx512;
+  static const BlockOps avx2{pack_keys_avx2, scores_avx2, softmax_row_avx2, accumulate_avx2, dequantize_keys_avx2<8>, dequantize_values_avx2<8>};
+  static const BlockOps avx2_4bit{pack_keys_avx2, scores_avx2, softmax_row_avx2, accumulate_avx2, dequantize_keys_avx2<4>, dequantize_values_avx2<4>};
+  // n codes a vector (16 on AVX-512, 8 on AVX2): a group's run of n
+  // features, and (4-bit) half a position's features, stay whole.
+  const auto fits = [&](int n) { return dim % n == 0 && group % n == 0 && (bits != 4 || dim % (2 * n) == 0); };
+  if (isa_at_least(Isa::Avx512) && fits(16)) return bits == 4 ? avx512_4bit : avx512;
+  if (isa_at_least(Isa::Avx2) && fits(8)) return bits == 4 ? avx2_4bit : avx2;
+  return portable;
 }
 
 // ---- the work items

@@ -331,7 +331,8 @@ void rows_avx512_tiled(const Problem& p, const float* xp, int n0, int n1) {
 }
 
 // ---------------------------------------------------------------------------
-// Integer-dot path (AVX-512 VNNI). x is quantized once per call, per weight
+// Integer-dot path (AVX-512 VNNI; on AVX2, int_block_avx2 with VPMADDWD,
+// for 4- and 8-bit codes). x is quantized once per call, per weight
 // group, into two 16-bit words per element: x = scale * (high + low / 128)
 // with |high| <= 8191 and |low| <= 64, so it keeps ~21 bits of each group's
 // range (error <= max|x| * 5e-7 per element). Each step multiplies a weight
@@ -536,16 +537,6 @@ void rows_int(const Problem& p, const IntActivations& xa, int n0, int n1) {
   for (; n < n1; ++n) int_block_rows<F, 1>(p, xa, n);
 }
 
-// The integer path's format for this problem, if it has one.
-std::optional<Format> int_format(const Problem& p) {
-  const int gs = p.K / p.G;
-  if (!isa_at_least(Isa::Avx512Vnni) || p.G % step_groups != 0) return std::nullopt;
-  if (p.bits == 4 && gs == 32) return Format::kQ4G32;
-  if (p.bits == 5 && gs == 32) return Format::kQ5G32;
-  if (p.bits == 8 && gs == 32) return Format::kQ8G32;
-  if (p.bits == 8 && gs == 16) return Format::kQ8G16;
-  return std::nullopt;
-}
 
 // ---------------------------------------------------------------------------
 // AVX2 + FMA path, for CPUs without AVX-512 (AMD Zen 2 and 3, older Intel).
@@ -641,6 +632,132 @@ void rows_avx2(const Problem& p, const float* xp, int n0, int n1) {
   }
 }
 
+// The integer path's format for this problem, if it has one: with AVX-512
+// VNNI every format; on a CPU whose best is AVX2 (int_block_avx2) the 4- and
+// 8-bit ones. (AVX-512 without VNNI keeps its float kernels.)
+std::optional<Format> int_format(const Problem& p) {
+  const int gs = p.K / p.G;
+  const bool vnni = isa_at_least(Isa::Avx512Vnni), avx2_only = isa_at_least(Isa::Avx2) && !isa_at_least(Isa::Avx512);
+  if (!(vnni || avx2_only) || p.G % step_groups != 0) return std::nullopt;
+  if (p.bits == 4 && gs == 32) return Format::kQ4G32;
+  if (p.bits == 5 && gs == 32 && vnni) return Format::kQ5G32;
+  if (p.bits == 8 && gs == 32) return Format::kQ8G32;
+  if (p.bits == 8 && gs == 16) return Format::kQ8G16;
+  return std::nullopt;
+}
+
+// The integer path on AVX2: the same quantized activations and the same
+// integer sums as int_block, with VPMADDWD (16 int16 products summed in
+// pairs into 8 int32 lanes) on each half of a step's 512-bit vectors: the
+// first half is the step's first group, the second half its second. The
+// codes are not shifted: a half's high-word products are summed, then
+// shifted left by kCodeShift in int32 (< 8.4e6 << 7, no overflow), which
+// gives int_block's exact integers with half the code registers.
+
+// The int16 codes of one half (0: the step's first group, 1: its second)
+// of step s: words a and b as load_step_codes gives them (b zero for kQ8G16).
+template <Format F>
+__attribute__((target("avx2,fma")))
+inline void load_half_codes(const uint8_t* wr, int s, int half, __m256i& a, __m256i& b) {
+  if constexpr (F == Format::kQ4G32) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + s * 32 + half * 16));
+    const __m128i nib = _mm_set1_epi8(0x0F);
+    a = _mm256_cvtepu8_epi16(_mm_and_si128(v, nib));
+    b = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), nib));
+  } else if constexpr (F == Format::kQ8G32) {
+    // Group 2s + half's 32 bytes: a = its elements 0-15, b = 16-31.
+    const uint8_t* g = wr + s * 64 + half * 32;
+    a = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g)));
+    b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 16)));
+  } else {
+    static_assert(F == Format::kQ8G16, "5-bit codes take the VNNI kernel only");
+    a = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + s * 32 + half * 16)));
+    b = _mm256_setzero_si256();
+  }
+}
+
+// NR weight rows from n against MR activation rows from m0 (int_block's
+// contract: bit-identical whatever the rows around it).
+template <Format F, int NR, int MR>
+__attribute__((target("avx2,fma")))
+void int_block_avx2(const Problem& p, const IntActivations& xa, int n, int m0) {
+  constexpr int W = step_words(F);
+  constexpr bool kTwoVectors = F != Format::kQ8G16;
+  constexpr int kBits = F == Format::kQ4G32 ? 4 : 8;
+  constexpr int step_bytes = F == Format::kQ8G32 ? 64 : 32;
+  const int row_bytes = p.K * kBits / 8;
+  __m256 acc[NR][MR];
+#pragma GCC unroll 4
+  for (int i = 0; i < NR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < MR; ++j) acc[i][j] = _mm256_setzero_ps();
+  const int16_t* xw = xa.words.data() + static_cast<size_t>(m0) * 2 * p.K;
+  const float* xl = xa.lane_scales.data() + static_cast<size_t>(m0) * xa.steps * 16;
+  for (int s = 0; s < xa.steps; ++s) {
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; ++i) prefetch_ahead(p.w + static_cast<size_t>(n + i) * row_bytes + s * step_bytes);
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; ++half) {
+      __m256i ca[NR], cb[NR];
+      __m256 ws[NR];
+#pragma GCC unroll 4
+      for (int i = 0; i < NR; ++i) {
+        load_half_codes<F>(p.w + static_cast<size_t>(n + i) * row_bytes, s, half, ca[i], cb[i]);
+        ws[i] = _mm256_set1_ps(p.scales[static_cast<size_t>(n + i) * p.G + 2 * s + half]);
+      }
+#pragma GCC unroll 4
+      for (int j = 0; j < MR; ++j) {
+        const int16_t* xr = xw + static_cast<size_t>(j) * 2 * p.K + s * 2 * W + half * 16;
+        const __m256i xha = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr));
+        const __m256i xla = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + W));
+        __m256i xhb = _mm256_setzero_si256(), xlb = _mm256_setzero_si256();
+        if constexpr (kTwoVectors) {
+          xhb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32));
+          xlb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + W + 32));
+        }
+        const __m256 xs = _mm256_set1_ps(xl[(static_cast<size_t>(j) * xa.steps + s) * 16 + half * 8]);
+#pragma GCC unroll 4
+        for (int i = 0; i < NR; ++i) {
+          __m256i high = _mm256_madd_epi16(ca[i], xha), low = _mm256_madd_epi16(ca[i], xla);
+          if constexpr (kTwoVectors) {
+            high = _mm256_add_epi32(high, _mm256_madd_epi16(cb[i], xhb));
+            low = _mm256_add_epi32(low, _mm256_madd_epi16(cb[i], xlb));
+          }
+          const __m256i d = _mm256_add_epi32(_mm256_slli_epi32(high, kCodeShift), low);
+          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(ws[i], xs), acc[i][j]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < NR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < MR; ++j) {
+      const float* br = p.biases + static_cast<size_t>(n + i) * p.G;
+      const float* xs = p.xsum + static_cast<size_t>(m0 + j) * p.G;
+      float bias = 0.f;
+      for (int g = 0; g < p.G; ++g) bias += br[g] * xs[g];
+      p.out[static_cast<size_t>(m0 + j) * p.N + n + i] = sum_lanes(acc[i][j]) + bias;
+    }
+}
+
+template <Format F, int NR>
+void int_block_rows_avx2(const Problem& p, const IntActivations& xa, int n) {
+  static_assert(kTiledMinRows - 1 == 3, "int_block_rows_avx2 spells out 1 to 3 rows");
+  switch (p.M) {
+    case 3: int_block_avx2<F, NR, 3>(p, xa, n, 0); break;
+    case 2: int_block_avx2<F, NR, 2>(p, xa, n, 0); break;
+    default: int_block_avx2<F, NR, 1>(p, xa, n, 0); break;
+  }
+}
+
+template <Format F>
+void rows_int_avx2(const Problem& p, const IntActivations& xa, int n0, int n1) {
+  int n = n0;
+  for (; n + kIntRowsN <= n1; n += kIntRowsN) int_block_rows_avx2<F, kIntRowsN>(p, xa, n);
+  for (; n < n1; ++n) int_block_rows_avx2<F, 1>(p, xa, n);
+}
+
 // x with each group as [its even elements | its odd elements]: the order
 // 4-bit codes unpack in (low nibbles, then high ones).
 const float* permute_x_for_4bit(const Problem& p, std::vector<float>& xperm) {
@@ -679,12 +796,13 @@ void run_problem(Problem p) {
     thread_local IntActivations calling_thread_acts;
     IntActivations& xa = calling_thread_acts;
     quantize_activations(p, *f, xa);
+    const bool vnni = isa_at_least(Isa::Avx512Vnni);
     RowPool::get().run(p.N, 64, [&](int a, int b) {
       switch (*f) {
-        case Format::kQ4G32: rows_int<Format::kQ4G32>(p, xa, a, b); break;
+        case Format::kQ4G32: vnni ? rows_int<Format::kQ4G32>(p, xa, a, b) : rows_int_avx2<Format::kQ4G32>(p, xa, a, b); break;
         case Format::kQ5G32: rows_int<Format::kQ5G32>(p, xa, a, b); break;
-        case Format::kQ8G32: rows_int<Format::kQ8G32>(p, xa, a, b); break;
-        case Format::kQ8G16: rows_int<Format::kQ8G16>(p, xa, a, b); break;
+        case Format::kQ8G32: vnni ? rows_int<Format::kQ8G32>(p, xa, a, b) : rows_int_avx2<Format::kQ8G32>(p, xa, a, b); break;
+        case Format::kQ8G16: vnni ? rows_int<Format::kQ8G16>(p, xa, a, b) : rows_int_avx2<Format::kQ8G16>(p, xa, a, b); break;
       }
     });
     return;

@@ -25,4 +25,24 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(e, n));
 }
 
+// The same on 8 lanes (AVX2): 2^n built in the exponent bits, as AVX2 has
+// no scalef; n >= -126 wherever the result is kept (x >= -87).
+__attribute__((target("avx2,fma")))
+inline __m256 exp_nonpositive_avx2(__m256 x) {
+  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_GE_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 e = _mm256_set1_ps(1.f / 720);
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f / 120));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f / 24));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f / 6));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(0.5f));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f));
+  const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(keep, _mm256_mul_ps(e, _mm256_castsi256_ps(pow2)));
+}
+
 }  // namespace tether_mlx
