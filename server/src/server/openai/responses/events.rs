@@ -19,8 +19,10 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use super::super::super::relay::{Ending, Piece, Writer};
-use super::super::respond::ApiError;
+use super::super::respond::{logprob_entries, ApiError};
+use super::super::unix_now;
 use super::wire::Create;
+use crate::tokenizer::TextTokenizer;
 
 /// Where a response's events go.
 pub enum Sink {
@@ -51,6 +53,8 @@ pub struct Header {
     pub created_at: u64,
     pub model: String,
     pub create: Create,
+    /// Names the tokens of logprobs.
+    pub tokenizer: Arc<TextTokenizer>,
 }
 
 /// How a response ended.
@@ -69,8 +73,9 @@ pub enum Outcome {
 
 /// One item of a response's `output`.
 enum Item {
-    /// Assistant text; `open` while it may still grow.
-    Message { id: String, text: String, open: bool },
+    /// Assistant text; `open` while it may still grow. `logprobs`: one
+    /// entry per token when the request asked for them.
+    Message { id: String, text: String, open: bool, logprobs: Option<Vec<Value>> },
     /// A function call (`call.id` is its `call_id`).
     Call { id: String, call: ToolCall },
 }
@@ -78,8 +83,8 @@ enum Item {
 impl Item {
     fn json(&self) -> Value {
         match self {
-            Item::Message { id, text, open } => {
-                let content: Vec<Value> = if *open { Vec::new() } else { vec![text_part(text)] };
+            Item::Message { id, text, open, logprobs } => {
+                let content: Vec<Value> = if *open { Vec::new() } else { vec![text_part(text, logprobs.as_deref())] };
                 json!({"id": id, "type": "message", "status": if *open { "in_progress" } else { "completed" }, "role": "assistant", "content": content})
             }
             Item::Call { id, call } => function_call(id, call, "completed", &call.arguments),
@@ -87,8 +92,9 @@ impl Item {
     }
 }
 
-fn text_part(text: &str) -> Value {
-    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []})
+/// An `output_text` part; its `logprobs` are `[]` unless they were asked for.
+fn text_part(text: &str, logprobs: Option<&[Value]>) -> Value {
+    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs.unwrap_or_default()})
 }
 
 fn function_call(id: &str, call: &ToolCall, status: &str, arguments: &str) -> Value {
@@ -104,6 +110,11 @@ pub struct ResponseWriter {
     outcome: Option<Outcome>,
     /// Set by the edge when its client cancelled the response.
     cancelled: Arc<AtomicBool>,
+    /// Unix seconds when the response completed.
+    completed_at: Option<u64>,
+    /// Logprobs of tokens whose text is still held back (a partial
+    /// character or stop string): they go out with the next text delta.
+    pending_logprobs: Vec<Value>,
 }
 
 fn usage(u: &Usage) -> Value {
@@ -118,7 +129,7 @@ fn usage(u: &Usage) -> Value {
 
 impl ResponseWriter {
     pub fn new(header: Header, sink: Sink, cancelled: Arc<AtomicBool>) -> ResponseWriter {
-        ResponseWriter { header, sink, sequence: 0, items: Vec::new(), outcome: None, cancelled }
+        ResponseWriter { header, sink, sequence: 0, items: Vec::new(), outcome: None, cancelled, completed_at: None, pending_logprobs: Vec::new() }
     }
 
     pub fn outcome(&self) -> Option<&Outcome> {
@@ -133,26 +144,35 @@ impl ResponseWriter {
             "id": self.header.id,
             "object": "response",
             "created_at": self.header.created_at,
+            "completed_at": if status == "completed" { self.completed_at } else { None },
             "status": status,
             "background": false,
             "error": error.map(|e| json!({"code": e.code.unwrap_or("server_error"), "message": e.message})),
             "incomplete_details": (status == "incomplete").then(|| json!({"reason": "max_output_tokens"})),
             "instructions": c.instructions,
             "max_output_tokens": c.max_output_tokens,
+            "max_tool_calls": c.max_tool_calls,
             "metadata": if c.metadata.is_null() { json!({}) } else { c.metadata.clone() },
             "model": self.header.model,
             "output": output,
             "parallel_tool_calls": c.parallel_tool_calls.unwrap_or(true),
             "previous_response_id": c.previous_response_id,
             "prompt_cache_key": c.prompt_cache_key,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "reasoning": c.reasoning_echo,
+            "safety_identifier": c.safety_identifier,
+            "service_tier": "default",
             "store": c.store,
             "temperature": c.temperature,
             "text": {"format": c.text_format},
             "tool_choice": c.tool_choice_echo,
             "tools": c.tools_echo,
+            "top_logprobs": c.top_logprobs,
             "top_p": c.top_p.unwrap_or(1.0),
             "truncation": "disabled",
             "usage": usage.map(self::usage),
+            "user": c.user,
         })
     }
 
@@ -190,12 +210,13 @@ impl ResponseWriter {
         }
         let id = super::super::super::new_secret("msg_");
         let index = self.items.len();
-        self.items.push(Item::Message { id: id.clone(), text: String::new(), open: true });
+        let logprobs = self.header.create.logprobs.then(Vec::new);
+        self.items.push(Item::Message { id: id.clone(), text: String::new(), open: true, logprobs });
         let item = self.items[index].json();
         let opened = self.emit(json!({"type": "response.output_item.added", "output_index": index, "item": item})).await
             && self
                 .emit(json!({"type": "response.content_part.added", "item_id": id, "output_index": index, "content_index": 0,
-                "part": text_part("")}))
+                "part": text_part("", None)}))
                 .await;
         opened.then_some((id, index))
     }
@@ -203,17 +224,18 @@ impl ResponseWriter {
     /// The text, part and item `done` events of the open message, if any.
     async fn close_message(&mut self) -> bool {
         let index = self.items.len().wrapping_sub(1);
-        let Some(Item::Message { id, text, open }) = self.items.last_mut() else { return true };
+        let Some(Item::Message { id, text, open, logprobs }) = self.items.last_mut() else { return true };
         if !*open {
             return true;
         }
         *open = false;
-        let (id, text) = (id.clone(), text.clone());
+        let (id, text, logprobs) = (id.clone(), text.clone(), logprobs.clone());
         let item = self.items[index].json();
-        self.emit(json!({"type": "response.output_text.done", "item_id": id, "output_index": index, "content_index": 0, "text": text, "logprobs": []})).await
-            && self
-                .emit(json!({"type": "response.content_part.done", "item_id": id, "output_index": index, "content_index": 0, "part": text_part(&text)}))
-                .await
+        let part = text_part(&text, logprobs.as_deref());
+        self.emit(json!({"type": "response.output_text.done", "item_id": id, "output_index": index, "content_index": 0, "text": text,
+            "logprobs": part["logprobs"]}))
+            .await
+            && self.emit(json!({"type": "response.content_part.done", "item_id": id, "output_index": index, "content_index": 0, "part": part})).await
             && self.emit(json!({"type": "response.output_item.done", "output_index": index, "item": item})).await
     }
 
@@ -261,17 +283,28 @@ impl Writer for ResponseWriter {
         // The message opens with the first output, unless the output may
         // be calls (then with the first text).
         let first = self.items.is_empty() && self.header.create.tools.is_empty();
+        if let Some(l) = &piece.logprobs {
+            self.pending_logprobs.extend(logprob_entries(&self.header.tokenizer, l));
+        }
         if !piece.text.is_empty() || first {
             let Some((id, index)) = self.open_message().await else { return false };
             if !piece.text.is_empty() {
-                if let Some(Item::Message { text, .. }) = self.items.last_mut() {
+                let entries = std::mem::take(&mut self.pending_logprobs);
+                if let Some(Item::Message { text, logprobs, .. }) = self.items.last_mut() {
                     text.push_str(&piece.text);
+                    if let Some(all) = logprobs {
+                        all.extend(entries.iter().cloned());
+                    }
                 }
-                let delta = json!({"type": "response.output_text.delta", "item_id": id, "output_index": index, "content_index": 0, "delta": piece.text, "logprobs": []});
+                let delta = json!({"type": "response.output_text.delta", "item_id": id, "output_index": index, "content_index": 0, "delta": piece.text, "logprobs": entries});
                 if !self.emit(delta).await {
                     return false;
                 }
             }
+        }
+        if !piece.tool_calls.is_empty() {
+            // Those were the calls' tokens, not text's.
+            self.pending_logprobs.clear();
         }
         for call in piece.tool_calls {
             if !self.emit_call(call).await {
@@ -303,6 +336,7 @@ impl Writer for ResponseWriter {
         }
         let incomplete = matches!(finished.reason, FinishReason::Length | FinishReason::TimeLimit) && self.header.create.generate;
         let status = if incomplete { "incomplete" } else { "completed" };
+        self.completed_at = Some(unix_now());
         let r = self.response(status, Some(&finished.usage), None);
         let (text, tool_calls) = self.answer();
         self.outcome = Some(Outcome::Done { text, tool_calls, usage: finished.usage, incomplete });

@@ -11,6 +11,7 @@
 mod events;
 mod socket;
 mod store;
+mod stored;
 mod wire;
 
 use std::sync::atomic::AtomicBool;
@@ -33,7 +34,8 @@ use crate::engine::{StopHandle, StopReason};
 use events::{Header, Outcome, ResponseWriter, Sink};
 pub use socket::run as run_socket;
 pub use store::ResponseStore;
-use store::{Conversation, SocketResponses};
+use store::{Conversation, Record, SocketResponses};
+pub use stored::handle as handle_stored;
 use wire::{Create, CreateBody, Edge};
 
 /// Parses a create request from `edge`.
@@ -93,6 +95,7 @@ async fn start(
         messages.extend(c.all_messages());
     }
     messages.extend(create.input.iter().cloned());
+    check_call_outputs(&messages)?;
     let id = super::super::new_secret("resp_");
     let mut generate = GenerateRequest::new(id.clone(), GenerateInput::Messages(messages));
     generate.temperature = create.temperature;
@@ -101,6 +104,8 @@ async fn start(
     generate.tools = create.tools.clone();
     generate.tool_choice = create.tool_choice.clone();
     generate.parallel_tool_calls = create.parallel_tool_calls;
+    generate.logprobs = create.logprobs;
+    generate.top_logprobs = Some(create.top_logprobs).filter(|&n| n > 0);
     let length = match (create.generate, create.max_output_tokens) {
         (false, _) => Length::WarmOnly,
         (true, Some(n)) => {
@@ -113,6 +118,20 @@ async fn start(
     let launched =
         launch(state, &owner, &mut generate, Launch { length, earlier: earlier_encoding, ignore_eos: false }, received).await.map_err(ApiError::from)?;
     Ok(Started { id, create, launched, tenant: tenant.to_string(), owner, earlier })
+}
+
+/// Every `function_call_output` answers a call made before it in the
+/// conversation (the `previous_response_id` chain and this input), as
+/// OpenAI's API holds them: an output for no call is refused.
+fn check_call_outputs(messages: &[ChatMessage]) -> Result<(), ApiError> {
+    let mut made = std::collections::HashSet::new();
+    for m in messages {
+        made.extend(m.tool_calls.iter().map(|c| c.id.as_str()));
+        if let Some(id) = m.tool_call_id.as_deref().filter(|id| m.role == Role::Tool && !made.contains(id)) {
+            return Err(ApiError::invalid(Some("input"), format!("No tool call found for function call output with call_id {id}.")));
+        }
+    }
+    Ok(())
 }
 
 impl Started {
@@ -129,7 +148,8 @@ impl Started {
     async fn run(self, state: &ServerState, sink: Sink, cancelled: Arc<AtomicBool>, socket: Option<&SocketResponses>) -> ResponseWriter {
         let Started { id, create, launched, tenant, owner, earlier } = self;
         let Launched { submitted, in_flight, relay, encoding } = launched;
-        let header = Header { id: id.clone(), created_at: unix_now(), model: state.model.name.clone(), create: create.clone() };
+        let header =
+            Header { id: id.clone(), created_at: unix_now(), model: state.model.name.clone(), create: create.clone(), tokenizer: state.tokenizer.clone() };
         let mut writer = ResponseWriter::new(header, sink, cancelled);
         if writer.begin().await {
             relay.run(submitted.events, &mut writer).await;
@@ -138,13 +158,17 @@ impl Started {
         }
         drop(in_flight);
         if let Some(Outcome::Done { text, tool_calls, .. }) = writer.outcome() {
+            let record = match (create.store, writer.whole()) {
+                (true, Ok(response)) => Some(Record { response, input_items: create.input_items }),
+                _ => None,
+            };
             let mut messages = create.input;
             if create.generate {
                 let mut answer = ChatMessage::new(Role::Assistant, text.clone());
                 answer.tool_calls = tool_calls.clone();
                 messages.push(answer);
             }
-            let conversation = Conversation { tenant, owner, earlier, messages, encoding: encoding.map(Arc::new) };
+            let conversation = Conversation { tenant, owner, earlier, messages, encoding: encoding.map(Arc::new), record };
             state.responses.keep(&id, Arc::new(conversation), create.store, socket);
         }
         writer
