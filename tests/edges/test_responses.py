@@ -16,7 +16,7 @@ import openai
 import pytest
 from websockets.sync.client import connect as ws_connect
 
-from conftest import TOKEN
+from conftest import TOKEN, Server
 
 MODEL = "smollm2-135m"
 QUESTION = "What is the capital of France? Answer in one sentence."
@@ -199,7 +199,6 @@ BAD_EVENTS = [
     ('"response.create"', 400, None),
     ({}, 400, None),
     ({"type": "session.update"}, 400, "unknown_event_type"),
-    ({"type": "response.steer", "input": "x", "previous_response_id": "resp_x"}, 400, "unknown_event_type"),
     ({**OK, "surprise": 1}, 400, "unknown_parameter"),
     ({**OK, "background": True}, 400, "unknown_parameter"),
     ({**OK, "stream": False}, 400, None),
@@ -533,3 +532,75 @@ def test_stored_responses_are_read_back_listed_and_deleted(smollm2):
             call()
     with pytest.raises(openai.NotFoundError):
         c.responses.create(model=MODEL, input="hi", previous_response_id=r.id, max_output_tokens=2)
+
+
+def raw_socket(server):
+    url = server.base_url.replace("http://", "ws://") + "/responses"
+    return ws_connect(url, additional_headers={"Authorization": "Bearer sk-tenant-a"})
+
+
+def next_event(ws, kinds):
+    while (ev := json.loads(ws.recv(timeout=60)))["type"] not in kinds:
+        assert ev["type"] != "error", ev
+    return ev
+
+
+def test_socket_steer_ends_the_running_response_and_its_successor_continues_it(smollm2):
+    with raw_socket(smollm2) as ws:
+        ws.send(json.dumps({"type": "response.create", "model": MODEL, "input": "Count from 1 to 500, separated by commas.",
+                            "max_output_tokens": 300, "temperature": 0, "store": False, "stream_id": "main"}))
+        rid = next_event(ws, ["response.created"])["response"]["id"]
+        next_event(ws, ["response.output_text.delta"])
+        ws.send(json.dumps({"type": "response.steer", "previous_response_id": rid, "input": "Stop. Say hi instead."}))
+        events = []
+        while (ev := json.loads(ws.recv(timeout=60)))["type"] != "response.created":
+            assert ev["type"] not in ("error", "response.steer.failed"), ev
+            events.append(ev)
+        successor = ev["response"]
+        kinds = [e["type"] for e in events]
+        accepted = events[kinds.index("response.steer.accepted")]
+        assert accepted["steer"]["previous_response_id"] == rid and accepted["steer"]["id"].startswith("steer_") and accepted["stream_id"] == "main"
+        steered = events[-1]["response"]
+        assert events[-1]["type"] == "response.incomplete" and steered["incomplete_details"] == {"reason": "steered"}, steered
+        own = [k for k in kinds if not k.startswith("response.steer.")]
+        assert own[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+        assert steered["output"][0]["content"][0]["text"]
+        # The successor: same settings and lane, continuing the steered one from the cache.
+        assert successor["previous_response_id"] == rid and successor["max_output_tokens"] == 300 and ev["stream_id"] == "main"
+        done = next_event(ws, ["response.incomplete", "response.completed"])["response"]
+        # Everything before the steer was cached, up to the last block.
+        assert done["usage"]["input_tokens_details"]["cached_tokens"] >= steered["usage"]["input_tokens"] // BLOCK * BLOCK > 0, (steered["usage"], done["usage"])
+        # What cannot be steered comes back in response.steer.failed, the input with it.
+        for steer, code in (
+            ({"previous_response_id": rid, "input": "x"}, "response_already_completed"),
+            ({"previous_response_id": "resp_nope", "input": "x"}, "response_not_found"),
+            ({"previous_response_id": rid, "input": [{"role": "assistant", "content": "x"}]}, "invalid_input"),
+            ({"previous_response_id": rid, "input": ""}, "invalid_input"),
+            ({"previous_response_id": rid, "input": "x", "stream_id": "main"}, "invalid_input"),
+        ):
+            ws.send(json.dumps({"type": "response.steer", **steer}))
+            failed = next_event(ws, ["response.steer.failed"])
+            assert failed["error"]["code"] == code and failed["error"]["type"] == "invalid_request_error", failed
+            assert failed["steer"] == {"previous_response_id": steer["previous_response_id"], "input": steer["input"]}
+
+
+@pytest.fixture(scope="module")
+def brief():
+    """A server whose Responses sockets live 1 s (OpenAI's live 60 minutes)."""
+    s = Server(MODEL, "--responses-socket-secs", "1")
+    yield s
+    s.stop()
+
+
+def test_a_socket_past_its_lifetime_is_closed_with_a_typed_error(brief):
+    with raw_socket(brief) as ws:
+        ws.send(json.dumps({**OK, "store": False}))
+        first = next_event(ws, ["response.completed", "response.incomplete"])["response"]
+        got = json.loads(ws.recv(timeout=10))
+        assert got["type"] == "error" and got["error"]["code"] == "websocket_connection_limit_reached", got
+        with pytest.raises(Exception):
+            ws.recv(timeout=10)
+    # A new socket continues where the closed one was.
+    with raw_socket(brief) as ws:
+        ws.send(json.dumps({**OK, "input": "more", "previous_response_id": first["id"], "store": False}))
+        assert next_event(ws, ["response.completed", "response.incomplete"])["response"]["previous_response_id"] == first["id"]

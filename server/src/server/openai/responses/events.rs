@@ -10,7 +10,7 @@
 //!
 //! [`ResponseWriter`] is this edge's relay writer: the same relay as every
 //! other edge, only the wire differs ([`Sink`]).
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
 use hyper::body::Bytes;
@@ -44,6 +44,36 @@ impl Sink {
             Sink::Socket(tx) => tx.send(event.to_string()).await.is_ok(),
             Sink::Collect => true,
         }
+    }
+}
+
+/// Why the client stopped a running response, set by the edge before it
+/// stops the row: a cancel ends it `cancelled`; a steer ends it
+/// `incomplete` (reason `steered`), its output kept for the successor.
+#[derive(Default)]
+pub struct Interrupt(AtomicU8);
+
+const CANCELLED: u8 = 1;
+const STEERED: u8 = 2;
+
+impl Interrupt {
+    /// Marks the response cancelled unless it was steered (the steer
+    /// already stopped it, its output kept).
+    pub fn cancel(&self) {
+        let _ = self.0.compare_exchange(0, CANCELLED, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    /// Marks the response steered unless it was cancelled; false if it was.
+    pub fn steer(&self) -> bool {
+        self.0.compare_exchange(0, STEERED, Ordering::AcqRel, Ordering::Acquire).is_ok() || self.steered()
+    }
+
+    pub fn steered(&self) -> bool {
+        self.0.load(Ordering::Acquire) == STEERED
+    }
+
+    fn is_set(&self) -> bool {
+        self.0.load(Ordering::Acquire) != 0
     }
 }
 
@@ -108,10 +138,12 @@ pub struct ResponseWriter {
     /// The output so far, in order.
     items: Vec<Item>,
     outcome: Option<Outcome>,
-    /// Set by the edge when its client cancelled the response.
-    cancelled: Arc<AtomicBool>,
+    /// Set by the edge when its client cancelled or steered the response.
+    interrupt: Arc<Interrupt>,
     /// Unix seconds when the response completed.
     completed_at: Option<u64>,
+    /// Why an `incomplete` response stopped: `max_output_tokens`, or `steered`.
+    incomplete_reason: &'static str,
     /// Logprobs of tokens whose text is still held back (a partial
     /// character or stop string): they go out with the next text delta.
     pending_logprobs: Vec<Value>,
@@ -128,8 +160,18 @@ fn usage(u: &Usage) -> Value {
 }
 
 impl ResponseWriter {
-    pub fn new(header: Header, sink: Sink, cancelled: Arc<AtomicBool>) -> ResponseWriter {
-        ResponseWriter { header, sink, sequence: 0, items: Vec::new(), outcome: None, cancelled, completed_at: None, pending_logprobs: Vec::new() }
+    pub fn new(header: Header, sink: Sink, interrupt: Arc<Interrupt>) -> ResponseWriter {
+        ResponseWriter {
+            header,
+            sink,
+            sequence: 0,
+            items: Vec::new(),
+            outcome: None,
+            interrupt,
+            completed_at: None,
+            incomplete_reason: "max_output_tokens",
+            pending_logprobs: Vec::new(),
+        }
     }
 
     pub fn outcome(&self) -> Option<&Outcome> {
@@ -148,7 +190,7 @@ impl ResponseWriter {
             "status": status,
             "background": false,
             "error": error.map(|e| json!({"code": e.code.unwrap_or("server_error"), "message": e.message})),
-            "incomplete_details": (status == "incomplete").then(|| json!({"reason": "max_output_tokens"})),
+            "incomplete_details": (status == "incomplete").then(|| json!({"reason": self.incomplete_reason})),
             "instructions": c.instructions,
             "max_output_tokens": c.max_output_tokens,
             "max_tool_calls": c.max_tool_calls,
@@ -319,6 +361,12 @@ impl Writer for ResponseWriter {
             Ok(f) => f,
             Err(e) => return self.fail(ApiError::from(e)).await,
         };
+        // A steered response stops where it was, as at a stop string (its
+        // output, and its KV state, kept for the successor).
+        let steered = finished.reason == FinishReason::Stop && self.interrupt.steered();
+        if steered {
+            self.incomplete_reason = "steered";
+        }
         if finished.reason == FinishReason::Cancelled {
             self.outcome = Some(Outcome::Cancelled);
             let r = self.response("cancelled", None, None);
@@ -334,7 +382,7 @@ impl Writer for ResponseWriter {
         if !self.close_message().await {
             return;
         }
-        let incomplete = matches!(finished.reason, FinishReason::Length | FinishReason::TimeLimit) && self.header.create.generate;
+        let incomplete = steered || (matches!(finished.reason, FinishReason::Length | FinishReason::TimeLimit) && self.header.create.generate);
         let status = if incomplete { "incomplete" } else { "completed" };
         self.completed_at = Some(unix_now());
         let r = self.response(status, Some(&finished.usage), None);
@@ -345,6 +393,6 @@ impl Writer for ResponseWriter {
     }
 
     fn cancel_origin(&self) -> Option<bool> {
-        self.cancelled.load(Ordering::Acquire).then_some(true)
+        self.interrupt.is_set().then_some(true)
     }
 }

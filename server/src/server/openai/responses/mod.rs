@@ -10,11 +10,11 @@
 //! sequence it streams ([`events`]).
 mod events;
 mod socket;
+mod steer;
 mod store;
 mod stored;
 mod wire;
 
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -31,7 +31,7 @@ use super::super::ServerState;
 use super::respond::{self, ApiError};
 use super::{check_model, deserialize, owner, read_json, refuse_unknown, unix_now, SSE_BUFFER};
 use crate::engine::{StopHandle, StopReason};
-use events::{Header, Outcome, ResponseWriter, Sink};
+use events::{Header, Interrupt, Outcome, ResponseWriter, Sink};
 pub use socket::run as run_socket;
 pub use store::ResponseStore;
 use store::{Conversation, Record, SocketResponses};
@@ -145,12 +145,12 @@ impl Started {
 
     /// Streams the response to `sink` until it ends, then keeps its
     /// conversation for the next `previous_response_id`.
-    async fn run(self, state: &ServerState, sink: Sink, cancelled: Arc<AtomicBool>, socket: Option<&SocketResponses>) -> ResponseWriter {
+    async fn run(self, state: &ServerState, sink: Sink, interrupt: Arc<Interrupt>, socket: Option<&SocketResponses>) -> ResponseWriter {
         let Started { id, create, launched, tenant, owner, earlier } = self;
         let Launched { submitted, in_flight, relay, encoding } = launched;
         let header =
             Header { id: id.clone(), created_at: unix_now(), model: state.model.name.clone(), create: create.clone(), tokenizer: state.tokenizer.clone() };
-        let mut writer = ResponseWriter::new(header, sink, cancelled);
+        let mut writer = ResponseWriter::new(header, sink, interrupt);
         if writer.begin().await {
             relay.run(submitted.events, &mut writer).await;
         } else {
@@ -183,15 +183,15 @@ pub async fn create(state: &Arc<ServerState>, req: Request<Incoming>, tenant: &s
     let stream = create.stream;
     let own_owner = owner(tenant, None);
     let started = start(state, tenant, &own_owner, None, create, received).await?;
-    let cancelled = Arc::new(AtomicBool::new(false));
+    let interrupt = Arc::new(Interrupt::default());
     if !stream {
-        let writer = started.run(state, Sink::Collect, cancelled, None).await;
+        let writer = started.run(state, Sink::Collect, interrupt, None).await;
         return Ok(respond::json(StatusCode::OK, writer.whole()?));
     }
     let (tx, body) = ChannelBody::new(SSE_BUFFER);
     let state = state.clone();
     tokio::spawn(async move {
-        started.run(&state, Sink::Sse(tx), cancelled, None).await;
+        started.run(&state, Sink::Sse(tx), interrupt, None).await;
     });
     let mut r = Response::new(http_body_util::BodyExt::boxed(body));
     let h = r.headers_mut();

@@ -329,6 +329,29 @@ fn reasoning(r: Option<&Value>) -> Result<Value, ParamError> {
     }
 }
 
+/// The `input` of a socket's `response.steer`: a string, or user messages
+/// of `type`, `role` and `content` only (OpenAI's rule for steering). Its
+/// messages and its items (with ids), as `response.create`'s input gives them.
+pub fn steer_input(v: Option<&Value>) -> Result<(Vec<ChatMessage>, Vec<Value>), ParamError> {
+    let (mut messages, mut items) = (Vec::new(), Vec::new());
+    match v {
+        Some(Value::String(t)) if !t.is_empty() => push_item(&mut messages, &mut items, &json!({"role": "user", "content": t}), 0)?,
+        Some(Value::Array(list)) if !list.is_empty() => {
+            for (i, item) in list.iter().enumerate() {
+                let obj = item.as_object().ok_or_else(|| bad("input", format!("input[{i}] must be a user message")))?;
+                let user = obj.get("role").and_then(Value::as_str) == Some("user") && obj.get("type").is_none_or(|t| t == "message");
+                if !user {
+                    return Err(bad("input", format!("input[{i}]: steering takes only messages with the user role")));
+                }
+                only_fields(obj, &["type", "role", "content"], i)?;
+                push_item(&mut messages, &mut items, item, i)?;
+            }
+        }
+        _ => return Err(bad("input", "input is required: a non-empty string or a non-empty list of user messages")),
+    }
+    Ok((messages, items))
+}
+
 impl CreateBody {
     pub fn check(self, edge: Edge) -> Result<Create, ParamError> {
         let tools = self.tools.as_deref().map(|t| tools_of(t, FormatShape::Responses)).transpose()?.unwrap_or_default();
