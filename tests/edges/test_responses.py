@@ -604,3 +604,25 @@ def test_a_socket_past_its_lifetime_is_closed_with_a_typed_error(brief):
     with raw_socket(brief) as ws:
         ws.send(json.dumps({**OK, "input": "more", "previous_response_id": first["id"], "store": False}))
         assert next_event(ws, ["response.completed", "response.incomplete"])["response"]["previous_response_id"] == first["id"]
+
+
+def test_compact_summarizes_a_conversation_that_the_next_turn_continues_from(smollm2):
+    c = client(smollm2)
+    first = c.responses.create(model=MODEL, input="My name is Ada and I live in Lisbon.", max_output_tokens=8, temperature=0)
+    compacted = c.responses.compact(model=MODEL, previous_response_id=first.id, input="I like trains.")
+    assert compacted.object == "response.compaction" and compacted.usage.output_tokens > 0
+    assert [o.type for o in compacted.output] == ["message", "message", "compaction"]
+    assert [o.content[0].text for o in compacted.output[:2]] == ["My name is Ada and I live in Lisbon.", "I like trains."]
+    # The summary was read from the cache: the conversation was its prompt.
+    assert compacted.usage.input_tokens_details.cached_tokens > 0
+    items = [o.model_dump(exclude_none=True, warnings=False) for o in compacted.output]
+    later = c.responses.create(model=MODEL, input=[*items, {"role": "user", "content": "Where do I live?"}], max_output_tokens=4, temperature=0)
+    assert later.status in ("completed", "incomplete")
+    # A compaction this server did not make is refused by name.
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model=MODEL, input=[{"type": "compaction", "encrypted_content": "gAAAAABpM0Yj-opaque"}, {"role": "user", "content": "hi"}], max_output_tokens=2)
+    assert e.value.param == "input" and "compaction" in e.value.message
+    for body, status in (({"model": MODEL}, 400), ({"model": MODEL, "input": "hi", "tools": []}, 400), ({"input": "hi"}, 400),
+                         ({"model": MODEL, "previous_response_id": "resp_nope"}, 404)):
+        got_status, got = smollm2.post("/v1/responses/compact", body)
+        assert got_status == status and set(got["error"]) == {"message", "type", "param", "code"}, (body, got)

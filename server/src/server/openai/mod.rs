@@ -43,6 +43,8 @@ const SSE_BUFFER: usize = 64;
 enum Route {
     Complete(Endpoint),
     Responses,
+    /// `POST /v1/responses/compact`.
+    Compact,
     /// `/v1/responses/{id}[/action]`: a stored response (`rest` is what follows `/v1/responses/`).
     Stored(String),
 }
@@ -54,13 +56,14 @@ pub async fn handle(state: &Arc<ServerState>, req: Request<Incoming>, bearer: Op
         "/v1/chat/completions" => Route::Complete(Endpoint::Chat),
         "/v1/completions" => Route::Complete(Endpoint::Completion),
         "/v1/responses" => Route::Responses,
+        "/v1/responses/compact" => Route::Compact,
         path => Route::Stored(path.strip_prefix("/v1/responses/")?.to_string()),
     };
     if req.method() != hyper::Method::POST && !matches!(route, Route::Stored(_)) {
         // GET /v1/responses upgrades to the WebSocket mode (`http.rs`).
         let (allow, what) = match route {
             Route::Responses => ("POST, GET", "POST (or GET with Upgrade: websocket)"),
-            Route::Complete(_) | Route::Stored(_) => ("POST", "POST"),
+            Route::Complete(_) | Route::Compact | Route::Stored(_) => ("POST", "POST"),
         };
         let e = ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", format!("{} requires {what}", req.uri().path()));
         let mut r = e.response();
@@ -81,6 +84,7 @@ pub async fn handle(state: &Arc<ServerState>, req: Request<Incoming>, bearer: Op
     let result = match route {
         Route::Complete(endpoint) => complete(state, req, endpoint, &tenant).await,
         Route::Responses => responses::create(state, req, &tenant).await,
+        Route::Compact => responses::compact(state, req, &tenant).await,
         Route::Stored(rest) => match responses::handle_stored(state, &req, &tenant, &rest) {
             Some(r) => r,
             None => return Some(unknown_path(req.method(), req.uri().path())),

@@ -8,6 +8,7 @@
 //! The same request path as every edge ([`super::launch`]); this module
 //! adds the conversation a response continues ([`store`]) and the event
 //! sequence it streams ([`events`]).
+mod compact;
 mod events;
 mod socket;
 mod steer;
@@ -31,6 +32,7 @@ use super::super::ServerState;
 use super::respond::{self, ApiError};
 use super::{check_model, deserialize, owner, read_json, refuse_unknown, unix_now, SSE_BUFFER};
 use crate::engine::{StopHandle, StopReason};
+pub use compact::compact;
 use events::{Header, Interrupt, Outcome, ResponseWriter, Sink};
 pub use socket::run as run_socket;
 pub use store::ResponseStore;

@@ -291,7 +291,19 @@ fn push_item(messages: &mut Vec<ChatMessage>, items: &mut Vec<Value>, v: &Value,
             m.tool_call_id = Some(call_id.into());
             messages.push(m);
         }
-        other => return Err(bad("input", format!("input[{i}]: items of type {other:?} are not supported (message, function_call and function_call_output)"))),
+        "compaction" => {
+            only_fields(obj, &["type", "encrypted_content", "id", "created_by"], i)?;
+            let summary = super::compact::open(string_field(obj, "encrypted_content", i)?)
+                .ok_or_else(|| bad("input", format!("input[{i}]: `encrypted_content` is not a compaction this server made")))?;
+            items.push(json!({"id": item_id(obj, "cmp_"), "type": "compaction", "encrypted_content": obj["encrypted_content"]}));
+            messages.push(ChatMessage::new(Role::Assistant, super::compact::recall(&summary)));
+        }
+        other => {
+            return Err(bad(
+                "input",
+                format!("input[{i}]: items of type {other:?} are not supported (message, function_call, function_call_output and compaction)"),
+            ))
+        }
     }
     Ok(())
 }
