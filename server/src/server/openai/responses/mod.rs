@@ -10,6 +10,7 @@
 //! sequence it streams ([`events`]).
 mod compact;
 mod events;
+mod input;
 mod socket;
 mod steer;
 mod store;

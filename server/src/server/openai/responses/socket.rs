@@ -37,9 +37,10 @@ use super::super::super::rate::TokenBucket;
 use super::super::super::ServerState;
 use super::super::respond::ApiError;
 use super::events::{Interrupt, Outcome, Sink};
+use super::input;
 use super::steer::{self, Steer, Steers};
 use super::store::SocketResponses;
-use super::wire::{self, Create, Edge};
+use super::wire::{Create, Edge};
 use super::{parse_create, start};
 use crate::engine::{Scope, StopHandle, StopReason};
 
@@ -297,7 +298,7 @@ impl Reader {
         } else if target.is_empty() {
             refused("invalid_input", "previous_response_id (the running response to steer) is required", None)
         } else {
-            match wire::steer_input(body.get("input")) {
+            match input::steer_input(body.get("input")) {
                 Err(e) => refused("invalid_input", &e.message, None),
                 Ok((messages, items)) => {
                     let steer = Steer { id: crate::server::new_secret("steer_"), target: target.clone(), input: input.clone(), messages, items };
