@@ -129,3 +129,65 @@ pub fn successor(template: &Create, target: &str, steers: &[Steer]) -> Create {
     next.input_items = steers.iter().flat_map(|s| s.items.iter().cloned()).collect();
     next
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::wire::{CreateBody, Edge};
+    use super::*;
+
+    fn create(body: Value) -> Create {
+        serde_json::from_value::<CreateBody>(body).expect("a create body").check(Edge::Socket).map_err(|e| e.message).expect("a valid create")
+    }
+
+    fn steer(id: &str, target: &str, text: &str) -> Steer {
+        let (messages, items) = super::super::input::steer_input(Some(&json!(text))).map_err(|e| e.message).expect("valid steer input");
+        Steer { id: id.into(), target: target.into(), input: json!(text), messages, items }
+    }
+
+    #[test]
+    fn a_successor_keeps_the_settings_and_takes_the_steers_in_order() {
+        let template = create(json!({"input": "count", "max_output_tokens": 50, "temperature": 0, "stream_id": "a", "instructions": "be brief"}));
+        let next = successor(&template, "resp_1", &[steer("s1", "resp_1", "stop"), steer("s2", "resp_1", "say hi")]);
+        assert_eq!(next.previous_response_id.as_deref(), Some("resp_1"));
+        assert_eq!((next.max_output_tokens, next.temperature, next.stream_id.as_deref()), (Some(50), 0.0, Some("a")));
+        assert_eq!(next.instructions.as_deref(), Some("be brief"));
+        assert_eq!(next.input.iter().map(|m| m.content.as_str()).collect::<Vec<_>>(), ["stop", "say hi"]);
+        assert_eq!(next.input_items.len(), 2);
+    }
+
+    #[test]
+    fn steers_waiting_for_call_outputs_go_before_the_next_requests_input_once() {
+        let steers = Steers::default();
+        steers.queue(steer("s1", "resp_1", "also check Oslo"));
+        let queued = steers.take("resp_1");
+        assert!(steers.take("resp_1").is_empty(), "taken once");
+        steers.await_outputs("resp_1", queued);
+        let outputs = json!([{"type": "function_call_output", "call_id": "c1", "output": "12:00"}]);
+        let mut next = create(json!({"input": outputs, "previous_response_id": "resp_1"}));
+        steers.prepend_to(&mut next);
+        assert_eq!(next.input.iter().map(|m| m.content.as_str()).collect::<Vec<_>>(), ["also check Oslo", "12:00"]);
+        assert_eq!(next.input_items.len(), 2);
+        let mut again = create(json!({"input": "x", "previous_response_id": "resp_1"}));
+        steers.prepend_to(&mut again);
+        assert_eq!(again.input.len(), 1, "the steer went with the first request");
+    }
+
+    #[test]
+    fn steer_events_are_numbered_per_socket_and_carry_their_lane() {
+        let steers = Steers::default();
+        let s = steer("steer_1", "resp_1", "x");
+        let accepted: Value = serde_json::from_str(&steers.accepted(&s, "a")).expect("json");
+        assert_eq!(
+            accepted,
+            json!({"type": "response.steer.accepted", "sequence_number": 0, "stream_id": "a", "steer": {"id": "steer_1", "previous_response_id": "resp_1"}})
+        );
+        let calls = [ToolCall { id: "c1".into(), name: "get_time".into(), arguments: "{}".into() }];
+        let pending: Value = serde_json::from_str(&steers.pending(&s, &calls, "")).expect("json");
+        assert_eq!(pending["sequence_number"], 1);
+        assert!(pending.get("stream_id").is_none(), "the default lane has no stream_id");
+        assert_eq!(pending["required_input"], json!([{"type": "function_call_output", "call_id": "c1", "name": "get_time"}]));
+        let failed: Value = serde_json::from_str(&steers.failed("response_not_found", "no", None, "resp_2", &json!("x"), None)).expect("json");
+        assert_eq!(failed["steer"], json!({"previous_response_id": "resp_2", "input": "x"}));
+        assert_eq!(failed["error"], json!({"type": "invalid_request_error", "code": "response_not_found", "message": "no"}));
+    }
+}
