@@ -438,6 +438,12 @@ def test_response_objects_and_events_hold_the_specs_fields(smollm2, coder):
     assert whole["reasoning"] == {"effort": None, "summary": None} and whole["service_tier"] == "default"
     events = sse_events(smollm2, body)
     check_events(events)
+    # A schema format is shown whole (description and strict filled in).
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    status, shaped = smollm2.post("/v1/responses", {**body, "text": {"format": {"type": "json_schema", "name": "place", "schema": schema}}})
+    assert status == 200, shaped
+    check_response(shaped)
+    assert shaped["text"]["format"] == {"type": "json_schema", "name": "place", "schema": schema, "description": None, "strict": False}
     # A function call's events and item, on a model that calls tools.
     tool = {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}
     events = sse_events(coder, {"model": "qwen2.5-coder-0.5b", "input": "What time is it in Tokyo?", "tools": [tool, {**tool, "name": "other", "strict": False}],
