@@ -470,8 +470,9 @@ def test_logprobs_on_output_text_and_its_deltas(smollm2):
         if ev.type == "response.output_text.done":
             done = ev.logprobs
     assert [(l.token, l.top_logprobs) for l in deltas] == [(l.token, []) for l in lps] and len(done) == len(deltas)
-    plain = c.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2, temperature=0)
-    assert plain.output[0].content[0].logprobs == [] and plain.top_logprobs == 0
+    for plain in (c.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2, temperature=0),
+                  c.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2, temperature=0, top_logprobs=0)):
+        assert plain.output[0].content[0].logprobs == [] and plain.top_logprobs == 0
 
 
 def test_phase_on_input_items_is_taken(smollm2):

@@ -204,7 +204,9 @@ impl CreateBody {
             if n > MAX_TOP_LOGPROBS {
                 return Err(bad("top_logprobs", format!("top_logprobs must be <= {MAX_TOP_LOGPROBS}, got {n}")));
             }
-            logprobs = true;
+            // Alternatives come with the sampled token's own logprob; 0
+            // (the default some clients send) asks for nothing.
+            logprobs |= n > 0;
         }
         for (param, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
             if v.is_some_and(|v| v != 0.0) {
