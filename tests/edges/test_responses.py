@@ -10,12 +10,13 @@ import os
 import socket
 import struct
 import time
+import urllib.request
 
 import openai
 import pytest
 from websockets.sync.client import connect as ws_connect
 
-from conftest import TOKEN
+from conftest import TOKEN, Server
 
 MODEL = "smollm2-135m"
 QUESTION = "What is the capital of France? Answer in one sentence."
@@ -198,7 +199,6 @@ BAD_EVENTS = [
     ('"response.create"', 400, None),
     ({}, 400, None),
     ({"type": "session.update"}, 400, "unknown_event_type"),
-    ({"type": "response.steer", "input": "x", "previous_response_id": "resp_x"}, 400, "unknown_event_type"),
     ({**OK, "surprise": 1}, 400, "unknown_parameter"),
     ({**OK, "background": True}, 400, "unknown_parameter"),
     ({**OK, "stream": False}, 400, None),
@@ -266,7 +266,16 @@ BAD_BODIES = [
     ({"model": MODEL, "input": "hi", "top_p": 1.5}, 400, "invalid_parameter"),
     ({"model": MODEL, "input": "hi", "max_output_tokens": 0}, 400, None),
     ({"model": MODEL, "input": "hi", "include": ["reasoning.encrypted_content"]}, 400, None),
-    ({"model": MODEL, "input": "hi", "top_logprobs": 5}, 400, None),
+    ({"model": MODEL, "input": "hi", "top_logprobs": 21}, 400, None),
+    ({"model": MODEL, "input": "hi", "top_logprobs": -1}, 400, "invalid_value"),
+    ({"model": MODEL, "input": "hi", "include": ["message.output_text.logprobs", "file_search_call.results"]}, 400, None),
+    ({"model": MODEL, "input": "hi", "presence_penalty": 0.5}, 400, None),
+    ({"model": MODEL, "input": "hi", "frequency_penalty": -1}, 400, None),
+    ({"model": MODEL, "input": "hi", "max_tool_calls": 0}, 400, None),
+    ({"model": MODEL, "input": "hi", "service_tier": "turbo"}, 400, None),
+    ({"model": MODEL, "input": "hi", "reasoning": {"summary": "auto"}}, 400, None),
+    ({"model": MODEL, "input": [{"role": "assistant", "content": "hi", "phase": "thinking"}]}, 400, None),
+    ({"model": MODEL, "input": "hi", "tools": [{"type": "function", "name": "f", "strict": "yes"}]}, 400, None),
     ({"model": MODEL, "input": "hi", "tool_choice": "required"}, 400, None),
     ({"model": MODEL, "input": "hi", "metadata": {str(i): "v" for i in range(17)}}, 400, None),
     ({"model": MODEL, "input": "hi", "prompt_cache_key": "k" * 300}, 400, None),
@@ -327,3 +336,300 @@ def test_a_socket_whose_client_stops_reading_is_closed(impatient):
         received += len(chunk)
     raw.close()
     assert received < 200_000, f"the response ran to its end ({received} bytes)"
+
+
+# The OpenResponses specification's required fields, with their JSON types
+# (written from its ResponseResource, items and streaming events).
+NUM, INT, STR, BOOL, OBJ, LIST, NULL = (int, float), int, str, bool, dict, list, type(None)
+RESPONSE_FIELDS = {
+    "id": STR, "object": STR, "created_at": INT, "completed_at": (INT, NULL), "status": STR,
+    "incomplete_details": (OBJ, NULL), "model": STR, "previous_response_id": (STR, NULL),
+    "instructions": (STR, LIST, NULL), "output": LIST, "error": (OBJ, NULL), "tools": LIST,
+    "tool_choice": (STR, OBJ), "truncation": STR, "parallel_tool_calls": BOOL, "text": OBJ,
+    "top_p": NUM, "presence_penalty": NUM, "frequency_penalty": NUM, "top_logprobs": INT,
+    "temperature": NUM, "reasoning": (OBJ, NULL), "user": (STR, NULL), "usage": (OBJ, NULL),
+    "max_output_tokens": (INT, NULL), "max_tool_calls": (INT, NULL), "store": BOOL,
+    "background": BOOL, "service_tier": STR, "metadata": OBJ, "safety_identifier": (STR, NULL),
+    "prompt_cache_key": (STR, NULL),
+}
+USAGE_FIELDS = {"input_tokens": INT, "output_tokens": INT, "total_tokens": INT, "input_tokens_details": OBJ, "output_tokens_details": OBJ}
+ITEM_FIELDS = {
+    "message": {"type": STR, "id": STR, "status": STR, "role": STR, "content": LIST},
+    "function_call": {"type": STR, "id": STR, "call_id": STR, "name": STR, "arguments": STR, "status": STR},
+}
+PART_FIELDS = {"type": STR, "text": STR, "annotations": LIST, "logprobs": LIST}
+LOGPROB_FIELDS = {"token": STR, "logprob": NUM, "bytes": LIST, "top_logprobs": LIST}
+TOOL_FIELDS = {"type": STR, "name": STR, "description": (STR, NULL), "parameters": (OBJ, NULL), "strict": BOOL}
+EVENT_FIELDS = {
+    "response.created": {"response": OBJ},
+    "response.in_progress": {"response": OBJ},
+    "response.completed": {"response": OBJ},
+    "response.incomplete": {"response": OBJ},
+    "response.failed": {"response": OBJ},
+    "response.output_item.added": {"output_index": INT, "item": OBJ},
+    "response.output_item.done": {"output_index": INT, "item": OBJ},
+    "response.content_part.added": {"item_id": STR, "output_index": INT, "content_index": INT, "part": OBJ},
+    "response.content_part.done": {"item_id": STR, "output_index": INT, "content_index": INT, "part": OBJ},
+    "response.output_text.delta": {"item_id": STR, "output_index": INT, "content_index": INT, "delta": STR, "logprobs": LIST},
+    "response.output_text.done": {"item_id": STR, "output_index": INT, "content_index": INT, "text": STR, "logprobs": LIST},
+    "response.function_call_arguments.delta": {"item_id": STR, "output_index": INT, "delta": STR},
+    "response.function_call_arguments.done": {"item_id": STR, "output_index": INT, "arguments": STR},
+}
+
+
+def holds(obj, fields, where):
+    for key, kind in fields.items():
+        assert key in obj, f"{where}: `{key}` is required: {obj}"
+        value = obj[key]
+        ok = isinstance(value, kind) and not (isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)))
+        assert ok, f"{where}.{key}: {value!r} is not {kind}"
+
+
+def check_response(r, where="response"):
+    holds(r, RESPONSE_FIELDS, where)
+    assert r["object"] == "response" and (r["completed_at"] is not None) == (r["status"] == "completed"), r
+    if r["usage"] is not None:
+        holds(r["usage"], USAGE_FIELDS, f"{where}.usage")
+    for t in r["tools"]:
+        holds(t, TOOL_FIELDS, f"{where}.tools[]")
+    for item in r["output"]:
+        check_item(item, f"{where}.output[]")
+
+
+def check_item(item, where):
+    holds(item, ITEM_FIELDS[item["type"]], where)
+    for part in item.get("content", []):
+        holds(part, PART_FIELDS, f"{where}.content[]")
+        for lp in part["logprobs"]:
+            holds(lp, LOGPROB_FIELDS, f"{where}.content[].logprobs[]")
+
+
+def sse_events(server, body):
+    """The events of a streamed POST /v1/responses, parsed raw (not through the SDK's lenient models)."""
+    req = urllib.request.Request(f"http://127.0.0.1:{server.port}/v1/responses", data=json.dumps({**body, "stream": True}).encode(), method="POST")
+    req.add_header("Content-Type", "application/json")
+    events = []
+    with urllib.request.urlopen(req, timeout=60) as r:
+        for line in r:
+            if line.startswith(b"data: "):
+                events.append(json.loads(line[6:]))
+    return events
+
+
+def check_events(events):
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    for e in events:
+        holds(e, EVENT_FIELDS[e["type"]], e["type"])
+        if "response" in e:
+            check_response(e["response"], f"{e['type']}.response")
+        if "item" in e:
+            check_item(e["item"], f"{e['type']}.item")
+        if "part" in e:
+            holds(e["part"], PART_FIELDS, f"{e['type']}.part")
+
+
+def test_response_objects_and_events_hold_the_specs_fields(smollm2, coder):
+    body = {"model": MODEL, "input": QUESTION, "max_output_tokens": 6, "temperature": 0, "user": "u-1", "safety_identifier": "s-1",
+            "top_logprobs": 2, "presence_penalty": 0, "max_tool_calls": 3, "reasoning": {"effort": None}}
+    status, whole = smollm2.post("/v1/responses", body)
+    assert status == 200, whole
+    check_response(whole)
+    assert (whole["user"], whole["safety_identifier"], whole["top_logprobs"], whole["max_tool_calls"]) == ("u-1", "s-1", 2, 3)
+    assert whole["reasoning"] == {"effort": None, "summary": None} and whole["service_tier"] == "default"
+    events = sse_events(smollm2, body)
+    check_events(events)
+    # A schema format is shown whole (description and strict filled in).
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    status, shaped = smollm2.post("/v1/responses", {**body, "text": {"format": {"type": "json_schema", "name": "place", "schema": schema}}})
+    assert status == 200, shaped
+    check_response(shaped)
+    assert shaped["text"]["format"] == {"type": "json_schema", "name": "place", "schema": schema, "description": None, "strict": False}
+    # A function call's events and item, on a model that calls tools.
+    tool = {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}
+    events = sse_events(coder, {"model": "qwen2.5-coder-0.5b", "input": "What time is it in Tokyo?", "tools": [tool, {**tool, "name": "other", "strict": False}],
+                                "tool_choice": {"type": "function", "name": "get_time"}, "temperature": 0, "max_output_tokens": 60})
+    check_events(events)
+    final = events[-1]["response"]
+    assert [i["type"] for i in final["output"]] == ["function_call"], final["output"]
+    assert [t["strict"] for t in final["tools"]] == [True, False]
+    assert final["completed_at"] >= final["created_at"]
+
+
+def test_logprobs_on_output_text_and_its_deltas(smollm2):
+    c = client(smollm2)
+    r = c.responses.create(model=MODEL, input=QUESTION, max_output_tokens=6, temperature=0, top_logprobs=3)
+    lps = r.output[0].content[0].logprobs
+    assert len(lps) == r.usage.output_tokens and all(len(l.top_logprobs) == 3 and l.logprob <= 0 for l in lps)
+    assert "".join(l.token for l in lps) == r.output_text
+    # The greedy token is the most likely one.
+    assert all(l.logprob == pytest.approx(max(t.logprob for t in l.top_logprobs), abs=1e-4) for l in lps)
+    deltas = []
+    for ev in c.responses.create(model=MODEL, input=QUESTION, max_output_tokens=6, temperature=0, include=["message.output_text.logprobs"], stream=True):
+        if ev.type == "response.output_text.delta":
+            deltas.extend(ev.logprobs)
+        if ev.type == "response.output_text.done":
+            done = ev.logprobs
+    assert [(l.token, l.top_logprobs) for l in deltas] == [(l.token, []) for l in lps] and len(done) == len(deltas)
+    for plain in (c.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2, temperature=0),
+                  c.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2, temperature=0, top_logprobs=0)):
+        assert plain.output[0].content[0].logprobs == [] and plain.top_logprobs == 0
+
+
+def test_phase_on_input_items_is_taken(smollm2):
+    c = client(smollm2)
+    r = c.responses.create(model=MODEL, max_output_tokens=2, input=[
+        {"role": "user", "content": QUESTION},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me think."}], "phase": "commentary"},
+        {"type": "message", "role": "assistant", "content": "Paris.", "phase": "final_answer"},
+        {"role": "user", "content": "And of Spain?"},
+    ])
+    assert r.status in ("completed", "incomplete")
+    items = c.responses.input_items.list(r.id, order="asc").data
+    assert [getattr(i, "phase", None) for i in items] == [None, "commentary", "final_answer", None]
+
+
+def test_a_function_call_output_for_no_call_is_refused(smollm2):
+    c = client(smollm2)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model=MODEL, max_output_tokens=2, input=[
+            {"role": "user", "content": "hi"},
+            {"type": "function_call", "call_id": "call_made", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "call_made", "output": "ok"},
+            {"type": "function_call_output", "call_id": "call_never", "output": "x"},
+        ])
+    assert e.value.param == "input" and "No tool call found for function call output with call_id call_never" in e.value.message
+    first = c.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        c.responses.create(model=MODEL, previous_response_id=first.id, max_output_tokens=2,
+                           input=[{"type": "function_call_output", "call_id": "call_x", "output": "x"}])
+
+
+def test_stored_responses_are_read_back_listed_and_deleted(smollm2):
+    c = client(smollm2)
+    r = c.responses.create(model=MODEL, input=[{"role": "user", "content": f"Say {i}."} for i in range(5)], max_output_tokens=3, temperature=0)
+    got = c.responses.retrieve(r.id)
+    assert got.model_dump() == r.model_dump()
+    with pytest.raises(openai.BadRequestError):
+        c.responses.retrieve(r.id, stream=True)
+    # Input items: newest first by default, in pages the SDK walks.
+    items = list(c.responses.input_items.list(r.id, limit=2))
+    assert [i.content[0].text for i in items] == [f"Say {i}." for i in reversed(range(5))]
+    page = c.responses.input_items.list(r.id, order="asc", limit=2)
+    assert [i.content[0].text for i in page.data] == ["Say 0.", "Say 1."] and page.has_more and page.first_id == page.data[0].id
+    # Another key sees none of it.
+    other = client(smollm2, api_key="sk-tenant-b")
+    for call in (lambda: other.responses.retrieve(r.id), lambda: other.responses.delete(r.id), lambda: other.responses.input_items.list(r.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    # Nothing runs in the background here: cancel is refused by name.
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.cancel(r.id)
+    assert "background" in e.value.message
+    status, body = smollm2.post(f"/v1/responses/{r.id}/cancel", b"", {"Authorization": "Bearer sk-tenant-a"})
+    assert status == 400 and set(body["error"]) == {"message", "type", "param", "code"}
+    unstored = c.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError) as e:
+        c.responses.retrieve(unstored.id)
+    assert e.value.body["type"] == "invalid_request_error"
+    assert c.responses.delete(r.id) is None
+    status, body = smollm2.post(f"/v1/responses/{r.id}", b"{}", {"Authorization": "Bearer sk-tenant-a"})
+    assert status == 405
+    for call in (lambda: c.responses.retrieve(r.id), lambda: c.responses.delete(r.id), lambda: c.responses.cancel(r.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    with pytest.raises(openai.NotFoundError):
+        c.responses.create(model=MODEL, input="hi", previous_response_id=r.id, max_output_tokens=2)
+
+
+def raw_socket(server):
+    url = server.base_url.replace("http://", "ws://") + "/responses"
+    return ws_connect(url, additional_headers={"Authorization": "Bearer sk-tenant-a"})
+
+
+def next_event(ws, kinds):
+    while (ev := json.loads(ws.recv(timeout=60)))["type"] not in kinds:
+        assert ev["type"] != "error", ev
+    return ev
+
+
+def test_socket_steer_ends_the_running_response_and_its_successor_continues_it(smollm2):
+    with raw_socket(smollm2) as ws:
+        ws.send(json.dumps({"type": "response.create", "model": MODEL, "input": "Count from 1 to 500, separated by commas.",
+                            "max_output_tokens": 300, "temperature": 0, "store": False, "stream_id": "main"}))
+        rid = next_event(ws, ["response.created"])["response"]["id"]
+        next_event(ws, ["response.output_text.delta"])
+        ws.send(json.dumps({"type": "response.steer", "previous_response_id": rid, "input": "Stop. Say hi instead."}))
+        events = []
+        while (ev := json.loads(ws.recv(timeout=60)))["type"] != "response.created":
+            assert ev["type"] not in ("error", "response.steer.failed"), ev
+            events.append(ev)
+        successor = ev["response"]
+        kinds = [e["type"] for e in events]
+        accepted = events[kinds.index("response.steer.accepted")]
+        assert accepted["steer"]["previous_response_id"] == rid and accepted["steer"]["id"].startswith("steer_") and accepted["stream_id"] == "main"
+        steered = events[-1]["response"]
+        assert events[-1]["type"] == "response.incomplete" and steered["incomplete_details"] == {"reason": "steered"}, steered
+        own = [k for k in kinds if not k.startswith("response.steer.")]
+        assert own[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+        assert steered["output"][0]["content"][0]["text"]
+        # The successor: same settings and lane, continuing the steered one from the cache.
+        assert successor["previous_response_id"] == rid and successor["max_output_tokens"] == 300 and ev["stream_id"] == "main"
+        done = next_event(ws, ["response.incomplete", "response.completed"])["response"]
+        # Everything before the steer was cached, up to the last block.
+        assert done["usage"]["input_tokens_details"]["cached_tokens"] >= steered["usage"]["input_tokens"] // BLOCK * BLOCK > 0, (steered["usage"], done["usage"])
+        # What cannot be steered comes back in response.steer.failed, the input with it.
+        for steer, code in (
+            ({"previous_response_id": rid, "input": "x"}, "response_already_completed"),
+            ({"previous_response_id": "resp_nope", "input": "x"}, "response_not_found"),
+            ({"previous_response_id": rid, "input": [{"role": "assistant", "content": "x"}]}, "invalid_input"),
+            ({"previous_response_id": rid, "input": ""}, "invalid_input"),
+            ({"previous_response_id": rid, "input": "x", "stream_id": "main"}, "invalid_input"),
+        ):
+            ws.send(json.dumps({"type": "response.steer", **steer}))
+            failed = next_event(ws, ["response.steer.failed"])
+            assert failed["error"]["code"] == code and failed["error"]["type"] == "invalid_request_error", failed
+            assert failed["steer"] == {"previous_response_id": steer["previous_response_id"], "input": steer["input"]}
+
+
+@pytest.fixture(scope="module")
+def brief():
+    """A server whose Responses sockets live 1 s (OpenAI's live 60 minutes)."""
+    s = Server(MODEL, "--responses-socket-secs", "1")
+    yield s
+    s.stop()
+
+
+def test_a_socket_past_its_lifetime_is_closed_with_a_typed_error(brief):
+    with raw_socket(brief) as ws:
+        ws.send(json.dumps({**OK, "store": False}))
+        first = next_event(ws, ["response.completed", "response.incomplete"])["response"]
+        got = json.loads(ws.recv(timeout=10))
+        assert got["type"] == "error" and got["error"]["code"] == "websocket_connection_limit_reached", got
+        with pytest.raises(Exception):
+            ws.recv(timeout=10)
+    # A new socket continues where the closed one was.
+    with raw_socket(brief) as ws:
+        ws.send(json.dumps({**OK, "input": "more", "previous_response_id": first["id"], "store": False}))
+        assert next_event(ws, ["response.completed", "response.incomplete"])["response"]["previous_response_id"] == first["id"]
+
+
+def test_compact_summarizes_a_conversation_that_the_next_turn_continues_from(smollm2):
+    c = client(smollm2)
+    first = c.responses.create(model=MODEL, input="My name is Ada and I live in Lisbon.", max_output_tokens=8, temperature=0)
+    compacted = c.responses.compact(model=MODEL, previous_response_id=first.id, input="I like trains.")
+    assert compacted.object == "response.compaction" and compacted.usage.output_tokens > 0
+    assert [o.type for o in compacted.output] == ["message", "message", "compaction"]
+    assert [o.content[0].text for o in compacted.output[:2]] == ["My name is Ada and I live in Lisbon.", "I like trains."]
+    # The summary was read from the cache: the conversation was its prompt.
+    assert compacted.usage.input_tokens_details.cached_tokens > 0
+    items = [o.model_dump(exclude_none=True, warnings=False) for o in compacted.output]
+    later = c.responses.create(model=MODEL, input=[*items, {"role": "user", "content": "Where do I live?"}], max_output_tokens=4, temperature=0)
+    assert later.status in ("completed", "incomplete")
+    # A compaction this server did not make is refused by name.
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model=MODEL, input=[{"type": "compaction", "encrypted_content": "gAAAAABpM0Yj-opaque"}, {"role": "user", "content": "hi"}], max_output_tokens=2)
+    assert e.value.param == "input" and "compaction" in e.value.message
+    for body, status in (({"model": MODEL}, 400), ({"model": MODEL, "input": "hi", "tools": []}, 400), ({"input": "hi"}, 400),
+                         ({"model": MODEL, "previous_response_id": "resp_nope"}, 404)):
+        got_status, got = smollm2.post("/v1/responses/compact", body)
+        assert got_status == status and set(got["error"]) == {"message", "type", "param", "code"}, (body, got)

@@ -98,6 +98,11 @@ pub(super) struct ServeArgs {
     /// Seconds graceful shutdown waits for in-flight requests.
     #[arg(long, default_value_t = 30.0)]
     drain_timeout_secs: f64,
+    /// Seconds a Responses API WebSocket may stay open, as OpenAI's 60
+    /// minutes; then it closes with `websocket_connection_limit_reached`
+    /// (its conversations wait --session-ttl-secs for a new socket).
+    #[arg(long, default_value_t = 3600.0)]
+    responses_socket_secs: f64,
     /// Serve the static files of this folder on other GET paths, e.g. the
     /// browser playground built into `client-ts/dist/playground`.
     #[arg(long)]
@@ -129,6 +134,7 @@ pub(super) fn run(args: ServeArgs) -> anyhow::Result<()> {
         auth_token: args.auth_token.clone().or_else(|| std::env::var("TETHER_AUTH_TOKEN").ok().filter(|t| !t.is_empty())),
         allowed_origins: args.allow_origin.clone(),
         drain_timeout: secs("drain-timeout-secs", args.drain_timeout_secs)?,
+        responses_socket_lifetime: secs("responses-socket-secs", args.responses_socket_secs)?,
         ui_dir: match &args.ui_dir {
             Some(d) => Some(d.canonicalize().ok().filter(|p| p.is_dir()).ok_or_else(|| anyhow::anyhow!("--ui-dir {}: not a folder", d.display()))?),
             None => None,

@@ -61,6 +61,9 @@ pub struct ServerConfig {
     pub allowed_origins: Vec<String>,
     /// How long graceful shutdown waits for in-flight requests.
     pub drain_timeout: Duration,
+    /// How long a Responses API WebSocket may stay open (OpenAI's 60
+    /// minutes); then it is closed with `websocket_connection_limit_reached`.
+    pub responses_socket_lifetime: Duration,
     /// A folder of static files served on `GET` paths outside the API (the
     /// browser playground); an absolute, canonical path. `None` serves none.
     pub ui_dir: Option<PathBuf>,
@@ -93,6 +96,7 @@ impl Default for ServerConfig {
             auth_token: None,
             allowed_origins: Vec::new(),
             drain_timeout: Duration::from_secs(30),
+            responses_socket_lifetime: Duration::from_secs(3600),
             ui_dir: None,
         }
     }

@@ -39,10 +39,14 @@ use wire::{ChatRequest, CompletionRequest, Options, ParamError};
 /// writer waits (and, through the engine's own bound, the row pauses).
 const SSE_BUFFER: usize = 64;
 
-/// What a POST route serves.
+/// What a route serves.
 enum Route {
     Complete(Endpoint),
     Responses,
+    /// `POST /v1/responses/compact`.
+    Compact,
+    /// `/v1/responses/{id}[/action]`: a stored response (`rest` is what follows `/v1/responses/`).
+    Stored(String),
 }
 
 /// Routes an `/v1/...` OpenAI request; `None` for paths this edge does not serve.
@@ -52,13 +56,14 @@ pub async fn handle(state: &Arc<ServerState>, req: Request<Incoming>, bearer: Op
         "/v1/chat/completions" => Route::Complete(Endpoint::Chat),
         "/v1/completions" => Route::Complete(Endpoint::Completion),
         "/v1/responses" => Route::Responses,
-        _ => return None,
+        "/v1/responses/compact" => Route::Compact,
+        path => Route::Stored(path.strip_prefix("/v1/responses/")?.to_string()),
     };
-    if req.method() != hyper::Method::POST {
+    if req.method() != hyper::Method::POST && !matches!(route, Route::Stored(_)) {
         // GET /v1/responses upgrades to the WebSocket mode (`http.rs`).
         let (allow, what) = match route {
             Route::Responses => ("POST, GET", "POST (or GET with Upgrade: websocket)"),
-            Route::Complete(_) => ("POST", "POST"),
+            Route::Complete(_) | Route::Compact | Route::Stored(_) => ("POST", "POST"),
         };
         let e = ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", format!("{} requires {what}", req.uri().path()));
         let mut r = e.response();
@@ -79,6 +84,11 @@ pub async fn handle(state: &Arc<ServerState>, req: Request<Incoming>, bearer: Op
     let result = match route {
         Route::Complete(endpoint) => complete(state, req, endpoint, &tenant).await,
         Route::Responses => responses::create(state, req, &tenant).await,
+        Route::Compact => responses::compact(state, req, &tenant).await,
+        Route::Stored(rest) => match responses::handle_stored(state, &req, &tenant, &rest) {
+            Some(r) => r,
+            None => return Some(unknown_path(req.method(), req.uri().path())),
+        },
     };
     Some(match result {
         Ok(r) => r,

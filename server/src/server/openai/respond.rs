@@ -133,31 +133,39 @@ fn usage(u: &Usage) -> Value {
     })
 }
 
+/// A token's text and bytes (a token may hold part of a character).
+fn token_text(tokenizer: &TextTokenizer, id: u32) -> (String, Vec<u8>) {
+    let bytes = tokenizer.decode_bytes(&[id], false);
+    (String::from_utf8_lossy(&bytes).into_owned(), bytes)
+}
+
+/// Logprobs as Chat Completions' `content` list and the Responses API's
+/// `logprobs` share them: `{token, logprob, bytes, top_logprobs: [{token,
+/// logprob, bytes}]}` per token.
+pub fn logprob_entries(tokenizer: &TextTokenizer, lps: &[TokenLogprob]) -> Vec<Value> {
+    let entry = |id: u32, lp: f32| {
+        let (token, bytes) = token_text(tokenizer, id);
+        json!({"token": token, "logprob": lp, "bytes": bytes})
+    };
+    lps.iter()
+        .map(|l| {
+            let mut e = entry(l.token_id, l.logprob);
+            e["top_logprobs"] = l.top.iter().flatten().map(|t| entry(t.token_id, t.logprob)).collect();
+            e
+        })
+        .collect()
+}
+
 impl Reply {
     fn token_text(&self, id: u32) -> (String, Vec<u8>) {
-        let bytes = self.tokenizer.decode_bytes(&[id], false);
-        (String::from_utf8_lossy(&bytes).into_owned(), bytes)
+        token_text(&self.tokenizer, id)
     }
 
     /// Logprobs of `lps` in the endpoint's shape: chat's `content` list, or
     /// the legacy completions' parallel lists (`text_offset` counted from `offset`).
     fn logprobs(&self, lps: &[TokenLogprob], offset: usize) -> Value {
         match self.endpoint {
-            Endpoint::Chat => {
-                let entry = |id: u32, lp: f32| {
-                    let (token, bytes) = self.token_text(id);
-                    json!({"token": token, "logprob": lp, "bytes": bytes})
-                };
-                let content: Vec<Value> = lps
-                    .iter()
-                    .map(|l| {
-                        let mut e = entry(l.token_id, l.logprob);
-                        e["top_logprobs"] = l.top.iter().flatten().map(|t| entry(t.token_id, t.logprob)).collect();
-                        e
-                    })
-                    .collect();
-                json!({"content": content})
-            }
+            Endpoint::Chat => json!({"content": logprob_entries(&self.tokenizer, lps)}),
             Endpoint::Completion => {
                 let (mut tokens, mut offsets, mut at) = (Vec::new(), Vec::new(), offset);
                 for l in lps {

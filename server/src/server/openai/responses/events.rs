@@ -10,7 +10,7 @@
 //!
 //! [`ResponseWriter`] is this edge's relay writer: the same relay as every
 //! other edge, only the wire differs ([`Sink`]).
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
 use hyper::body::Bytes;
@@ -19,8 +19,10 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use super::super::super::relay::{Ending, Piece, Writer};
-use super::super::respond::ApiError;
+use super::super::respond::{logprob_entries, ApiError};
+use super::super::unix_now;
 use super::wire::Create;
+use crate::tokenizer::TextTokenizer;
 
 /// Where a response's events go.
 pub enum Sink {
@@ -45,12 +47,44 @@ impl Sink {
     }
 }
 
+/// Why the client stopped a running response, set by the edge before it
+/// stops the row: a cancel ends it `cancelled`; a steer ends it
+/// `incomplete` (reason `steered`), its output kept for the successor.
+#[derive(Default)]
+pub struct Interrupt(AtomicU8);
+
+const CANCELLED: u8 = 1;
+const STEERED: u8 = 2;
+
+impl Interrupt {
+    /// Marks the response cancelled unless it was steered (the steer
+    /// already stopped it, its output kept).
+    pub fn cancel(&self) {
+        let _ = self.0.compare_exchange(0, CANCELLED, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    /// Marks the response steered unless it was cancelled; false if it was.
+    pub fn steer(&self) -> bool {
+        self.0.compare_exchange(0, STEERED, Ordering::AcqRel, Ordering::Acquire).is_ok() || self.steered()
+    }
+
+    pub fn steered(&self) -> bool {
+        self.0.load(Ordering::Acquire) == STEERED
+    }
+
+    fn is_set(&self) -> bool {
+        self.0.load(Ordering::Acquire) != 0
+    }
+}
+
 /// What every `response` object of one request repeats.
 pub struct Header {
     pub id: String,
     pub created_at: u64,
     pub model: String,
     pub create: Create,
+    /// Names the tokens of logprobs.
+    pub tokenizer: Arc<TextTokenizer>,
 }
 
 /// How a response ended.
@@ -69,8 +103,9 @@ pub enum Outcome {
 
 /// One item of a response's `output`.
 enum Item {
-    /// Assistant text; `open` while it may still grow.
-    Message { id: String, text: String, open: bool },
+    /// Assistant text; `open` while it may still grow. `logprobs`: one
+    /// entry per token when the request asked for them.
+    Message { id: String, text: String, open: bool, logprobs: Option<Vec<Value>> },
     /// A function call (`call.id` is its `call_id`).
     Call { id: String, call: ToolCall },
 }
@@ -78,8 +113,8 @@ enum Item {
 impl Item {
     fn json(&self) -> Value {
         match self {
-            Item::Message { id, text, open } => {
-                let content: Vec<Value> = if *open { Vec::new() } else { vec![text_part(text)] };
+            Item::Message { id, text, open, logprobs } => {
+                let content: Vec<Value> = if *open { Vec::new() } else { vec![text_part(text, logprobs.as_deref())] };
                 json!({"id": id, "type": "message", "status": if *open { "in_progress" } else { "completed" }, "role": "assistant", "content": content})
             }
             Item::Call { id, call } => function_call(id, call, "completed", &call.arguments),
@@ -87,8 +122,9 @@ impl Item {
     }
 }
 
-fn text_part(text: &str) -> Value {
-    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []})
+/// An `output_text` part; its `logprobs` are `[]` unless they were asked for.
+fn text_part(text: &str, logprobs: Option<&[Value]>) -> Value {
+    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs.unwrap_or_default()})
 }
 
 fn function_call(id: &str, call: &ToolCall, status: &str, arguments: &str) -> Value {
@@ -102,8 +138,15 @@ pub struct ResponseWriter {
     /// The output so far, in order.
     items: Vec<Item>,
     outcome: Option<Outcome>,
-    /// Set by the edge when its client cancelled the response.
-    cancelled: Arc<AtomicBool>,
+    /// Set by the edge when its client cancelled or steered the response.
+    interrupt: Arc<Interrupt>,
+    /// Unix seconds when the response completed.
+    completed_at: Option<u64>,
+    /// Why an `incomplete` response stopped: `max_output_tokens`, or `steered`.
+    incomplete_reason: &'static str,
+    /// Logprobs of tokens whose text is still held back (a partial
+    /// character or stop string): they go out with the next text delta.
+    pending_logprobs: Vec<Value>,
 }
 
 fn usage(u: &Usage) -> Value {
@@ -117,8 +160,18 @@ fn usage(u: &Usage) -> Value {
 }
 
 impl ResponseWriter {
-    pub fn new(header: Header, sink: Sink, cancelled: Arc<AtomicBool>) -> ResponseWriter {
-        ResponseWriter { header, sink, sequence: 0, items: Vec::new(), outcome: None, cancelled }
+    pub fn new(header: Header, sink: Sink, interrupt: Arc<Interrupt>) -> ResponseWriter {
+        ResponseWriter {
+            header,
+            sink,
+            sequence: 0,
+            items: Vec::new(),
+            outcome: None,
+            interrupt,
+            completed_at: None,
+            incomplete_reason: "max_output_tokens",
+            pending_logprobs: Vec::new(),
+        }
     }
 
     pub fn outcome(&self) -> Option<&Outcome> {
@@ -133,26 +186,35 @@ impl ResponseWriter {
             "id": self.header.id,
             "object": "response",
             "created_at": self.header.created_at,
+            "completed_at": if status == "completed" { self.completed_at } else { None },
             "status": status,
             "background": false,
             "error": error.map(|e| json!({"code": e.code.unwrap_or("server_error"), "message": e.message})),
-            "incomplete_details": (status == "incomplete").then(|| json!({"reason": "max_output_tokens"})),
+            "incomplete_details": (status == "incomplete").then(|| json!({"reason": self.incomplete_reason})),
             "instructions": c.instructions,
             "max_output_tokens": c.max_output_tokens,
+            "max_tool_calls": c.max_tool_calls,
             "metadata": if c.metadata.is_null() { json!({}) } else { c.metadata.clone() },
             "model": self.header.model,
             "output": output,
             "parallel_tool_calls": c.parallel_tool_calls.unwrap_or(true),
             "previous_response_id": c.previous_response_id,
             "prompt_cache_key": c.prompt_cache_key,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "reasoning": c.reasoning_echo,
+            "safety_identifier": c.safety_identifier,
+            "service_tier": "default",
             "store": c.store,
             "temperature": c.temperature,
             "text": {"format": c.text_format},
             "tool_choice": c.tool_choice_echo,
             "tools": c.tools_echo,
+            "top_logprobs": c.top_logprobs,
             "top_p": c.top_p.unwrap_or(1.0),
             "truncation": "disabled",
             "usage": usage.map(self::usage),
+            "user": c.user,
         })
     }
 
@@ -190,12 +252,13 @@ impl ResponseWriter {
         }
         let id = super::super::super::new_secret("msg_");
         let index = self.items.len();
-        self.items.push(Item::Message { id: id.clone(), text: String::new(), open: true });
+        let logprobs = self.header.create.logprobs.then(Vec::new);
+        self.items.push(Item::Message { id: id.clone(), text: String::new(), open: true, logprobs });
         let item = self.items[index].json();
         let opened = self.emit(json!({"type": "response.output_item.added", "output_index": index, "item": item})).await
             && self
                 .emit(json!({"type": "response.content_part.added", "item_id": id, "output_index": index, "content_index": 0,
-                "part": text_part("")}))
+                "part": text_part("", None)}))
                 .await;
         opened.then_some((id, index))
     }
@@ -203,17 +266,18 @@ impl ResponseWriter {
     /// The text, part and item `done` events of the open message, if any.
     async fn close_message(&mut self) -> bool {
         let index = self.items.len().wrapping_sub(1);
-        let Some(Item::Message { id, text, open }) = self.items.last_mut() else { return true };
+        let Some(Item::Message { id, text, open, logprobs }) = self.items.last_mut() else { return true };
         if !*open {
             return true;
         }
         *open = false;
-        let (id, text) = (id.clone(), text.clone());
+        let (id, text, logprobs) = (id.clone(), text.clone(), logprobs.clone());
         let item = self.items[index].json();
-        self.emit(json!({"type": "response.output_text.done", "item_id": id, "output_index": index, "content_index": 0, "text": text, "logprobs": []})).await
-            && self
-                .emit(json!({"type": "response.content_part.done", "item_id": id, "output_index": index, "content_index": 0, "part": text_part(&text)}))
-                .await
+        let part = text_part(&text, logprobs.as_deref());
+        self.emit(json!({"type": "response.output_text.done", "item_id": id, "output_index": index, "content_index": 0, "text": text,
+            "logprobs": part["logprobs"]}))
+            .await
+            && self.emit(json!({"type": "response.content_part.done", "item_id": id, "output_index": index, "content_index": 0, "part": part})).await
             && self.emit(json!({"type": "response.output_item.done", "output_index": index, "item": item})).await
     }
 
@@ -261,17 +325,28 @@ impl Writer for ResponseWriter {
         // The message opens with the first output, unless the output may
         // be calls (then with the first text).
         let first = self.items.is_empty() && self.header.create.tools.is_empty();
+        if let Some(l) = &piece.logprobs {
+            self.pending_logprobs.extend(logprob_entries(&self.header.tokenizer, l));
+        }
         if !piece.text.is_empty() || first {
             let Some((id, index)) = self.open_message().await else { return false };
             if !piece.text.is_empty() {
-                if let Some(Item::Message { text, .. }) = self.items.last_mut() {
+                let entries = std::mem::take(&mut self.pending_logprobs);
+                if let Some(Item::Message { text, logprobs, .. }) = self.items.last_mut() {
                     text.push_str(&piece.text);
+                    if let Some(all) = logprobs {
+                        all.extend(entries.iter().cloned());
+                    }
                 }
-                let delta = json!({"type": "response.output_text.delta", "item_id": id, "output_index": index, "content_index": 0, "delta": piece.text, "logprobs": []});
+                let delta = json!({"type": "response.output_text.delta", "item_id": id, "output_index": index, "content_index": 0, "delta": piece.text, "logprobs": entries});
                 if !self.emit(delta).await {
                     return false;
                 }
             }
+        }
+        if !piece.tool_calls.is_empty() {
+            // Those were the calls' tokens, not text's.
+            self.pending_logprobs.clear();
         }
         for call in piece.tool_calls {
             if !self.emit_call(call).await {
@@ -286,6 +361,12 @@ impl Writer for ResponseWriter {
             Ok(f) => f,
             Err(e) => return self.fail(ApiError::from(e)).await,
         };
+        // A steered response stops where it was, as at a stop string (its
+        // output, and its KV state, kept for the successor).
+        let steered = finished.reason == FinishReason::Stop && self.interrupt.steered();
+        if steered {
+            self.incomplete_reason = "steered";
+        }
         if finished.reason == FinishReason::Cancelled {
             self.outcome = Some(Outcome::Cancelled);
             let r = self.response("cancelled", None, None);
@@ -301,8 +382,9 @@ impl Writer for ResponseWriter {
         if !self.close_message().await {
             return;
         }
-        let incomplete = matches!(finished.reason, FinishReason::Length | FinishReason::TimeLimit) && self.header.create.generate;
+        let incomplete = steered || (matches!(finished.reason, FinishReason::Length | FinishReason::TimeLimit) && self.header.create.generate);
         let status = if incomplete { "incomplete" } else { "completed" };
+        self.completed_at = Some(unix_now());
         let r = self.response(status, Some(&finished.usage), None);
         let (text, tool_calls) = self.answer();
         self.outcome = Some(Outcome::Done { text, tool_calls, usage: finished.usage, incomplete });
@@ -311,6 +393,6 @@ impl Writer for ResponseWriter {
     }
 
     fn cancel_origin(&self) -> Option<bool> {
-        self.cancelled.load(Ordering::Acquire).then_some(true)
+        self.interrupt.is_set().then_some(true)
     }
 }

@@ -8,12 +8,15 @@
 //! The same request path as every edge ([`super::launch`]); this module
 //! adds the conversation a response continues ([`store`]) and the event
 //! sequence it streams ([`events`]).
+mod compact;
 mod events;
+mod input;
 mod socket;
+mod steer;
 mod store;
+mod stored;
 mod wire;
 
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -30,10 +33,12 @@ use super::super::ServerState;
 use super::respond::{self, ApiError};
 use super::{check_model, deserialize, owner, read_json, refuse_unknown, unix_now, SSE_BUFFER};
 use crate::engine::{StopHandle, StopReason};
-use events::{Header, Outcome, ResponseWriter, Sink};
+pub use compact::compact;
+use events::{Header, Interrupt, Outcome, ResponseWriter, Sink};
 pub use socket::run as run_socket;
 pub use store::ResponseStore;
-use store::{Conversation, SocketResponses};
+use store::{Conversation, Record, SocketResponses};
+pub use stored::handle as handle_stored;
 use wire::{Create, CreateBody, Edge};
 
 /// Parses a create request from `edge`.
@@ -93,6 +98,7 @@ async fn start(
         messages.extend(c.all_messages());
     }
     messages.extend(create.input.iter().cloned());
+    check_call_outputs(&messages)?;
     let id = super::super::new_secret("resp_");
     let mut generate = GenerateRequest::new(id.clone(), GenerateInput::Messages(messages));
     generate.temperature = create.temperature;
@@ -101,6 +107,8 @@ async fn start(
     generate.tools = create.tools.clone();
     generate.tool_choice = create.tool_choice.clone();
     generate.parallel_tool_calls = create.parallel_tool_calls;
+    generate.logprobs = create.logprobs;
+    generate.top_logprobs = Some(create.top_logprobs).filter(|&n| n > 0);
     let length = match (create.generate, create.max_output_tokens) {
         (false, _) => Length::WarmOnly,
         (true, Some(n)) => {
@@ -115,6 +123,20 @@ async fn start(
     Ok(Started { id, create, launched, tenant: tenant.to_string(), owner, earlier })
 }
 
+/// Every `function_call_output` answers a call made before it in the
+/// conversation (the `previous_response_id` chain and this input), as
+/// OpenAI's API holds them: an output for no call is refused.
+fn check_call_outputs(messages: &[ChatMessage]) -> Result<(), ApiError> {
+    let mut made = std::collections::HashSet::new();
+    for m in messages {
+        made.extend(m.tool_calls.iter().map(|c| c.id.as_str()));
+        if let Some(id) = m.tool_call_id.as_deref().filter(|id| m.role == Role::Tool && !made.contains(id)) {
+            return Err(ApiError::invalid(Some("input"), format!("No tool call found for function call output with call_id {id}.")));
+        }
+    }
+    Ok(())
+}
+
 impl Started {
     pub fn id(&self) -> &str {
         &self.id
@@ -126,11 +148,12 @@ impl Started {
 
     /// Streams the response to `sink` until it ends, then keeps its
     /// conversation for the next `previous_response_id`.
-    async fn run(self, state: &ServerState, sink: Sink, cancelled: Arc<AtomicBool>, socket: Option<&SocketResponses>) -> ResponseWriter {
+    async fn run(self, state: &ServerState, sink: Sink, interrupt: Arc<Interrupt>, socket: Option<&SocketResponses>) -> ResponseWriter {
         let Started { id, create, launched, tenant, owner, earlier } = self;
         let Launched { submitted, in_flight, relay, encoding } = launched;
-        let header = Header { id: id.clone(), created_at: unix_now(), model: state.model.name.clone(), create: create.clone() };
-        let mut writer = ResponseWriter::new(header, sink, cancelled);
+        let header =
+            Header { id: id.clone(), created_at: unix_now(), model: state.model.name.clone(), create: create.clone(), tokenizer: state.tokenizer.clone() };
+        let mut writer = ResponseWriter::new(header, sink, interrupt);
         if writer.begin().await {
             relay.run(submitted.events, &mut writer).await;
         } else {
@@ -138,13 +161,17 @@ impl Started {
         }
         drop(in_flight);
         if let Some(Outcome::Done { text, tool_calls, .. }) = writer.outcome() {
+            let record = match (create.store, writer.whole()) {
+                (true, Ok(response)) => Some(Record { response, input_items: create.input_items }),
+                _ => None,
+            };
             let mut messages = create.input;
             if create.generate {
                 let mut answer = ChatMessage::new(Role::Assistant, text.clone());
                 answer.tool_calls = tool_calls.clone();
                 messages.push(answer);
             }
-            let conversation = Conversation { tenant, owner, earlier, messages, encoding: encoding.map(Arc::new) };
+            let conversation = Conversation { tenant, owner, earlier, messages, encoding: encoding.map(Arc::new), record };
             state.responses.keep(&id, Arc::new(conversation), create.store, socket);
         }
         writer
@@ -159,15 +186,15 @@ pub async fn create(state: &Arc<ServerState>, req: Request<Incoming>, tenant: &s
     let stream = create.stream;
     let own_owner = owner(tenant, None);
     let started = start(state, tenant, &own_owner, None, create, received).await?;
-    let cancelled = Arc::new(AtomicBool::new(false));
+    let interrupt = Arc::new(Interrupt::default());
     if !stream {
-        let writer = started.run(state, Sink::Collect, cancelled, None).await;
+        let writer = started.run(state, Sink::Collect, interrupt, None).await;
         return Ok(respond::json(StatusCode::OK, writer.whole()?));
     }
     let (tx, body) = ChannelBody::new(SSE_BUFFER);
     let state = state.clone();
     tokio::spawn(async move {
-        started.run(&state, Sink::Sse(tx), cancelled, None).await;
+        started.run(&state, Sink::Sse(tx), interrupt, None).await;
     });
     let mut r = Response::new(http_body_util::BodyExt::boxed(body));
     let h = r.headers_mut();

@@ -3,9 +3,10 @@
 //!
 //! Client events: `response.create` (the body of `POST /v1/responses`, plus
 //! `generate: false` to only warm the prefix cache and `stream_id` to pick
-//! a lane) and `response.cancel` (`response_id` or `stream_id`). Server
-//! events: each response's event sequence (`events.rs`), tagged with its
-//! lane's `stream_id`, and `error` events for refused client events.
+//! a lane), `response.cancel` (`response_id` or `stream_id`) and
+//! `response.steer` (`steer.rs`). Server events: each response's event
+//! sequence (`events.rs`), tagged with its lane's `stream_id`, the steer
+//! events, and `error` events for refused client events.
 //!
 //! Lanes: the responses of one `stream_id` run one after another (FIFO), so
 //! a `response.create` may continue the lane's previous response before it
@@ -35,7 +36,9 @@ use tokio_tungstenite::WebSocketStream;
 use super::super::super::rate::TokenBucket;
 use super::super::super::ServerState;
 use super::super::respond::ApiError;
-use super::events::Sink;
+use super::events::{Interrupt, Outcome, Sink};
+use super::input;
+use super::steer::{self, Steer, Steers};
 use super::store::SocketResponses;
 use super::wire::{Create, Edge};
 use super::{parse_create, start};
@@ -50,8 +53,8 @@ const OUTGOING: usize = 256;
 struct Running {
     lane: String,
     stop: StopHandle,
-    /// Set when the client cancelled it (it ends as `cancelled`).
-    cancelled: Arc<AtomicBool>,
+    /// Set when the client cancelled or steered it.
+    interrupt: Arc<Interrupt>,
 }
 
 /// What the socket's lanes share.
@@ -63,6 +66,7 @@ struct Shared {
     out: mpsc::Sender<String>,
     responses: SocketResponses,
     running: Mutex<HashMap<String, Running>>,
+    steers: Steers,
     /// The socket is gone: queued responses are not started.
     closed: AtomicBool,
 }
@@ -123,6 +127,7 @@ pub async fn run(state: Arc<ServerState>, ws: Ws, tenant: String) {
         out,
         responses: Mutex::new(HashMap::new()),
         running: Mutex::new(HashMap::new()),
+        steers: Steers::default(),
         closed: AtomicBool::new(false),
     });
     let mut reader =
@@ -130,6 +135,14 @@ pub async fn run(state: Arc<ServerState>, ws: Ws, tenant: String) {
     tokio::select! {
         _ = reader.run(&mut stream) => {}
         _ = stalled.notified() => {}
+        _ = tokio::time::sleep(state.config.responses_socket_lifetime) => {
+            let e = ApiError::invalid(None, format!(
+                "this socket reached its {} s limit; open a new one and continue with previous_response_id",
+                state.config.responses_socket_lifetime.as_secs()
+            ))
+            .with_code("websocket_connection_limit_reached");
+            shared.error(&e, None).await;
+        }
     }
     // Gone: nothing queued starts, what runs is cancelled (freeing its KV
     // rows), and the conversations wait a session TTL for a reconnect.
@@ -229,10 +242,12 @@ impl Reader {
                 Err(e) => self.shared.error(&e, lane.as_deref()).await,
             },
             "response.cancel" => self.cancel(&body, lane.as_deref()).await,
+            "response.steer" => self.steer(&body).await,
             "" => self.shared.error(&invalid(Some("type"), "the event has no `type`"), lane.as_deref()).await,
             other => {
-                let e = invalid(Some("type"), format!("unsupported event type {other:?}: this server takes response.create and response.cancel"))
-                    .with_code("unknown_event_type");
+                let e =
+                    invalid(Some("type"), format!("unsupported event type {other:?}: this server takes response.create, response.cancel and response.steer"))
+                        .with_code("unknown_event_type");
                 self.shared.error(&e, lane.as_deref()).await
             }
         }
@@ -266,6 +281,51 @@ impl Reader {
         self.lanes.retain(|key, lane| busy.contains(key) || lane.queue.capacity() < lane.queue.max_capacity());
     }
 
+    /// `response.steer`: queues its input for the running response it names
+    /// and stops that response (see `steer.rs`).
+    async fn steer(&mut self, body: &serde_json::Map<String, Value>) {
+        let target = body.get("previous_response_id").and_then(Value::as_str).unwrap_or_default().to_string();
+        let input = body.get("input").cloned().unwrap_or(Value::Null);
+        let steers = &self.shared.steers;
+        let refused = |code: &str, message: &str, lane: Option<&str>| steers.failed(code, message, None, &target, &input, lane);
+        let unknown = body.keys().find(|k| !["type", "previous_response_id", "input"].contains(&k.as_str()));
+        let event = if let Some(k) = unknown {
+            refused(
+                "invalid_input",
+                &format!("unrecognized argument supplied: {k} (a steer takes previous_response_id and input; its lane is its response's)"),
+                None,
+            )
+        } else if target.is_empty() {
+            refused("invalid_input", "previous_response_id (the running response to steer) is required", None)
+        } else {
+            match input::steer_input(body.get("input")) {
+                Err(e) => refused("invalid_input", &e.message, None),
+                Ok((messages, items)) => {
+                    let steer = Steer { id: crate::server::new_secret("steer_"), target: target.clone(), input: input.clone(), messages, items };
+                    // Queued under the running table's lock, so a response
+                    // that ends meanwhile still finds it when it is removed.
+                    let running = self.shared.running();
+                    match running.get(&target) {
+                        Some(r) if r.interrupt.steer() => {
+                            let accepted = steers.accepted(&steer, &r.lane);
+                            // Ends the turn as a stop string does: what it
+                            // computed stays in the prefix cache for the successor.
+                            r.stop.stop(StopReason::StopString);
+                            steers.queue(steer);
+                            accepted
+                        }
+                        Some(r) => refused("response_not_active", "the response is being cancelled", create_lane(&r.lane)),
+                        None if self.shared.responses.lock().unwrap_or_else(|e| e.into_inner()).contains_key(&target) => {
+                            refused("response_already_completed", "the response already ended; continue it with response.create", None)
+                        }
+                        None => refused("response_not_found", &format!("no response {target:?} on this socket"), None),
+                    }
+                }
+            }
+        };
+        let _ = self.shared.out.send(event).await;
+    }
+
     async fn cancel(&mut self, body: &serde_json::Map<String, Value>, lane: Option<&str>) {
         if let Some(k) = body.keys().find(|k| !["type", "response_id", "stream_id"].contains(&k.as_str())) {
             let e = invalid(None, format!("unrecognized argument supplied: {k}")).with_code("unknown_parameter");
@@ -278,7 +338,7 @@ impl Reader {
         let mut found = false;
         for (rid, r) in self.shared.running().iter() {
             if id.is_some_and(|id| id == rid) || (id.is_none() && lane == Some(r.lane.as_str())) {
-                r.cancelled.store(true, Ordering::Release);
+                r.interrupt.cancel();
                 r.stop.stop(StopReason::Cancel);
                 found = true;
             }
@@ -291,28 +351,81 @@ impl Reader {
     }
 }
 
-/// Runs one lane's responses, one after another.
+/// Runs one lane's responses, one after another, each followed by the
+/// successors its steers make.
 async fn run_lane(shared: Arc<Shared>, mut queue: mpsc::Receiver<(Create, Instant)>) {
-    while let Some((create, received)) = queue.recv().await {
-        if shared.closed.load(Ordering::Acquire) {
-            return;
-        }
-        let lane = create.stream_id.clone();
-        let started = match start(&shared.state, &shared.tenant, &shared.owner, Some(&shared.responses), create, received).await {
-            Ok(s) => s,
-            Err(e) => {
-                shared.error(&e, lane.as_deref()).await;
-                continue;
+    while let Some((mut create, received)) = queue.recv().await {
+        shared.steers.prepend_to(&mut create);
+        let mut next = Some((create, received, Vec::new()));
+        while let Some((create, received, steers)) = next.take() {
+            if shared.closed.load(Ordering::Acquire) {
+                return;
             }
-        };
-        let id = started.id().to_string();
-        let cancelled = Arc::new(AtomicBool::new(false));
-        let running = Running { lane: lane.clone().unwrap_or_default(), stop: started.stop_handle(), cancelled: cancelled.clone() };
-        shared.running().insert(id.clone(), running);
-        if shared.closed.load(Ordering::Acquire) {
-            started.stop_handle().stop(StopReason::Cancel);
+            next = run_one(&shared, create, received, steers).await;
         }
-        started.run(&shared.state, Sink::Socket(shared.out.clone()), cancelled, Some(&shared.responses)).await;
-        shared.running().remove(&id);
     }
+}
+
+/// Runs `create` (the successor of `steers`, when there are any) and
+/// returns its own successor, if it was steered.
+async fn run_one(shared: &Shared, create: Create, received: Instant, steers: Vec<Steer>) -> Option<(Create, Instant, Vec<Steer>)> {
+    let lane = create.stream_id.clone().unwrap_or_default();
+    let template = create.clone();
+    let started = match start(&shared.state, &shared.tenant, &shared.owner, Some(&shared.responses), create, received).await {
+        Ok(s) => s,
+        Err(e) if steers.is_empty() => {
+            shared.error(&e, create_lane(&lane)).await;
+            return None;
+        }
+        Err(e) => {
+            for s in steers {
+                let failed = shared.steers.failed("successor_creation_failed", &e.message, Some(&s.id), &s.target, &s.input, Some(&lane));
+                let _ = shared.out.send(failed).await;
+            }
+            return None;
+        }
+    };
+    let id = started.id().to_string();
+    let interrupt = Arc::new(Interrupt::default());
+    let running = Running { lane: lane.clone(), stop: started.stop_handle(), interrupt: interrupt.clone() };
+    shared.running().insert(id.clone(), running);
+    if shared.closed.load(Ordering::Acquire) {
+        started.stop_handle().stop(StopReason::Cancel);
+    }
+    let writer = started.run(&shared.state, Sink::Socket(shared.out.clone()), interrupt, Some(&shared.responses)).await;
+    shared.running().remove(&id);
+    let queued = shared.steers.take(&id);
+    if queued.is_empty() {
+        return None;
+    }
+    let events: Vec<String> = match writer.outcome() {
+        Some(Outcome::Done { tool_calls, .. }) if tool_calls.is_empty() => return Some((steer::successor(&template, &id, &queued), Instant::now(), queued)),
+        Some(Outcome::Done { tool_calls, .. }) => {
+            let events = queued.iter().map(|s| shared.steers.pending(s, tool_calls, &lane)).collect();
+            shared.steers.await_outputs(&id, queued);
+            events
+        }
+        _ => queued
+            .iter()
+            .map(|s| {
+                shared.steers.failed(
+                    "response_not_active",
+                    "the response was cancelled or failed before the steer applied",
+                    Some(&s.id),
+                    &id,
+                    &s.input,
+                    Some(&lane),
+                )
+            })
+            .collect(),
+    };
+    for e in events {
+        let _ = shared.out.send(e).await;
+    }
+    None
+}
+
+/// A lane's `stream_id` for its events (none for the default lane).
+fn create_lane(lane: &str) -> Option<&str> {
+    Some(lane).filter(|l| !l.is_empty())
 }

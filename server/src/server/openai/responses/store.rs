@@ -13,6 +13,9 @@
 //!   last use (bounded by count), for any socket or HTTP request of the
 //!   same tenant.
 //!
+//! Stored responses also keep what `GET /v1/responses/{id}` and its
+//! `input_items` show ([`Record`]).
+//!
 //! Lookups are by tenant: another bearer token's response id is not found.
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -20,6 +23,7 @@ use std::time::Duration;
 
 use moka::sync::Cache;
 use protocol::ChatMessage;
+use serde_json::Value;
 
 use crate::tokenizer::PieceEncoding;
 
@@ -41,6 +45,16 @@ pub struct Conversation {
     pub messages: Vec<ChatMessage>,
     /// The encoding of this turn's prompt, which the next prompt extends.
     pub encoding: Option<Arc<PieceEncoding>>,
+    /// What a stored (`store: true`) response shows when read back.
+    pub record: Option<Record>,
+}
+
+/// A stored response as the API reads it back.
+pub struct Record {
+    /// The final response object.
+    pub response: Value,
+    /// This turn's input items, with their ids.
+    pub input_items: Vec<Value>,
 }
 
 impl Conversation {
@@ -87,6 +101,17 @@ impl ResponseStore {
         if store {
             self.stored.insert(id.to_string(), conversation);
         }
+    }
+
+    /// A stored response of `tenant`'s, to read back.
+    pub fn stored(&self, tenant: &str, id: &str) -> Option<Arc<Conversation>> {
+        self.stored.get(id).filter(|c| c.tenant == tenant && c.record.is_some())
+    }
+
+    /// Forgets a stored response of `tenant`'s; false when there is none.
+    /// A socket that holds it may still continue it while it is open.
+    pub fn delete(&self, tenant: &str, id: &str) -> bool {
+        self.stored(tenant, id).is_some() && self.stored.remove(id).is_some()
     }
 
     /// A socket closed: its responses wait a session TTL for a reconnect.

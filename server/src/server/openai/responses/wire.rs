@@ -3,11 +3,12 @@
 //! `stream_id` on the socket), parsed strictly: an unknown field, or a
 //! feature this server does not have (tools, images, reasoning), is an
 //! error naming the parameter rather than something silently ignored.
-use protocol::{ChatMessage, ResponseFormat, Role, Tool, ToolCall, ToolChoice};
+use protocol::{ChatMessage, ResponseFormat, Tool, ToolChoice};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use super::super::wire::{bad, response_format as response_format_of, tool_choice as tool_choice_of, tools as tools_of, FormatShape, ParamError};
+use super::input::{self, Input};
 
 /// Fields both `POST /v1/responses` and `response.create` take.
 const SHARED_FIELDS: &[&str] = &[
@@ -29,7 +30,13 @@ const SHARED_FIELDS: &[&str] = &[
     "include",
     "top_logprobs",
     "parallel_tool_calls",
-    // Accepted and ignored: ids for the caller's records, one service tier.
+    // Accepted only at 0, their default: no penalties are applied.
+    "presence_penalty",
+    "frequency_penalty",
+    // Accepted and echoed: it bounds calls to built-in tools, and this
+    // server runs none (function calls are the client's to run).
+    "max_tool_calls",
+    // Accepted and echoed: ids for the caller's records, one service tier.
     "user",
     "safety_identifier",
     "service_tier",
@@ -46,6 +53,10 @@ const MAX_METADATA_KEY: usize = 64;
 const MAX_METADATA_VALUE: usize = 512;
 /// Longest `stream_id`.
 const MAX_STREAM_ID: usize = 64;
+/// Most alternatives `top_logprobs` may ask for at each position (OpenAI's bound).
+const MAX_TOP_LOGPROBS: u8 = 20;
+/// The one `include` value this server fills: sampled logprobs on output text.
+const INCLUDE_LOGPROBS: &str = "message.output_text.logprobs";
 
 /// Where a create request came from: the edges differ in a few fields.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -61,13 +72,6 @@ pub fn unknown_field(body: &Map<String, Value>, edge: Edge) -> Option<&str> {
         Edge::Socket => SOCKET_FIELDS,
     };
     body.keys().map(String::as_str).find(|k| !SHARED_FIELDS.contains(k) && !own.contains(k))
-}
-
-#[derive(Deserialize)]
-#[serde(untagged)]
-pub enum Input {
-    Text(String),
-    Items(Vec<Value>),
 }
 
 #[derive(Deserialize)]
@@ -90,6 +94,12 @@ pub struct CreateBody {
     pub reasoning: Option<Value>,
     pub include: Option<Vec<Value>>,
     pub top_logprobs: Option<u8>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub max_tool_calls: Option<u32>,
+    pub user: Option<String>,
+    pub safety_identifier: Option<String>,
+    pub service_tier: Option<String>,
     pub stream: Option<bool>,
     pub stream_options: Option<Value>,
     pub background: Option<bool>,
@@ -126,113 +136,93 @@ pub struct Create {
     pub tools: Vec<Tool>,
     pub tool_choice: Option<ToolChoice>,
     pub parallel_tool_calls: Option<bool>,
-    /// `tools` and `tool_choice` as the client sent them, echoed.
+    /// `tools` as the response object shows them (each with `strict`), and
+    /// `tool_choice` as the client sent it.
     pub tools_echo: Value,
     pub tool_choice_echo: Value,
+    /// Report each output token's logprob (`include` names
+    /// `message.output_text.logprobs`, or `top_logprobs` is set).
+    pub logprobs: bool,
+    /// Alternatives to report at each position (0: none).
+    pub top_logprobs: u8,
+    /// `reasoning` as the response object shows it: `{effort, summary}`.
+    pub reasoning_echo: Value,
+    /// Echoed only (see `SHARED_FIELDS`).
+    pub max_tool_calls: Option<u32>,
+    pub user: Option<String>,
+    pub safety_identifier: Option<String>,
+    /// This turn's input as items with ids, as `input_items` lists them.
+    pub input_items: Vec<Value>,
 }
 
-fn role(name: &str, i: usize) -> Result<Role, ParamError> {
-    Ok(match name {
-        "system" | "developer" => Role::System,
-        "user" => Role::User,
-        "assistant" => Role::Assistant,
-        other => return Err(bad("input", format!("input[{i}]: unknown role {other:?}: expected user, assistant, system or developer"))),
-    })
-}
-
-/// A message's `content`: a string, or text parts (`input_text`, or
-/// `output_text` when an earlier response's output is sent back).
-fn content(v: &Value, i: usize) -> Result<String, ParamError> {
-    match v {
-        Value::String(s) => Ok(s.clone()),
-        Value::Array(parts) => {
-            let mut text = String::new();
-            for (j, part) in parts.iter().enumerate() {
-                let kind = part.get("type").and_then(Value::as_str);
-                match (kind, part.get("text").and_then(Value::as_str)) {
-                    (Some("input_text" | "output_text"), Some(t)) => text.push_str(t),
-                    (Some("input_text" | "output_text"), None) => return Err(bad("input", format!("input[{i}].content[{j}]: `text` must be a string"))),
-                    (kind, _) => {
-                        return Err(bad(
-                            "input",
-                            format!("input[{i}].content[{j}]: parts of type {:?} are not supported (input_text only)", kind.unwrap_or("?")),
-                        ))
-                    }
-                }
-            }
-            Ok(text)
-        }
-        _ => Err(bad("input", format!("input[{i}].content must be a string or a list of input_text parts"))),
-    }
-}
-
-/// Only these fields, else an error naming the first other.
-fn only_fields(obj: &Map<String, Value>, fields: &[&str], i: usize) -> Result<(), ParamError> {
-    match obj.keys().find(|k| !fields.contains(&k.as_str())) {
-        Some(k) => Err(bad("input", format!("input[{i}]: unknown field {k:?}"))),
-        None => Ok(()),
-    }
-}
-
-fn string_field<'a>(obj: &'a Map<String, Value>, key: &str, i: usize) -> Result<&'a str, ParamError> {
-    obj.get(key).and_then(Value::as_str).ok_or_else(|| bad("input", format!("input[{i}]: `{key}` (a string) is required")))
-}
-
-/// Appends input item `i` to `messages`: a message; a `function_call` an
-/// earlier response made (joining the assistant message before it); or a
-/// `function_call_output`, the call's result, as a tool message.
-fn push_item(messages: &mut Vec<ChatMessage>, v: &Value, i: usize) -> Result<(), ParamError> {
-    let Some(obj) = v.as_object() else {
-        return Err(bad("input", format!("input[{i}] must be an object (a message or a function call item)")));
+/// Function tools as the response object shows them: every field, with
+/// `strict` true unless the client said otherwise (as OpenAI's Responses
+/// API defaults it). The tools were checked by `tools_of` before.
+fn tools_echo(tools: &[Value]) -> Result<Value, ParamError> {
+    let echo = |(i, t): (usize, &Value)| {
+        let strict = match t.get("strict") {
+            None | Some(Value::Null) => true,
+            Some(Value::Bool(b)) => *b,
+            Some(_) => return Err(bad("tools", format!("tools[{i}].strict must be a boolean"))),
+        };
+        Ok(json!({"type": "function", "name": t["name"], "description": t.get("description").unwrap_or(&Value::Null),
+            "parameters": t.get("parameters").unwrap_or(&Value::Null), "strict": strict}))
     };
-    let kind = obj.get("type").map(|t| t.as_str().unwrap_or("?")).unwrap_or("message");
-    match kind {
-        "message" => {
-            only_fields(obj, &["type", "role", "content", "id", "status"], i)?;
-            let role = role(string_field(obj, "role", i)?, i)?;
-            let content = content(obj.get("content").ok_or_else(|| bad("input", format!("input[{i}]: `content` is required")))?, i)?;
-            messages.push(ChatMessage::new(role, content));
-        }
-        "function_call" => {
-            only_fields(obj, &["type", "call_id", "name", "arguments", "id", "status"], i)?;
-            let call = ToolCall {
-                id: string_field(obj, "call_id", i)?.into(),
-                name: string_field(obj, "name", i)?.into(),
-                arguments: string_field(obj, "arguments", i)?.into(),
-            };
-            match messages.last_mut() {
-                Some(m) if m.role == Role::Assistant => m.tool_calls.push(call),
-                _ => {
-                    let mut m = ChatMessage::new(Role::Assistant, "");
-                    m.tool_calls.push(call);
-                    messages.push(m);
-                }
-            }
-        }
-        "function_call_output" => {
-            only_fields(obj, &["type", "call_id", "output", "id", "status"], i)?;
-            let output = content(obj.get("output").ok_or_else(|| bad("input", format!("input[{i}]: `output` is required")))?, i)?;
-            let mut m = ChatMessage::new(Role::Tool, output);
-            m.tool_call_id = Some(string_field(obj, "call_id", i)?.into());
-            messages.push(m);
-        }
-        other => return Err(bad("input", format!("input[{i}]: items of type {other:?} are not supported (message, function_call and function_call_output)"))),
+    tools.iter().enumerate().map(echo).collect::<Result<Vec<_>, _>>().map(Value::Array)
+}
+
+/// `reasoning` as the response object shows it. This model does not
+/// reason: only an empty configuration, or effort `none`, is taken.
+fn reasoning(r: Option<&Value>) -> Result<Value, ParamError> {
+    let refuse = || bad("reasoning", "reasoning options are not supported: this model does not reason (only effort \"none\")");
+    let Some(obj) = r.and_then(Value::as_object) else {
+        return if r.is_none_or(Value::is_null) { Ok(json!({"effort": null, "summary": null})) } else { Err(refuse()) };
+    };
+    if obj.keys().any(|k| k != "effort" && k != "summary") || obj.get("summary").is_some_and(|s| !s.is_null()) {
+        return Err(refuse());
     }
-    Ok(())
+    match obj.get("effort") {
+        None | Some(Value::Null) => Ok(json!({"effort": null, "summary": null})),
+        Some(Value::String(e)) if e == "none" => Ok(json!({"effort": "none", "summary": null})),
+        Some(_) => Err(refuse()),
+    }
 }
 
 impl CreateBody {
     pub fn check(self, edge: Edge) -> Result<Create, ParamError> {
         let tools = self.tools.as_deref().map(|t| tools_of(t, FormatShape::Responses)).transpose()?.unwrap_or_default();
         let tool_choice = self.tool_choice.as_ref().map(|c| tool_choice_of(c, FormatShape::Responses)).transpose()?;
-        if self.reasoning.as_ref().is_some_and(|r| !r.is_null() && r.as_object().is_none_or(|o| !o.is_empty())) {
-            return Err(bad("reasoning", "reasoning options are not supported: this model does not reason"));
+        let reasoning_echo = reasoning(self.reasoning.as_ref())?;
+        let mut logprobs = false;
+        for v in self.include.iter().flatten() {
+            match v.as_str() {
+                Some(INCLUDE_LOGPROBS) => logprobs = true,
+                _ => return Err(bad("include", format!("include {v} is not supported (only {INCLUDE_LOGPROBS:?})"))),
+            }
         }
-        if self.include.as_ref().is_some_and(|i| !i.is_empty()) {
-            return Err(bad("include", "include is not supported (only an empty list)"));
+        if let Some(n) = self.top_logprobs {
+            if n > MAX_TOP_LOGPROBS {
+                return Err(bad("top_logprobs", format!("top_logprobs must be <= {MAX_TOP_LOGPROBS}, got {n}")));
+            }
+            // Alternatives come with the sampled token's own logprob; 0
+            // (the default some clients send) asks for nothing.
+            logprobs |= n > 0;
         }
-        if self.top_logprobs.is_some_and(|n| n > 0) {
-            return Err(bad("top_logprobs", "top_logprobs is not supported on /v1/responses yet (only 0)"));
+        for (param, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+            if v.is_some_and(|v| v != 0.0) {
+                return Err(bad(param, format!("{param} is not supported (only 0)")));
+            }
+        }
+        if self.max_tool_calls == Some(0) {
+            return Err(bad("max_tool_calls", "max_tool_calls must be at least 1"));
+        }
+        if self.service_tier.as_deref().is_some_and(|t| !["auto", "default", "flex", "priority"].contains(&t)) {
+            return Err(bad("service_tier", "service_tier must be auto, default, flex or priority"));
+        }
+        for (param, v) in [("user", &self.user), ("safety_identifier", &self.safety_identifier)] {
+            if v.as_ref().is_some_and(|v| v.len() > 64) {
+                return Err(bad(param, format!("{param} must be at most 64 characters")));
+            }
         }
         if self.truncation.as_deref().is_some_and(|t| t != "disabled") {
             return Err(bad("truncation", "only truncation \"disabled\" is supported: an input over the context is an error"));
@@ -247,6 +237,14 @@ impl CreateBody {
             if let Some(f) = obj.get("format") {
                 response_format = Some(response_format_of(f, "text.format", FormatShape::Responses)?);
                 text_format = f.clone();
+                // The response object shows a schema format whole.
+                if text_format["type"] == "json_schema" {
+                    for (k, default) in [("description", Value::Null), ("strict", json!(false))] {
+                        if text_format.get(k).is_none_or(Value::is_null) {
+                            text_format[k] = default;
+                        }
+                    }
+                }
             }
         }
         if self.background == Some(true) {
@@ -293,18 +291,7 @@ impl CreateBody {
                 Value::Object(m)
             }
         };
-        let input = match self.input {
-            None => Vec::new(),
-            Some(Input::Text(t)) if t.is_empty() => return Err(bad("input", "input must not be empty")),
-            Some(Input::Text(t)) => vec![ChatMessage::new(Role::User, t)],
-            Some(Input::Items(items)) => {
-                let mut messages = Vec::with_capacity(items.len());
-                for (i, v) in items.iter().enumerate() {
-                    push_item(&mut messages, v, i)?;
-                }
-                messages
-            }
-        };
+        let (input, input_items) = input::parse(self.input)?;
         if input.is_empty() {
             return Err(bad("input", "input is required: a string or a list of messages"));
         }
@@ -327,9 +314,16 @@ impl CreateBody {
             text_format,
             tools,
             tool_choice_echo: self.tool_choice.unwrap_or_else(|| json!(if self.tools.as_ref().is_some_and(|t| !t.is_empty()) { "auto" } else { "none" })),
-            tools_echo: Value::Array(self.tools.unwrap_or_default()),
+            tools_echo: tools_echo(self.tools.as_deref().unwrap_or_default())?,
             tool_choice,
             parallel_tool_calls: self.parallel_tool_calls,
+            logprobs,
+            top_logprobs: self.top_logprobs.unwrap_or(0),
+            reasoning_echo,
+            max_tool_calls: self.max_tool_calls,
+            user: self.user,
+            safety_identifier: self.safety_identifier,
+            input_items,
         })
     }
 }
