@@ -329,8 +329,7 @@ fn cpu_quantized_matmul_rows_do_not_depend_on_their_neighbours() {
         let q = mlx::QuantizedWeights { scales: q.scales.astype(Dtype::F32).unwrap(), biases: q.biases.astype(Dtype::F32).unwrap(), ..q };
         // Vector kernels take up to 3 rows one way (integer dots on AVX2 and
         // AVX-512 VNNI) and more another: rows match within each regime.
-        let regimes: &[(usize, &[usize])] =
-            if mlx::cpu_isa() == "portable" { &[(37, &[1, 2, 3, 4, 5, 9, 36])] } else { &[(3, &[1, 2]), (37, &[4, 5, 9, 36])] };
+        let regimes: &[(usize, &[usize])] = if mlx::cpu_isa() == "portable" { &[(37, &[1, 2, 3, 4, 5, 9, 36])] } else { &[(3, &[1, 2]), (37, &[4, 5, 9, 36])] };
         for &(batch, parts) in regimes {
             let batched = product(&q, batch);
             for &m in parts {
