@@ -24,7 +24,7 @@ pub use client::{
 };
 pub use error::{ErrorCode, ProtocolError};
 pub use limits::Limits;
-pub use parse::parse_client;
+pub use parse::{parse_client, parse_json_strict};
 pub use ping_id::PingId;
 pub use schema::json_schema;
 pub use server::{

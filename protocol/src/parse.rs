@@ -141,8 +141,9 @@ fn fields<T: DeserializeOwned>(obj: Map<String, Value>) -> Result<T, ProtocolErr
 }
 
 /// Parses JSON into a `Value`, rejecting duplicate object keys (which would
-/// otherwise silently keep the last value).
-fn parse_json_strict(text: &str) -> Result<Value, ProtocolError> {
+/// otherwise silently keep the last value): `invalid_field` for a duplicate,
+/// `bad_json` for text that is not JSON. Every edge's bodies go through it.
+pub fn parse_json_strict(text: &str) -> Result<Value, ProtocolError> {
     let mut de = serde_json::Deserializer::from_str(text);
     let parsed = StrictValue::deserialize(&mut de).and_then(|v| de.end().map(|()| v.0));
     parsed.map_err(|e| match e.classify() {

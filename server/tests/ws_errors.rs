@@ -389,6 +389,8 @@ async fn auth_and_origin() {
     let (mut c, proto) = Client::connect_with(&url, &[("sec-websocket-protocol", "tether.bearer.s3cret-token")]).await.unwrap();
     assert_eq!(proto.as_deref(), Some("tether.bearer.s3cret-token"));
     c.open().await;
-    // /healthz needs no token.
+    // /healthz needs no token; /metrics does.
     assert_eq!(srv.http_get("/healthz").await.0, 200);
+    assert_eq!(srv.http_get("/metrics").await.0, 401);
+    assert_eq!(srv.http_get("/metrics?token=s3cret-token").await.0, 200);
 }

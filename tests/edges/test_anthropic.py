@@ -170,6 +170,7 @@ U = [{"role": "user", "content": "hi"}]
 BAD_BODIES = [
     (b"not json", 400, "invalid_request_error", ""),
     (b"[1, 2]", 400, "invalid_request_error", "object"),
+    (b'{"model": "smollm2-135m", "max_tokens": 4, "max_tokens": 8, "messages": []}', 400, "invalid_request_error", "duplicate field `max_tokens`"),
     ({"max_tokens": 4, "messages": U}, 400, "invalid_request_error", "model: Field required"),
     ({"model": SMOL, "max_tokens": 4}, 400, "invalid_request_error", "messages: Field required"),
     ({"model": SMOL, "max_tokens": 4, "messages": []}, 400, "invalid_request_error", "at least one message"),

@@ -96,7 +96,16 @@ pub async fn handle(state: Arc<ServerState>, req: Request<Incoming>) -> Result<R
     Ok(match (req.method(), path) {
         (&Method::GET, "/v1/ws") => upgrade(state, req, Socket::TetherV1),
         (&Method::GET, "/healthz") => healthz(&state).await,
-        (&Method::GET, "/metrics") => metrics(&state).await,
+        // Error counts and sessions are the operator's: with a token set, a
+        // scraper presents it (Prometheus' `authorization`). /healthz stays
+        // open for load balancers: it tells status and counts only.
+        (&Method::GET, "/metrics") => match auth_problem(&state, &req, &[]) {
+            Some(why) => {
+                state.metrics.error(ErrorCode::Unauthorized);
+                super::openai::unauthorized(why)
+            }
+            None => metrics(&state).await,
+        },
         (method, "/v1/ws" | "/healthz" | "/metrics") => super::openai::method_not_allowed(method, path, "GET"),
         (method, _) => match &state.config.ui_dir {
             Some(dir) if method == Method::GET || method == Method::HEAD => static_files::serve(dir, path).await,

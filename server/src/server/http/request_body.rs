@@ -62,10 +62,12 @@ pub async fn read_json_object(req: Request<Incoming>, limit: usize, within: Dura
         Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => return Err(BodyError::TooLarge { limit }),
         Ok(Err(e)) => return Err(BodyError::Read(e.to_string())),
     };
-    match serde_json::from_slice::<Value>(&bytes) {
+    // Duplicate keys are refused, as on the WebSockets (serde would keep the last).
+    let text = std::str::from_utf8(&bytes).map_err(|e| BodyError::Json(format!("the body is not UTF-8: {e}")))?;
+    match protocol::parse_json_strict(text) {
         Ok(Value::Object(map)) => Ok(map),
         Ok(_) => Err(BodyError::NotAnObject),
-        Err(e) => Err(BodyError::Json(e.to_string())),
+        Err(e) => Err(BodyError::Json(e.message.trim_start_matches("invalid JSON: ").to_string())),
     }
 }
 

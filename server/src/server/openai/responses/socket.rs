@@ -229,10 +229,14 @@ impl Reader {
     }
 
     async fn on_event(&mut self, text: &str, received: Instant) {
-        let body = match serde_json::from_str::<Value>(text) {
+        // Duplicate keys are refused, as on every edge.
+        let body = match protocol::parse_json_strict(text) {
             Ok(Value::Object(map)) => map,
             Ok(_) => return self.shared.error(&invalid(None, "an event must be a JSON object with a `type`"), None).await,
-            Err(e) => return self.shared.error(&invalid(None, format!("the event is not valid JSON: {e}")), None).await,
+            Err(e) => {
+                let why = e.message.trim_start_matches("invalid JSON: ");
+                return self.shared.error(&invalid(None, format!("the event is not valid JSON: {why}")), None).await;
+            }
         };
         let kind = body.get("type").and_then(Value::as_str).unwrap_or("").to_string();
         let lane = body.get("stream_id").and_then(Value::as_str).map(str::to_string);
