@@ -138,6 +138,43 @@ test('the FIM box shows the typed error of a model without FIM', async () => {
   assert.equal(await stat('status'), 'fim_unsupported');
 });
 
+// Widths users open the page at, narrowest last: every control of every
+// panel inside its panel (none cut off, none sticking out), no panel wider
+// than the window; a screenshot of each for a human to look at.
+test('the panels hold their controls at common window widths', async (t) => {
+  const shots = mkdtempSync(join(tmpdir(), 'tether-playground-shots-'));
+  t.diagnostic(`screenshots: ${shots}`);
+  try {
+    for (const [width, height] of [[1920, 1080], [1440, 900], [1280, 800], [1200, 800], [1024, 768], [800, 900], [390, 844]]) {
+      await page.setViewportSize({ width, height });
+      const problems = await page.evaluate(() => {
+        const out = [];
+        const doc = document.documentElement;
+        if (doc.scrollWidth > doc.clientWidth) out.push(`the page scrolls sideways (${doc.scrollWidth} > ${doc.clientWidth})`);
+        for (const panel of document.querySelectorAll('header, section, aside')) {
+          const box = panel.getBoundingClientRect();
+          for (const el of panel.querySelectorAll('button, input, textarea, label, .state, dd')) {
+            if (el.offsetParent === null) continue; // hidden
+            const r = el.getBoundingClientRect();
+            if (r.left < box.left - 0.5 || r.right > box.right + 0.5) out.push(`${el.id || el.tagName} (${Math.round(r.left)}-${Math.round(r.right)}) leaves its panel (${Math.round(box.left)}-${Math.round(box.right)})`);
+          }
+          for (const b of panel.querySelectorAll('button')) {
+            if (b.offsetParent !== null && b.scrollWidth > b.clientWidth + 1) out.push(`${b.id}: its label is cut (${b.scrollWidth} > ${b.clientWidth})`);
+            const st = getComputedStyle(b);
+            const text = b.clientHeight - parseFloat(st.paddingTop) - parseFloat(st.paddingBottom);
+            if (b.offsetParent !== null && text > 1.5 * parseFloat(st.lineHeight)) out.push(`${b.id}: its label wraps`);
+          }
+        }
+        return out;
+      });
+      await page.screenshot({ path: join(shots, `playground-${width}x${height}.png`) });
+      assert.deepEqual(problems, [], `at ${width} x ${height}`);
+    }
+  } finally {
+    await page.setViewportSize({ width: 1280, height: 800 });
+  }
+});
+
 test('the page logged no errors', () => {
   assert.deepEqual(pageErrors, []);
 });
