@@ -519,22 +519,29 @@ void int_block(const Problem& p, const IntActivations& xa, int n, int m0) {
 
 constexpr int kIntRowsN = 2;  // weight rows per block
 
+// The integer path's block kernels, by instruction set: `Kernel::block<F,
+// NR, MR>` runs NR weight rows from n against MR activation rows from m0.
+struct VnniKernel {
+  template <Format F, int NR, int MR>
+  static void block(const Problem& p, const IntActivations& xa, int n, int m0) { int_block<F, NR, MR>(p, xa, n, m0); }
+};
+
 // All of the call's activation rows (1 to kTiledMinRows - 1) in one block.
-template <Format F, int NR>
+template <class Kernel, Format F, int NR>
 void int_block_rows(const Problem& p, const IntActivations& xa, int n) {
   static_assert(kTiledMinRows - 1 == 3, "int_block_rows spells out 1 to 3 rows");
   switch (p.M) {
-    case 3: int_block<F, NR, 3>(p, xa, n, 0); break;
-    case 2: int_block<F, NR, 2>(p, xa, n, 0); break;
-    default: int_block<F, NR, 1>(p, xa, n, 0); break;
+    case 3: Kernel::template block<F, NR, 3>(p, xa, n, 0); break;
+    case 2: Kernel::template block<F, NR, 2>(p, xa, n, 0); break;
+    default: Kernel::template block<F, NR, 1>(p, xa, n, 0); break;
   }
 }
 
-template <Format F>
+template <class Kernel, Format F>
 void rows_int(const Problem& p, const IntActivations& xa, int n0, int n1) {
   int n = n0;
-  for (; n + kIntRowsN <= n1; n += kIntRowsN) int_block_rows<F, kIntRowsN>(p, xa, n);
-  for (; n < n1; ++n) int_block_rows<F, 1>(p, xa, n);
+  for (; n + kIntRowsN <= n1; n += kIntRowsN) int_block_rows<Kernel, F, kIntRowsN>(p, xa, n);
+  for (; n < n1; ++n) int_block_rows<Kernel, F, 1>(p, xa, n);
 }
 
 
@@ -741,22 +748,10 @@ void int_block_avx2(const Problem& p, const IntActivations& xa, int n, int m0) {
     }
 }
 
-template <Format F, int NR>
-void int_block_rows_avx2(const Problem& p, const IntActivations& xa, int n) {
-  static_assert(kTiledMinRows - 1 == 3, "int_block_rows_avx2 spells out 1 to 3 rows");
-  switch (p.M) {
-    case 3: int_block_avx2<F, NR, 3>(p, xa, n, 0); break;
-    case 2: int_block_avx2<F, NR, 2>(p, xa, n, 0); break;
-    default: int_block_avx2<F, NR, 1>(p, xa, n, 0); break;
-  }
-}
-
-template <Format F>
-void rows_int_avx2(const Problem& p, const IntActivations& xa, int n0, int n1) {
-  int n = n0;
-  for (; n + kIntRowsN <= n1; n += kIntRowsN) int_block_rows_avx2<F, kIntRowsN>(p, xa, n);
-  for (; n < n1; ++n) int_block_rows_avx2<F, 1>(p, xa, n);
-}
+struct Avx2IntKernel {
+  template <Format F, int NR, int MR>
+  static void block(const Problem& p, const IntActivations& xa, int n, int m0) { int_block_avx2<F, NR, MR>(p, xa, n, m0); }
+};
 
 // x with each group as [its even elements | its odd elements]: the order
 // 4-bit codes unpack in (low nibbles, then high ones).
@@ -799,10 +794,10 @@ void run_problem(Problem p) {
     const bool vnni = isa_at_least(Isa::Avx512Vnni);
     RowPool::get().run(p.N, 64, [&](int a, int b) {
       switch (*f) {
-        case Format::kQ4G32: vnni ? rows_int<Format::kQ4G32>(p, xa, a, b) : rows_int_avx2<Format::kQ4G32>(p, xa, a, b); break;
-        case Format::kQ5G32: rows_int<Format::kQ5G32>(p, xa, a, b); break;
-        case Format::kQ8G32: vnni ? rows_int<Format::kQ8G32>(p, xa, a, b) : rows_int_avx2<Format::kQ8G32>(p, xa, a, b); break;
-        case Format::kQ8G16: vnni ? rows_int<Format::kQ8G16>(p, xa, a, b) : rows_int_avx2<Format::kQ8G16>(p, xa, a, b); break;
+        case Format::kQ4G32: vnni ? rows_int<VnniKernel, Format::kQ4G32>(p, xa, a, b) : rows_int<Avx2IntKernel, Format::kQ4G32>(p, xa, a, b); break;
+        case Format::kQ5G32: rows_int<VnniKernel, Format::kQ5G32>(p, xa, a, b); break;
+        case Format::kQ8G32: vnni ? rows_int<VnniKernel, Format::kQ8G32>(p, xa, a, b) : rows_int<Avx2IntKernel, Format::kQ8G32>(p, xa, a, b); break;
+        case Format::kQ8G16: vnni ? rows_int<VnniKernel, Format::kQ8G16>(p, xa, a, b) : rows_int<Avx2IntKernel, Format::kQ8G16>(p, xa, a, b); break;
       }
     });
     return;
