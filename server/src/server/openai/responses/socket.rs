@@ -33,6 +33,7 @@ use tokio::task::JoinHandle;
 use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 use tokio_tungstenite::WebSocketStream;
 
+use super::super::super::http::edge::EdgeError;
 use super::super::super::rate::TokenBucket;
 use super::super::super::ServerState;
 use super::super::respond::ApiError;
@@ -78,7 +79,7 @@ impl Shared {
 
     /// An `error` event, as the SDK parses it.
     async fn error(&self, e: &ApiError, lane: Option<&str>) {
-        self.state.metrics.error(e.metric_code());
+        self.state.metrics.error(e.metric());
         let mut event = json!({"type": "error", "status": e.status.as_u16(), "error": e.body()["error"].clone()});
         if let Some(lane) = lane {
             event["stream_id"] = json!(lane);
