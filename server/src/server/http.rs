@@ -22,6 +22,7 @@ use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
 use tokio_tungstenite::WebSocketStream;
 
+use super::openai::ApiError;
 use super::{ws, ServerState};
 
 /// A response body: whole (JSON, files) or streamed (server-sent events).
@@ -114,11 +115,11 @@ pub async fn handle(state: Arc<ServerState>, req: Request<Incoming>) -> Result<R
             }
             None => metrics(&state).await,
         },
-        (method, "/v1/ws" | "/healthz" | "/metrics") => super::openai::method_not_allowed(method, path, "GET"),
+        (method, "/v1/ws" | "/healthz" | "/metrics") => edge::wrong_method::<ApiError>(method, path, "GET"),
         (method, _) => match &state.config.ui_dir {
             Some(dir) if method == Method::GET || method == Method::HEAD => static_files::serve(dir, path).await,
             // Answered in OpenAI's error shape, the one most clients here parse.
-            _ => super::openai::unknown_path(req.method(), path),
+            _ => edge::unknown_path::<ApiError>(req.method(), path),
         },
     })
 }

@@ -94,12 +94,6 @@ impl From<ProtocolError> for AnthropicError {
     }
 }
 
-impl From<(ErrorCode, String)> for AnthropicError {
-    fn from((code, message): (ErrorCode, String)) -> AnthropicError {
-        AnthropicError::from(ProtocolError::new(code, message))
-    }
-}
-
 /// The refusal of a request without the server's key, in Anthropic's shape.
 pub fn unauthorized(why: &str) -> Response<Body> {
     AnthropicError::new(StatusCode::UNAUTHORIZED, "authentication_error", format!("{why}: send `x-api-key: <key>`")).response()

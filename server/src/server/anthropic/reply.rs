@@ -9,7 +9,7 @@
 use protocol::{FinishReason, ToolCall, Usage};
 use serde_json::{json, Value};
 
-use super::super::http::edge::Events;
+use super::super::http::edge::{self, Events};
 use super::super::relay::{Ending, Finished, Piece, Writer};
 use super::AnthropicError;
 
@@ -103,7 +103,7 @@ impl Collected {
 
     pub fn into_message(self) -> Result<Value, AnthropicError> {
         let ending = self.ending.unwrap_or_else(|| Err((protocol::ErrorCode::Internal, "the request ended without an answer".into())));
-        let finished = ending.map_err(AnthropicError::from)?;
+        let finished = ending.map_err(edge::failed::<AnthropicError>)?;
         let content = self.blocks.iter().map(block_json).collect();
         Ok(self.reply.message(content, Some(self.reply.stop(&finished)), usage(&finished.usage)))
     }
@@ -201,7 +201,7 @@ impl Writer for EventStream {
     async fn end(&mut self, ending: Ending) {
         let finished = match ending {
             Ok(f) => f,
-            Err(e) => return self.events.fail(AnthropicError::from(e), Some("error")).await,
+            Err(e) => return self.events.fail(edge::failed(e), Some("error")).await,
         };
         if !(self.start().await && self.close_text().await) {
             return;

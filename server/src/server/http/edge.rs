@@ -129,6 +129,11 @@ pub fn deserialize<E: EdgeError, T: serde::de::DeserializeOwned>(body: Map<Strin
     serde_path_to_error::deserialize(Value::Object(body)).map_err(|e| E::bad_value(format!("invalid value for {}: {}", e.path(), e.inner())))
 }
 
+/// A request's end in error (the relay's `(code, message)`), in the edge's shape.
+pub fn failed<E: EdgeError>((code, message): (ErrorCode, String)) -> E {
+    E::from(ProtocolError::new(code, message))
+}
+
 /// Relays `launched` into `writer` to its end.
 pub async fn collect<W: Writer>(launched: Launched, mut writer: W) -> W {
     let Launched { submitted, in_flight, relay, .. } = launched;

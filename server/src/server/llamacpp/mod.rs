@@ -88,12 +88,6 @@ impl From<ProtocolError> for LlamaError {
     }
 }
 
-impl From<(ErrorCode, String)> for LlamaError {
-    fn from((code, message): (ErrorCode, String)) -> LlamaError {
-        LlamaError::from(ProtocolError::new(code, message))
-    }
-}
-
 fn json_response(status: StatusCode, body: &Value) -> Response<Body> {
     edge::json_as(status, body, LlamaError::CONTENT_TYPE)
 }

@@ -15,7 +15,7 @@ use std::time::Instant;
 use protocol::FinishReason;
 use serde_json::{json, Map, Value};
 
-use super::super::http::edge::Events;
+use super::super::http::edge::{self, Events};
 use super::super::relay::{Ending, Finished, Piece, Writer};
 use super::wire::Options;
 use super::LlamaError;
@@ -189,7 +189,7 @@ impl EditorWriter {
     pub fn into_result(mut self) -> Result<Value, LlamaError> {
         match self.ending.take() {
             Some(Ok(f)) => Ok(pick_fields(self.result(&f, &self.content), self.options.response_fields.as_deref())),
-            Some(Err(e)) => Err(LlamaError::from(e)),
+            Some(Err(e)) => Err(edge::failed(e)),
             None => Err(LlamaError::server("the request ended without an answer")),
         }
     }
@@ -243,7 +243,7 @@ impl Writer for EditorWriter {
                 let last = pick_fields(self.result(&f, &held), self.options.response_fields.as_deref());
                 self.send(&last).await;
             }
-            (Err(e), Some(events)) => events.fail(LlamaError::from(e), None).await,
+            (Err(e), Some(events)) => events.fail(edge::failed(e), None).await,
         }
     }
 }

@@ -29,7 +29,8 @@ use super::http::Body;
 use super::request::{launch, Launch, Length};
 use super::session::new_secret;
 use super::ServerState;
-use respond::{ApiError, Collected, Endpoint, EventStream, Reply};
+pub use respond::ApiError;
+use respond::{Collected, Endpoint, EventStream, Reply};
 pub use responses::{run_socket as run_responses_socket, ResponseStore};
 use wire::{ChatRequest, CompletionRequest, Options, ParamError};
 
@@ -78,11 +79,6 @@ pub async fn handle(state: &Arc<ServerState>, req: Request<Incoming>, tenant: &s
     edge::answer(state, result)
 }
 
-/// A path nothing here serves: 404 in OpenAI's shape.
-pub fn unknown_path(method: &Method, path: &str) -> Response<Body> {
-    edge::unknown_path::<ApiError>(method, path)
-}
-
 /// The answer to a connection over `--max-connections`: 503 in OpenAI's
 /// shape, and the connection closes.
 pub fn too_many_connections() -> Response<Body> {
@@ -90,12 +86,6 @@ pub fn too_many_connections() -> Response<Body> {
     r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
     r.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
     r
-}
-
-/// A served path asked for with the wrong method: 405 in OpenAI's shape,
-/// with `Allow`.
-pub fn method_not_allowed(method: &Method, path: &str, allow: &'static str) -> Response<Body> {
-    edge::wrong_method::<ApiError>(method, path, allow)
 }
 
 /// `GET /v1/models`: the one model this server serves.

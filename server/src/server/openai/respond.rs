@@ -91,12 +91,6 @@ impl From<ProtocolError> for ApiError {
     }
 }
 
-impl From<(ErrorCode, String)> for ApiError {
-    fn from((code, message): (ErrorCode, String)) -> ApiError {
-        ApiError::from(ProtocolError::new(code, message))
-    }
-}
-
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Endpoint {
     Chat,
@@ -253,7 +247,7 @@ impl Collected {
 
     pub fn into_response(self) -> Result<Response<Body>, ApiError> {
         let ending = self.ending.unwrap_or_else(|| Err((ErrorCode::Internal, "the request ended without an answer".into())));
-        let finished = ending.map_err(ApiError::from)?;
+        let finished = ending.map_err(edge::failed::<ApiError>)?;
         let logprobs = self.logprobs.map(|l| self.reply.logprobs(&l, 0));
         let mut choice = self.reply.choice(&self.text, None, logprobs, Some(finish_reason(finished.reason)));
         if !self.tool_calls.is_empty() {
@@ -326,7 +320,7 @@ impl Writer for EventStream {
 
     async fn end(&mut self, ending: Ending) {
         match ending {
-            Err(e) => self.events.fail(ApiError::from(e), None).await,
+            Err(e) => self.events.fail(edge::failed(e), None).await,
             Ok(f) => {
                 let first = self.events.open();
                 let choice = self.reply.choice("", Some(first), None, Some(finish_reason(f.reason)));

@@ -26,7 +26,7 @@ use futures_util::{SinkExt, StreamExt};
 use hyper::upgrade::Upgraded;
 use hyper::StatusCode;
 use hyper_util::rt::TokioIo;
-use protocol::ErrorCode;
+use protocol::{ErrorCode, ProtocolError};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -203,7 +203,7 @@ impl Reader {
             match msg {
                 Message::Text(text) => {
                     if !self.bucket.take() {
-                        let e = ApiError::from((
+                        let e = ApiError::from(ProtocolError::new(
                             ErrorCode::RateLimited,
                             format!("more than {} events per second; the event was dropped", state.config.rate_limit_per_sec),
                         ));
@@ -265,7 +265,7 @@ impl Reader {
         if !self.lanes.contains_key(&key) && self.lanes.len() >= limit {
             self.forget_idle_lanes();
             if self.lanes.len() >= limit {
-                let e = ApiError::from((ErrorCode::RateLimited, format!("at most {limit} lanes (stream_id) may be busy on one socket")));
+                let e = ApiError::from(ProtocolError::new(ErrorCode::RateLimited, format!("at most {limit} lanes (stream_id) may be busy on one socket")));
                 return self.shared.error(&e, create.stream_id.as_deref()).await;
             }
         }
@@ -275,7 +275,7 @@ impl Reader {
         });
         let stream_id = create.stream_id.clone();
         if lane.queue.try_send((create, received)).is_err() {
-            let e = ApiError::from((ErrorCode::RateLimited, format!("at most {limit} responses may wait on one lane")));
+            let e = ApiError::from(ProtocolError::new(ErrorCode::RateLimited, format!("at most {limit} responses may wait on one lane")));
             self.shared.error(&e, stream_id.as_deref()).await;
         }
     }

@@ -15,7 +15,6 @@ use serde_json::{json, Value};
 
 use super::super::super::http::{edge, Body};
 use super::super::super::ServerState;
-use super::super::method_not_allowed;
 use super::super::respond::ApiError;
 
 /// Most input items one page holds, and the default (OpenAI's).
@@ -33,11 +32,11 @@ pub fn handle(state: &ServerState, req: &Request<Incoming>, tenant: &str, rest: 
     Some(match (action, method) {
         ("", &Method::GET) => retrieve(state, tenant, id, req.uri().query().unwrap_or("")),
         ("", &Method::DELETE) => delete(state, tenant, id),
-        ("", _) => Ok(method_not_allowed(method, path, "GET, DELETE")),
+        ("", _) => Ok(edge::wrong_method::<ApiError>(method, path, "GET, DELETE")),
         ("input_items", &Method::GET) => input_items(state, tenant, id, req.uri().query().unwrap_or("")),
-        ("input_items", _) => Ok(method_not_allowed(method, path, "GET")),
+        ("input_items", _) => Ok(edge::wrong_method::<ApiError>(method, path, "GET")),
         ("cancel", &Method::POST) => cancel(state, tenant, id),
-        ("cancel", _) => Ok(method_not_allowed(method, path, "POST")),
+        ("cancel", _) => Ok(edge::wrong_method::<ApiError>(method, path, "POST")),
         _ => return None,
     })
 }
