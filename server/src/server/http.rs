@@ -1,6 +1,7 @@
 //! The HTTP side: routing, the WebSocket upgrade of `GET /v1/ws` (with the
 //! Origin and bearer-token checks done BEFORE upgrading), `/healthz`,
 //! `/metrics`, and with `--ui-dir` static files (the playground) elsewhere.
+pub mod edge;
 pub mod request_body;
 mod static_files;
 pub mod stream_body;
@@ -21,6 +22,7 @@ use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
 use tokio_tungstenite::WebSocketStream;
 
+use super::openai::ApiError;
 use super::{ws, ServerState};
 
 /// A response body: whole (JSON, files) or streamed (server-sent events).
@@ -51,6 +53,27 @@ enum Socket {
     Responses { tenant: String },
 }
 
+/// The HTTP edge a path belongs to: its unknown paths answer in its error shape.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Edge {
+    LlamaCpp,
+    Anthropic,
+    /// Every other path under `/v1/` but the protocol's socket.
+    OpenAi,
+}
+
+impl Edge {
+    fn of(path: &str) -> Option<Edge> {
+        match path {
+            _ if super::llamacpp::serves(path) => Some(Edge::LlamaCpp),
+            _ if super::anthropic::serves(path) => Some(Edge::Anthropic),
+            "/v1/ws" => None,
+            _ if path.starts_with("/v1/") => Some(Edge::OpenAi),
+            _ => None,
+        }
+    }
+}
+
 fn is_upgrade(h: &HeaderMap) -> bool {
     has_token(h, header::CONNECTION, "upgrade") && has_token(h, header::UPGRADE, "websocket")
 }
@@ -61,35 +84,21 @@ pub async fn handle(state: Arc<ServerState>, req: Request<Incoming>) -> Result<R
         let tenant = super::openai::tenant(presented_tokens(&req, &offered).first().map(String::as_str));
         return Ok(upgrade(state, req, Socket::Responses { tenant }));
     }
-    if super::llamacpp::serves(req.uri().path()) {
-        let bearer = presented_tokens(&req, &[]).into_iter().next();
-        if !super::llamacpp::is_public(req.uri().path()) {
-            if let Some(why) = auth_problem(&state, &req, &[]) {
-                state.metrics.error(ErrorCode::Unauthorized);
-                return Ok(super::llamacpp::unauthorized(why));
-            }
-        }
-        return Ok(super::llamacpp::handle(&state, req, &super::openai::tenant(bearer.as_deref())).await);
-    }
-    if super::anthropic::serves(req.uri().path()) {
-        let key = presented_tokens(&req, &[]).into_iter().next();
-        if let Some(why) = auth_problem(&state, &req, &[]) {
+    if let Some(edge) = Edge::of(req.uri().path()) {
+        let tenant = super::openai::tenant(presented_tokens(&req, &[]).first().map(String::as_str));
+        let public = edge == Edge::LlamaCpp && super::llamacpp::is_public(req.uri().path());
+        if let Some(why) = auth_problem(&state, &req, &[]).filter(|_| !public) {
             state.metrics.error(ErrorCode::Unauthorized);
-            return Ok(super::anthropic::unauthorized(why));
+            return Ok(match edge {
+                Edge::LlamaCpp => super::llamacpp::unauthorized(why),
+                Edge::Anthropic => super::anthropic::unauthorized(why),
+                Edge::OpenAi => super::openai::unauthorized(why),
+            });
         }
-        return Ok(super::anthropic::handle(&state, req, &super::openai::tenant(key.as_deref())).await);
-    }
-    if req.uri().path().starts_with("/v1/") && req.uri().path() != "/v1/ws" {
-        let bearer = presented_tokens(&req, &[]).into_iter().next();
-        if let Some(why) = auth_problem(&state, &req, &[]) {
-            state.metrics.error(ErrorCode::Unauthorized);
-            return Ok(super::openai::unauthorized(why));
-        }
-        let path = req.uri().path().to_string();
-        let method = req.method().clone();
-        return Ok(match super::openai::handle(&state, req, bearer).await {
-            Some(r) => r,
-            None => super::openai::unknown_path(&method, &path),
+        return Ok(match edge {
+            Edge::LlamaCpp => super::llamacpp::handle(&state, req, &tenant).await,
+            Edge::Anthropic => super::anthropic::handle(&state, req, &tenant).await,
+            Edge::OpenAi => super::openai::handle(&state, req, &tenant).await,
         });
     }
     let path = req.uri().path();
@@ -106,11 +115,11 @@ pub async fn handle(state: Arc<ServerState>, req: Request<Incoming>) -> Result<R
             }
             None => metrics(&state).await,
         },
-        (method, "/v1/ws" | "/healthz" | "/metrics") => super::openai::method_not_allowed(method, path, "GET"),
+        (method, "/v1/ws" | "/healthz" | "/metrics") => edge::wrong_method::<ApiError>(method, path, "GET"),
         (method, _) => match &state.config.ui_dir {
             Some(dir) if method == Method::GET || method == Method::HEAD => static_files::serve(dir, path).await,
             // Answered in OpenAI's error shape, the one most clients here parse.
-            _ => super::openai::unknown_path(req.method(), path),
+            _ => edge::unknown_path::<ApiError>(req.method(), path),
         },
     })
 }

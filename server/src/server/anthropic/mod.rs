@@ -15,28 +15,24 @@ mod wire;
 use std::sync::Arc;
 use std::time::Instant;
 
-use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use hyper::header::{self, HeaderName, HeaderValue};
+use hyper::header::{HeaderName, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
 use protocol::{ErrorCode, ProtocolError};
 use serde_json::{json, Value};
 
-use super::http::request_body::{close_if_body_unread, read_json_object, BodyError};
-use super::http::stream_body::ChannelBody;
-use super::http::{full, Body};
-use super::request::{count_prompt_tokens, launch, Launch, Launched, Length};
+use super::http::edge::{self, EdgeError};
+use super::http::Body;
+use super::request::{count_prompt_tokens, launch, Launch, Length};
 use super::session::new_secret;
 use super::ServerState;
 use reply::{Collected, EventStream, Reply};
 use wire::{Endpoint, Parsed};
 
-/// Server-sent events waiting for a slow client before the writer waits.
-const SSE_BUFFER: usize = 64;
-
-/// Whether `path` is this edge's.
+/// Whether `path` is this edge's: `/v1/messages` and every path under it
+/// (those nothing serves answer 404 in this edge's shape).
 pub fn serves(path: &str) -> bool {
-    matches!(path, "/v1/messages" | "/v1/messages/count_tokens")
+    path.strip_prefix("/v1/messages").is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
 }
 
 /// An error in Anthropic's shape: `{"type": "error", "error": {"type", "message"}}`.
@@ -57,15 +53,29 @@ impl AnthropicError {
     fn invalid(message: impl Into<String>) -> AnthropicError {
         AnthropicError::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
     }
+}
 
-    pub fn body(&self) -> Value {
-        json!({"type": "error", "error": {"type": self.kind, "message": self.message}})
+impl EdgeError for AnthropicError {
+    fn refusal(status: StatusCode, message: String) -> AnthropicError {
+        let kind = match status {
+            StatusCode::PAYLOAD_TOO_LARGE => "request_too_large",
+            StatusCode::REQUEST_TIMEOUT => "timeout_error",
+            StatusCode::NOT_FOUND => "not_found_error",
+            _ => "invalid_request_error",
+        };
+        AnthropicError::new(status, kind, message)
     }
 
-    fn response(&self) -> Response<Body> {
-        let mut r = json_response(self.status, &self.body());
-        close_if_body_unread(&mut r);
-        r
+    fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    fn metric(&self) -> ErrorCode {
+        self.metric
+    }
+
+    fn body(&self) -> Value {
+        json!({"type": "error", "error": {"type": self.kind, "message": self.message}})
     }
 }
 
@@ -84,19 +94,6 @@ impl From<ProtocolError> for AnthropicError {
     }
 }
 
-impl From<(ErrorCode, String)> for AnthropicError {
-    fn from((code, message): (ErrorCode, String)) -> AnthropicError {
-        AnthropicError::from(ProtocolError::new(code, message))
-    }
-}
-
-fn json_response(status: StatusCode, body: &Value) -> Response<Body> {
-    let mut r = Response::new(full(body.to_string()));
-    *r.status_mut() = status;
-    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    r
-}
-
 /// The refusal of a request without the server's key, in Anthropic's shape.
 pub fn unauthorized(why: &str) -> Response<Body> {
     AnthropicError::new(StatusCode::UNAUTHORIZED, "authentication_error", format!("{why}: send `x-api-key: <key>`")).response()
@@ -111,16 +108,16 @@ fn is_version_date(v: &str) -> bool {
 /// Serves one request to this edge for `tenant` (see [`super::openai::tenant`]).
 pub async fn handle(state: &Arc<ServerState>, req: Request<Incoming>, tenant: &str) -> Response<Body> {
     let request_id = new_secret("req_");
-    let mut r = match serve(state, req, tenant).await {
-        Ok(r) => r,
-        Err(e) => {
-            state.metrics.error(e.metric);
-            let mut r = e.response();
-            if e.status == StatusCode::TOO_MANY_REQUESTS {
-                r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(state.http_buckets.retry_after_secs()));
-            }
-            r
-        }
+    let (method, path) = (req.method().clone(), req.uri().path().to_string());
+    let endpoint = match path.as_str() {
+        "/v1/messages" => Some(Endpoint::Create),
+        "/v1/messages/count_tokens" => Some(Endpoint::CountTokens),
+        _ => None,
+    };
+    let mut r = match (endpoint, &method) {
+        (None, _) => edge::unknown_path::<AnthropicError>(&method, &path),
+        (Some(endpoint), &Method::POST) => edge::answer(state, serve(state, req, endpoint, tenant).await),
+        (Some(_), _) => edge::wrong_method::<AnthropicError>(&method, &path, "POST"),
     };
     if let Ok(v) = HeaderValue::from_str(&request_id) {
         r.headers_mut().insert(HeaderName::from_static("request-id"), v);
@@ -128,15 +125,8 @@ pub async fn handle(state: &Arc<ServerState>, req: Request<Incoming>, tenant: &s
     r
 }
 
-async fn serve(state: &Arc<ServerState>, req: Request<Incoming>, tenant: &str) -> Result<Response<Body>, AnthropicError> {
+async fn serve(state: &Arc<ServerState>, req: Request<Incoming>, endpoint: Endpoint, tenant: &str) -> Result<Response<Body>, AnthropicError> {
     let received = Instant::now();
-    let endpoint = if req.uri().path() == "/v1/messages" { Endpoint::Create } else { Endpoint::CountTokens };
-    if req.method() != Method::POST {
-        let message = format!("{} requires POST, not {}", req.uri().path(), req.method());
-        let mut r = AnthropicError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", message).response();
-        r.headers_mut().insert(header::ALLOW, HeaderValue::from_static("POST"));
-        return Ok(r);
-    }
     // Anthropic's API requires the header; a client that leaves it out
     // (curl by hand) gets today's shapes rather than a refusal. Versions
     // (dates) only add fields, and the SDKs send their newest, so any date
@@ -147,15 +137,8 @@ async fn serve(state: &Arc<ServerState>, req: Request<Incoming>, tenant: &str) -
             return Err(AnthropicError::invalid(format!("anthropic-version: {v:?} is not a version date (such as 2023-06-01)")));
         }
     }
-    if !state.http_buckets.take(tenant) {
-        let message = format!("more than {} requests per second with this key; retry later", state.config.rate_limit_per_sec);
-        return Err(AnthropicError::from(ProtocolError::new(ErrorCode::RateLimited, message)));
-    }
-    let body = read_json_object(req, state.config.max_frame_bytes, state.config.stall_timeout).await.map_err(|e| match e {
-        BodyError::TooLarge { .. } => AnthropicError::new(StatusCode::PAYLOAD_TOO_LARGE, "request_too_large", e.message()),
-        BodyError::TooSlow { .. } => AnthropicError::new(StatusCode::REQUEST_TIMEOUT, "timeout_error", e.message()),
-        _ => AnthropicError::invalid(e.message()),
-    })?;
+    edge::take_turn::<AnthropicError>(state, tenant)?;
+    let body = edge::read_json::<AnthropicError>(state, req).await?;
     let id = new_secret("msg_");
     let Parsed { model, mut generate, max_tokens, stream } = wire::parse(&body, endpoint, id.clone()).map_err(AnthropicError::invalid)?;
     if model != state.model.name {
@@ -165,33 +148,15 @@ async fn serve(state: &Arc<ServerState>, req: Request<Incoming>, tenant: &str) -
     if endpoint == Endpoint::CountTokens {
         generate.validate()?;
         let tokens = count_prompt_tokens(state, &generate).await?;
-        return Ok(json_response(StatusCode::OK, &json!({"input_tokens": tokens})));
+        return Ok(edge::json(StatusCode::OK, &json!({"input_tokens": tokens})));
     }
     let owner = super::openai::owner(tenant, None);
     let length = Launch { length: Length::UpTo(max_tokens), ..Launch::default() };
-    let Launched { submitted, in_flight, relay, .. } = launch(state, &owner, &mut generate, length, received).await?;
-    let reply = Reply { id, model: state.model.name.clone(), max_tokens, prompt_tokens: relay.prompt_tokens as u32 };
-    if !stream {
-        let mut writer = Collected::new(reply);
-        relay.run(submitted.events, &mut writer).await;
-        drop(in_flight);
-        return Ok(json_response(StatusCode::OK, &writer.into_message()?));
+    let launched = launch(state, &owner, &mut generate, length, received).await?;
+    let reply = Reply { id, model: state.model.name.clone(), max_tokens, prompt_tokens: launched.relay.prompt_tokens as u32 };
+    if stream {
+        edge::stream(launched, |events| EventStream::new(reply, events)).await
+    } else {
+        Ok(edge::json(StatusCode::OK, &edge::collect(launched, Collected::new(reply)).await.into_message()?))
     }
-    let (tx, body) = ChannelBody::new(SSE_BUFFER);
-    let (ready_tx, ready) = tokio::sync::oneshot::channel();
-    let mut writer = EventStream::new(reply, tx, ready_tx);
-    tokio::spawn(async move {
-        relay.run(submitted.events, &mut writer).await;
-        drop(in_flight);
-    });
-    // Headers go out with the first event, so a refusal before any output
-    // is still an HTTP error status.
-    if let Ok(Err(e)) = ready.await {
-        return Err(e);
-    }
-    let mut r = Response::new(BodyExt::boxed(body));
-    let h = r.headers_mut();
-    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
-    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    Ok(r)
 }

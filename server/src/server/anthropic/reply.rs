@@ -6,11 +6,10 @@
 //! Text and tool calls keep the order the model wrote them in: text becomes
 //! `text` blocks, each call a `tool_use` block whose input is sent whole in
 //! one `input_json_delta` (the call is complete when the relay hands it over).
-use hyper::body::Bytes;
 use protocol::{FinishReason, ToolCall, Usage};
 use serde_json::{json, Value};
-use tokio::sync::{mpsc, oneshot};
 
+use super::super::http::edge::{self, Events};
 use super::super::relay::{Ending, Finished, Piece, Writer};
 use super::AnthropicError;
 
@@ -104,7 +103,7 @@ impl Collected {
 
     pub fn into_message(self) -> Result<Value, AnthropicError> {
         let ending = self.ending.unwrap_or_else(|| Err((protocol::ErrorCode::Internal, "the request ended without an answer".into())));
-        let finished = ending.map_err(AnthropicError::from)?;
+        let finished = ending.map_err(edge::failed::<AnthropicError>)?;
         let content = self.blocks.iter().map(block_json).collect();
         Ok(self.reply.message(content, Some(self.reply.stop(&finished)), usage(&finished.usage)))
     }
@@ -125,8 +124,7 @@ impl Writer for Collected {
 /// response's status (through `ready`); after it, an `error` event.
 pub struct EventStream {
     reply: Reply,
-    tx: mpsc::Sender<Bytes>,
-    ready: Option<oneshot::Sender<Result<(), AnthropicError>>>,
+    events: Events<AnthropicError>,
     /// Blocks started so far (the next one's `index`).
     blocks: usize,
     /// A text block is open (the last one started).
@@ -134,18 +132,19 @@ pub struct EventStream {
 }
 
 impl EventStream {
-    pub fn new(reply: Reply, tx: mpsc::Sender<Bytes>, ready: oneshot::Sender<Result<(), AnthropicError>>) -> EventStream {
-        EventStream { reply, tx, ready: Some(ready), blocks: 0, text_open: false }
+    pub fn new(reply: Reply, events: Events<AnthropicError>) -> EventStream {
+        EventStream { reply, events, blocks: 0, text_open: false }
     }
 
-    async fn event(&self, name: &str, data: Value) -> bool {
-        self.tx.send(Bytes::from(format!("event: {name}\ndata: {data}\n\n"))).await.is_ok()
+    async fn event(&mut self, name: &str, data: Value) -> bool {
+        self.events.send(Some(name), data).await
     }
 
     /// `message_start` and a `ping`, once, before anything else.
     async fn start(&mut self) -> bool {
-        let Some(ready) = self.ready.take() else { return true };
-        let _ = ready.send(Ok(()));
+        if !self.events.open() {
+            return true;
+        }
         let usage = json!({"input_tokens": self.reply.prompt_tokens, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": 0});
         let message = self.reply.message(Vec::new(), None, usage);
         self.event("message_start", json!({"type": "message_start", "message": message})).await && self.event("ping", json!({"type": "ping"})).await
@@ -202,19 +201,7 @@ impl Writer for EventStream {
     async fn end(&mut self, ending: Ending) {
         let finished = match ending {
             Ok(f) => f,
-            Err(e) => {
-                let e = AnthropicError::from(e);
-                match self.ready.take() {
-                    // Nothing sent yet: the response is this error's status.
-                    Some(ready) => {
-                        let _ = ready.send(Err(e));
-                    }
-                    None => {
-                        self.event("error", e.body()).await;
-                    }
-                }
-                return;
-            }
+            Err(e) => return self.events.fail(edge::failed(e), Some("error")).await,
         };
         if !(self.start().await && self.close_text().await) {
             return;

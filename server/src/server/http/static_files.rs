@@ -12,7 +12,7 @@ use hyper::header::{self, HeaderValue};
 use hyper::{Method, Response, StatusCode};
 
 use super::Body;
-use crate::server::openai::unknown_path;
+use crate::server::openai::ApiError;
 
 /// Files larger than this are not served (the playground's are a few KiB).
 const MAX_FILE_BYTES: u64 = 16 << 20;
@@ -27,7 +27,7 @@ enum Found {
 /// The response for `uri_path` under `root` (an absolute, canonical folder).
 pub async fn serve(root: &Path, uri_path: &str) -> Response<Body> {
     let Some(rel) = relative_path(uri_path) else {
-        return unknown_path(&Method::GET, uri_path);
+        return super::edge::unknown_path::<ApiError>(&Method::GET, uri_path);
     };
     let root = root.to_path_buf();
     let found = tokio::task::spawn_blocking(move || lookup(&root, &rel)).await.unwrap_or(Found::Missing);
@@ -47,9 +47,9 @@ pub async fn serve(root: &Path, uri_path: &str) -> Response<Body> {
                 r.headers_mut().insert(header::LOCATION, location);
                 r
             }
-            Err(_) => unknown_path(&Method::GET, uri_path),
+            Err(_) => super::edge::unknown_path::<ApiError>(&Method::GET, uri_path),
         },
-        Found::Missing => unknown_path(&Method::GET, uri_path),
+        Found::Missing => super::edge::unknown_path::<ApiError>(&Method::GET, uri_path),
     }
 }
 

@@ -17,23 +17,18 @@ mod wire;
 use std::sync::Arc;
 use std::time::Instant;
 
-use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::header::{self, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
 use protocol::{ErrorCode, ProtocolError};
 use serde_json::{json, Map, Value};
 
-use super::http::request_body::{close_if_body_unread, read_json_object, BodyError};
-use super::http::stream_body::ChannelBody;
-use super::http::{full, Body};
-use super::request::{fim_unsupported, launch, Launch, Launched, Length};
+use super::http::edge::{self, EdgeError};
+use super::http::Body;
+use super::request::{fim_unsupported, launch, Launch, Length};
 use super::ServerState;
 use reply::{EditorWriter, Settings};
 use wire::{Endpoint, Predict};
-
-/// Server-sent events waiting for a slow client.
-const SSE_BUFFER: usize = 64;
 
 /// An error in llama.cpp's shape; `code` is the HTTP status.
 #[derive(Debug)]
@@ -56,15 +51,26 @@ impl LlamaError {
     fn server(message: impl Into<String>) -> LlamaError {
         LlamaError { metric: ErrorCode::Internal, ..LlamaError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message) }
     }
+}
+
+impl EdgeError for LlamaError {
+    /// Compact JSON on one line: llama.vim finds `"content":"` in the raw text.
+    const CONTENT_TYPE: &'static str = "application/json; charset=utf-8";
+
+    fn refusal(status: StatusCode, message: String) -> LlamaError {
+        LlamaError::new(status, if status == StatusCode::NOT_FOUND { "not_found_error" } else { "invalid_request_error" }, message)
+    }
+
+    fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    fn metric(&self) -> ErrorCode {
+        self.metric
+    }
 
     fn body(&self) -> Value {
         json!({"error": {"code": self.status.as_u16(), "message": self.message, "type": self.kind}})
-    }
-
-    fn response(&self) -> Response<Body> {
-        let mut r = json_response(self.status, &self.body());
-        close_if_body_unread(&mut r);
-        r
     }
 }
 
@@ -82,18 +88,8 @@ impl From<ProtocolError> for LlamaError {
     }
 }
 
-impl From<(ErrorCode, String)> for LlamaError {
-    fn from((code, message): (ErrorCode, String)) -> LlamaError {
-        LlamaError::from(ProtocolError::new(code, message))
-    }
-}
-
-/// Compact JSON on one line: llama.vim finds `"content":"` in the raw text.
 fn json_response(status: StatusCode, body: &Value) -> Response<Body> {
-    let mut r = Response::new(full(body.to_string()));
-    *r.status_mut() = status;
-    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json; charset=utf-8"));
-    r
+    edge::json_as(status, body, LlamaError::CONTENT_TYPE)
 }
 
 /// A refusal for a missing or wrong bearer token.
@@ -104,9 +100,13 @@ pub fn unauthorized(why: &str) -> Response<Body> {
     r
 }
 
-/// Whether `path` is one of this edge's.
+/// This edge's paths; each one's subpaths are this edge's too (answered 404
+/// in its shape).
+const PATHS: &[&str] = &["/health", "/v1/health", "/completion", "/completions", "/infill", "/tokenize", "/detokenize"];
+
+/// Whether `path` is this edge's (see [`PATHS`]).
 pub fn serves(path: &str) -> bool {
-    matches!(path, "/health" | "/v1/health" | "/completion" | "/completions" | "/infill" | "/tokenize" | "/detokenize")
+    PATHS.iter().any(|p| path.strip_prefix(p).is_some_and(|rest| rest.is_empty() || rest.starts_with('/')))
 }
 
 /// Whether `path` needs no bearer token (llama.cpp's `/health` is public).
@@ -116,34 +116,22 @@ pub fn is_public(path: &str) -> bool {
 
 /// Serves one of this edge's paths (see [`serves`]) for `tenant`.
 pub async fn handle(state: &Arc<ServerState>, req: Request<Incoming>, tenant: &str) -> Response<Body> {
-    let path = req.uri().path().to_string();
+    let (method, path) = (req.method().clone(), req.uri().path().to_string());
+    if !PATHS.contains(&path.as_str()) {
+        return edge::unknown_path::<LlamaError>(&method, &path);
+    }
     let wanted = if is_public(&path) { Method::GET } else { Method::POST };
-    if req.method() != wanted {
-        let mut r = LlamaError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", format!("{path} requires {wanted}")).response();
-        r.headers_mut().insert(header::ALLOW, HeaderValue::from_static(if wanted == Method::GET { "GET" } else { "POST" }));
-        return r;
+    if method != wanted {
+        return edge::wrong_method::<LlamaError>(&method, &path, if wanted == Method::GET { "GET" } else { "POST" });
     }
     let result = match path.as_str() {
         "/health" | "/v1/health" => Ok(health(state)),
         "/tokenize" => tokenize(state, req).await,
         "/detokenize" => detokenize(state, req).await,
-        _ if !state.http_buckets.take(tenant) => {
-            let e = LlamaError::from((
-                ErrorCode::RateLimited,
-                format!("more than {} requests per second with this key; retry later", state.config.rate_limit_per_sec),
-            ));
-            let mut r = e.response();
-            r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(state.http_buckets.retry_after_secs()));
-            state.metrics.error(ErrorCode::RateLimited);
-            return r;
-        }
         "/infill" => complete(state, req, Endpoint::Infill, tenant).await,
         _ => complete(state, req, Endpoint::Completion, tenant).await,
     };
-    result.unwrap_or_else(|e| {
-        state.metrics.error(e.metric);
-        e.response()
-    })
+    edge::answer(state, result)
 }
 
 fn health(state: &ServerState) -> Response<Body> {
@@ -153,21 +141,9 @@ fn health(state: &ServerState) -> Response<Body> {
     json_response(StatusCode::OK, &json!({"status": "ok"}))
 }
 
-/// The request body as a JSON object (see `http::request_body`), or the
-/// failure in llama.cpp's shape.
-async fn read_json(state: &ServerState, req: Request<Incoming>) -> Result<Map<String, Value>, LlamaError> {
-    read_json_object(req, state.config.max_frame_bytes, state.config.stall_timeout).await.map_err(|e| match e {
-        BodyError::TooLarge { .. } => LlamaError::new(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", e.message()),
-        BodyError::TooSlow { .. } => LlamaError::new(StatusCode::REQUEST_TIMEOUT, "invalid_request_error", e.message()),
-        _ => LlamaError::invalid(e.message()),
-    })
-}
-
 fn parse<T: serde::de::DeserializeOwned>(body: Map<String, Value>, known: &[&str]) -> Result<T, LlamaError> {
-    if let Some(k) = body.keys().find(|k| !known.contains(&k.as_str())) {
-        return Err(LlamaError::invalid(format!("unknown field {k:?}")));
-    }
-    serde_path_to_error::deserialize(Value::Object(body)).map_err(|e| LlamaError::invalid(format!("invalid value for {}: {}", e.path(), e.inner())))
+    edge::refuse_unknown::<LlamaError>(body.keys().map(String::as_str).find(|k| !known.contains(k)))?;
+    edge::deserialize(body)
 }
 
 #[derive(serde::Deserialize)]
@@ -188,7 +164,7 @@ fn yes() -> bool {
 /// `POST /tokenize`: `{"tokens": [ids]}`, or with pieces `[{"id", "piece"}]`
 /// (`piece` a byte list when it is not valid UTF-8 on its own).
 async fn tokenize(state: &ServerState, req: Request<Incoming>) -> Result<Response<Body>, LlamaError> {
-    let body: TokenizeBody = parse(read_json(state, req).await?, &["content", "add_special", "parse_special", "with_pieces"])?;
+    let body: TokenizeBody = parse(edge::read_json::<LlamaError>(state, req).await?, &["content", "add_special", "parse_special", "with_pieces"])?;
     let tok = &state.tokenizer;
     let mut ids = Vec::new();
     if body.add_special && tok.add_bos() {
@@ -215,7 +191,7 @@ async fn detokenize(state: &ServerState, req: Request<Incoming>) -> Result<Respo
     struct DetokenizeBody {
         tokens: Vec<u32>,
     }
-    let body: DetokenizeBody = parse(read_json(state, req).await?, &["tokens"])?;
+    let body: DetokenizeBody = parse(edge::read_json::<LlamaError>(state, req).await?, &["tokens"])?;
     let vocab = state.tokenizer.vocab_size();
     if let Some(bad) = body.tokens.iter().find(|&&id| id as usize >= vocab) {
         return Err(LlamaError::invalid(format!("token id {bad} is out of the vocabulary (size {vocab})")));
@@ -226,15 +202,13 @@ async fn detokenize(state: &ServerState, req: Request<Incoming>) -> Result<Respo
 /// `POST /completion` and `POST /infill`.
 async fn complete(state: &Arc<ServerState>, req: Request<Incoming>, endpoint: Endpoint, tenant: &str) -> Result<Response<Body>, LlamaError> {
     let received = Instant::now();
-    let body = read_json(state, req).await?;
-    if let Some(k) = wire::unknown_field(&body) {
-        return Err(LlamaError::invalid(format!("unknown field {k:?}")));
-    }
+    edge::take_turn::<LlamaError>(state, tenant)?;
+    let body = edge::read_json::<LlamaError>(state, req).await?;
+    edge::refuse_unknown::<LlamaError>(wire::unknown_field(&body))?;
     if endpoint == Endpoint::Infill && state.fim.is_none() {
         return Err(LlamaError::from(fim_unsupported()));
     }
-    let body: wire::Body =
-        serde_path_to_error::deserialize(Value::Object(body)).map_err(|e| LlamaError::invalid(format!("invalid value for {}: {}", e.path(), e.inner())))?;
+    let body: wire::Body = edge::deserialize::<LlamaError, _>(body)?;
     let (mut generate, options) =
         body.into_generate(endpoint, super::new_secret("cmpl-"), &state.model.name).map_err(|wire::Invalid(m)| LlamaError::invalid(m))?;
     let length = match options.predict {
@@ -244,11 +218,11 @@ async fn complete(state: &Arc<ServerState>, req: Request<Incoming>, endpoint: En
     };
     let owner = super::openai::owner(tenant, None);
     let launch_with = Launch { length, earlier: None, ignore_eos: options.ignore_eos };
-    let Launched { submitted, in_flight, relay, .. } = launch(state, &owner, &mut generate, launch_with, received).await?;
+    let launched = launch(state, &owner, &mut generate, launch_with, received).await?;
     let settings = Settings {
         model: state.model.name.clone(),
         n_ctx: state.limits.context_length,
-        prompt_tokens: relay.prompt_tokens,
+        prompt_tokens: launched.relay.prompt_tokens,
         max_tokens: generate.max_tokens,
         temperature: generate.temperature,
         top_k: generate.top_k,
@@ -257,27 +231,11 @@ async fn complete(state: &Arc<ServerState>, req: Request<Incoming>, endpoint: En
         seed: generate.seed,
         stop: generate.stop.clone(),
     };
-    let stop = submitted.stop.clone();
-    if !options.stream {
-        let mut writer = EditorWriter::new(options, settings, stop, None);
-        relay.run(submitted.events, &mut writer).await;
-        drop(in_flight);
-        return Ok(json_response(StatusCode::OK, &writer.into_result()?));
+    let stop = launched.submitted.stop.clone();
+    if options.stream {
+        edge::stream(launched, |events| EditorWriter::new(options, settings, stop, Some(events))).await
+    } else {
+        let writer = edge::collect(launched, EditorWriter::new(options, settings, stop, None)).await;
+        Ok(json_response(StatusCode::OK, &writer.into_result()?))
     }
-    let (tx, body) = ChannelBody::new(SSE_BUFFER);
-    let (ready_tx, ready) = tokio::sync::oneshot::channel();
-    let mut writer = EditorWriter::new(options, settings, stop, Some((tx, ready_tx)));
-    tokio::spawn(async move {
-        relay.run(submitted.events, &mut writer).await;
-        drop(in_flight);
-    });
-    // Headers go out with the first event, so a refusal before any output
-    // is still an HTTP error status.
-    if let Ok(Err(e)) = ready.await {
-        return Err(e);
-    }
-    let mut r = Response::new(BodyExt::boxed(body));
-    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
-    r.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    Ok(r)
 }

@@ -12,11 +12,10 @@
 //! for the next keystroke's request.
 use std::time::Instant;
 
-use hyper::body::Bytes;
 use protocol::FinishReason;
 use serde_json::{json, Map, Value};
-use tokio::sync::{mpsc, oneshot};
 
+use super::super::http::edge::{self, Events};
 use super::super::relay::{Ending, Finished, Piece, Writer};
 use super::wire::Options;
 use super::LlamaError;
@@ -36,18 +35,12 @@ pub struct Settings {
     pub stop: Vec<String>,
 }
 
-/// A stream's channels: its events, and the word that it may start (or
-/// the error that ended it before any output).
-pub type StreamTo = (mpsc::Sender<Bytes>, oneshot::Sender<Result<(), LlamaError>>);
-
 pub struct EditorWriter {
     options: Options,
     settings: Settings,
     stop: StopHandle,
     /// Server-sent events when streaming.
-    events: Option<mpsc::Sender<Bytes>>,
-    /// Told when a stream can start, or of the error that ended it first.
-    ready: Option<oneshot::Sender<Result<(), LlamaError>>>,
+    events: Option<Events<LlamaError>>,
     content: String,
     /// Whitespace starting a generated line, held until its indent is known.
     held: String,
@@ -61,14 +54,12 @@ pub struct EditorWriter {
 }
 
 impl EditorWriter {
-    pub fn new(options: Options, settings: Settings, stop: StopHandle, events: Option<StreamTo>) -> Self {
-        let (events, ready) = events.map_or((None, None), |(e, r)| (Some(e), Some(r)));
+    pub fn new(options: Options, settings: Settings, stop: StopHandle, events: Option<Events<LlamaError>>) -> Self {
         EditorWriter {
             options,
             settings,
             stop,
             events,
-            ready,
             content: String::new(),
             held: String::new(),
             line_start: false,
@@ -124,11 +115,8 @@ impl EditorWriter {
     }
 
     async fn send(&mut self, v: &Value) -> bool {
-        if let Some(ready) = self.ready.take() {
-            let _ = ready.send(Ok(()));
-        }
-        match &self.events {
-            Some(tx) => tx.send(Bytes::from(format!("data: {v}\n\n"))).await.is_ok(),
+        match &mut self.events {
+            Some(events) => events.send(None, v).await,
             None => true,
         }
     }
@@ -201,7 +189,7 @@ impl EditorWriter {
     pub fn into_result(mut self) -> Result<Value, LlamaError> {
         match self.ending.take() {
             Some(Ok(f)) => Ok(pick_fields(self.result(&f, &self.content), self.options.response_fields.as_deref())),
-            Some(Err(e)) => Err(LlamaError::from(e)),
+            Some(Err(e)) => Err(edge::failed(e)),
             None => Err(LlamaError::server("the request ended without an answer")),
         }
     }
@@ -249,26 +237,13 @@ impl Writer for EditorWriter {
         // Whitespace held at the end is part of the text (nothing followed it).
         let held = std::mem::take(&mut self.held);
         self.content.push_str(&held);
-        if self.events.is_none() {
-            self.ending = Some(ending);
-            return;
-        }
-        match ending {
-            Ok(f) => {
+        match (ending, &mut self.events) {
+            (ending, None) => self.ending = Some(ending),
+            (Ok(f), Some(_)) => {
                 let last = pick_fields(self.result(&f, &held), self.options.response_fields.as_deref());
                 self.send(&last).await;
             }
-            Err(e) => {
-                let e = LlamaError::from(e);
-                match self.ready.take() {
-                    Some(ready) => {
-                        let _ = ready.send(Err(e));
-                    }
-                    None => {
-                        self.send(&e.body()).await;
-                    }
-                }
-            }
+            (Err(e), Some(events)) => events.fail(edge::failed(e), None).await,
         }
     }
 }

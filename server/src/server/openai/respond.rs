@@ -3,15 +3,12 @@
 //! output into them.
 use std::sync::Arc;
 
-use hyper::body::Bytes;
-use hyper::header::{self, HeaderValue};
 use hyper::{Response, StatusCode};
 use protocol::{ErrorCode, FinishReason, ProtocolError, TokenLogprob, ToolCall, Usage};
 use serde_json::{json, Value};
-use tokio::sync::{mpsc, oneshot};
 
-use super::super::http::request_body::close_if_body_unread;
-use super::super::http::{full, Body};
+use super::super::http::edge::{self, EdgeError, Events};
+use super::super::http::Body;
 use super::super::relay::{Ending, Piece, Writer};
 use crate::tokenizer::TextTokenizer;
 
@@ -46,19 +43,37 @@ impl ApiError {
         self.code = Some(code);
         self
     }
+}
 
-    pub fn metric_code(&self) -> ErrorCode {
+impl EdgeError for ApiError {
+    fn refusal(status: StatusCode, message: String) -> ApiError {
+        let e = ApiError::new(status, "invalid_request_error", message);
+        match status {
+            StatusCode::PAYLOAD_TOO_LARGE => e.with_code("request_too_large"),
+            StatusCode::REQUEST_TIMEOUT => e.with_code("request_timeout"),
+            _ => e,
+        }
+    }
+
+    fn bad_value(message: String) -> ApiError {
+        ApiError::invalid(None, message).with_code("invalid_value")
+    }
+
+    /// As OpenAI words it.
+    fn unknown_field(name: &str) -> ApiError {
+        ApiError::invalid(None, format!("unrecognized request argument supplied: {name}")).with_code("unknown_parameter")
+    }
+
+    fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    fn metric(&self) -> ErrorCode {
         self.metric
     }
 
-    pub fn body(&self) -> Value {
+    fn body(&self) -> Value {
         json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
-    }
-
-    pub fn response(&self) -> Response<Body> {
-        let mut r = json(self.status, self.body());
-        close_if_body_unread(&mut r);
-        r
     }
 }
 
@@ -74,19 +89,6 @@ impl From<ProtocolError> for ApiError {
         };
         ApiError { status, kind, message: e.message, param: None, code: Some(code), metric: e.code }
     }
-}
-
-impl From<(ErrorCode, String)> for ApiError {
-    fn from((code, message): (ErrorCode, String)) -> ApiError {
-        ApiError::from(ProtocolError::new(code, message))
-    }
-}
-
-pub fn json(status: StatusCode, body: Value) -> Response<Body> {
-    let mut r = Response::new(full(body.to_string()));
-    *r.status_mut() = status;
-    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    r
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -245,7 +247,7 @@ impl Collected {
 
     pub fn into_response(self) -> Result<Response<Body>, ApiError> {
         let ending = self.ending.unwrap_or_else(|| Err((ErrorCode::Internal, "the request ended without an answer".into())));
-        let finished = ending.map_err(ApiError::from)?;
+        let finished = ending.map_err(edge::failed::<ApiError>)?;
         let logprobs = self.logprobs.map(|l| self.reply.logprobs(&l, 0));
         let mut choice = self.reply.choice(&self.text, None, logprobs, Some(finish_reason(finished.reason)));
         if !self.tool_calls.is_empty() {
@@ -255,7 +257,7 @@ impl Collected {
             }
             message["tool_calls"] = tool_calls(&self.tool_calls, None);
         }
-        Ok(json(StatusCode::OK, self.reply.envelope(false, vec![choice], Some(usage(&finished.usage)))))
+        Ok(edge::json(StatusCode::OK, &self.reply.envelope(false, vec![choice], Some(usage(&finished.usage)))))
     }
 }
 
@@ -279,12 +281,8 @@ impl Writer for Collected {
 /// error after the first event is sent as an `error` event.
 pub struct EventStream {
     reply: Reply,
-    tx: mpsc::Sender<Bytes>,
+    events: Events<ApiError>,
     include_usage: bool,
-    /// Told when the response can start (the first piece), or the error
-    /// that ended the request before any output.
-    ready: Option<oneshot::Sender<Result<(), ApiError>>>,
-    started: bool,
     /// Bytes of text sent, for the completions' `text_offset`.
     sent: usize,
     /// Tool calls sent (the next one's `index`).
@@ -292,33 +290,21 @@ pub struct EventStream {
 }
 
 impl EventStream {
-    pub fn new(reply: Reply, tx: mpsc::Sender<Bytes>, include_usage: bool, ready: oneshot::Sender<Result<(), ApiError>>) -> EventStream {
-        EventStream { reply, tx, include_usage, ready: Some(ready), started: false, sent: 0, calls: 0 }
-    }
-
-    async fn event(&self, v: &Value) -> bool {
-        self.tx.send(Bytes::from(format!("data: {v}\n\n"))).await.is_ok()
-    }
-
-    fn start(&mut self) {
-        if let Some(ready) = self.ready.take() {
-            let _ = ready.send(Ok(()));
-        }
+    pub fn new(reply: Reply, events: Events<ApiError>, include_usage: bool) -> EventStream {
+        EventStream { reply, events, include_usage, sent: 0, calls: 0 }
     }
 }
 
 impl Writer for EventStream {
     async fn piece(&mut self, piece: Piece) -> bool {
-        self.start();
-        let first = !self.started;
-        self.started = true;
+        let first = self.events.open();
         let logprobs = piece.logprobs.map(|l| self.reply.logprobs(&l, self.sent));
         self.sent += piece.text.len();
         // A piece with no text (held back: a character or a call's tag not
         // complete yet) is sent only to open the stream or carry logprobs.
         if !piece.text.is_empty() || first || logprobs.is_some() {
             let choice = self.reply.choice(&piece.text, Some(first), logprobs, None);
-            if !self.event(&self.reply.envelope(true, vec![choice], None)).await {
+            if !self.events.send(None, self.reply.envelope(true, vec![choice], None)).await {
                 return false;
             }
         }
@@ -329,34 +315,22 @@ impl Writer for EventStream {
         // `index`, so one piece is a complete call).
         let choice = json!({"index": 0, "logprobs": null, "finish_reason": null, "delta": {"tool_calls": tool_calls(&piece.tool_calls, Some(self.calls))}});
         self.calls += piece.tool_calls.len();
-        self.event(&self.reply.envelope(true, vec![choice], None)).await
+        self.events.send(None, self.reply.envelope(true, vec![choice], None)).await
     }
 
     async fn end(&mut self, ending: Ending) {
         match ending {
-            Err(e) => {
-                let e = ApiError::from(e);
-                match self.ready.take() {
-                    // Nothing sent yet: the response is this error's status.
-                    Some(ready) => {
-                        let _ = ready.send(Err(e));
-                    }
-                    None => {
-                        self.event(&e.body()).await;
-                    }
-                }
-            }
+            Err(e) => self.events.fail(edge::failed(e), None).await,
             Ok(f) => {
-                self.start();
-                let first = !self.started;
+                let first = self.events.open();
                 let choice = self.reply.choice("", Some(first), None, Some(finish_reason(f.reason)));
-                if !self.event(&self.reply.envelope(true, vec![choice], None)).await {
+                if !self.events.send(None, self.reply.envelope(true, vec![choice], None)).await {
                     return;
                 }
-                if self.include_usage && !self.event(&self.reply.envelope(true, Vec::new(), Some(usage(&f.usage)))).await {
+                if self.include_usage && !self.events.send(None, self.reply.envelope(true, Vec::new(), Some(usage(&f.usage)))).await {
                     return;
                 }
-                let _ = self.tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+                self.events.send(None, "[DONE]").await;
             }
         }
     }

@@ -17,10 +17,10 @@ use hyper::{Request, Response, StatusCode};
 use protocol::Role;
 use serde_json::{json, Value};
 
-use super::super::super::http::Body;
+use super::super::super::http::{edge, Body};
 use super::super::super::ServerState;
-use super::super::respond::{self, ApiError};
-use super::super::{owner, read_json, refuse_unknown, unix_now};
+use super::super::respond::ApiError;
+use super::super::{owner, unix_now};
 use super::events::{Interrupt, Outcome, Sink};
 use super::wire::Edge;
 use super::{parse_create, start};
@@ -65,8 +65,8 @@ fn user_item(text: &str) -> Value {
 
 pub async fn compact(state: &Arc<ServerState>, req: Request<Incoming>, tenant: &str) -> Result<Response<Body>, ApiError> {
     let received = Instant::now();
-    let mut body = read_json(state, req).await?;
-    refuse_unknown(body.keys().map(String::as_str).find(|k| !FIELDS.contains(k)))?;
+    let mut body = edge::read_json::<ApiError>(state, req).await?;
+    edge::refuse_unknown::<ApiError>(body.keys().map(String::as_str).find(|k| !FIELDS.contains(k)))?;
     if !body.get("model").is_some_and(Value::is_string) {
         return Err(ApiError::invalid(Some("model"), "model (a string) is required"));
     }
@@ -100,7 +100,7 @@ pub async fn compact(state: &Arc<ServerState>, req: Request<Incoming>, tenant: &
     output.push(json!({"id": super::super::super::new_secret("cmp_"), "type": "compaction", "encrypted_content": seal(text.trim())}));
     let compacted = json!({"id": super::super::super::new_secret("resp_"), "object": "response.compaction", "created_at": unix_now(),
         "output": output, "usage": response["usage"]});
-    Ok(respond::json(StatusCode::OK, compacted))
+    Ok(edge::json(StatusCode::OK, &compacted))
 }
 
 #[cfg(test)]

@@ -14,10 +14,11 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
 use hyper::body::Bytes;
-use protocol::{ErrorCode, FinishReason, ToolCall, Usage};
+use protocol::{ErrorCode, FinishReason, ProtocolError, ToolCall, Usage};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use super::super::super::http::edge;
 use super::super::super::relay::{Ending, Piece, Writer};
 use super::super::respond::{logprob_entries, ApiError};
 use super::super::unix_now;
@@ -224,7 +225,7 @@ impl ResponseWriter {
             Some(Outcome::Done { usage, incomplete, .. }) => Ok(self.response(if *incomplete { "incomplete" } else { "completed" }, Some(usage), None)),
             Some(Outcome::Cancelled) => Ok(self.response("cancelled", None, None)),
             Some(Outcome::Failed(e)) => Err(e.clone()),
-            None => Err(ApiError::from((ErrorCode::Internal, "the response ended without an answer".to_string()))),
+            None => Err(ApiError::from(ProtocolError::new(ErrorCode::Internal, "the response ended without an answer"))),
         }
     }
 
@@ -359,7 +360,7 @@ impl Writer for ResponseWriter {
     async fn end(&mut self, ending: Ending) {
         let finished = match ending {
             Ok(f) => f,
-            Err(e) => return self.fail(ApiError::from(e)).await,
+            Err(e) => return self.fail(edge::failed(e)).await,
         };
         // A steered response stops where it was, as at a stop string (its
         // output, and its KV state, kept for the successor).

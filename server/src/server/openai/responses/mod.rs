@@ -21,17 +21,17 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use hyper::body::Incoming;
-use hyper::header::{self, HeaderValue};
 use hyper::{Request, Response, StatusCode};
 use protocol::{ChatMessage, GenerateInput, GenerateRequest, Role};
 use serde_json::{Map, Value};
 
+use super::super::http::edge::{self, SSE_BUFFER};
 use super::super::http::stream_body::ChannelBody;
 use super::super::http::Body;
 use super::super::request::{launch, Launch, Launched, Length};
 use super::super::ServerState;
-use super::respond::{self, ApiError};
-use super::{check_model, deserialize, owner, read_json, refuse_unknown, unix_now, SSE_BUFFER};
+use super::respond::ApiError;
+use super::{check_model, owner, unix_now};
 use crate::engine::{StopHandle, StopReason};
 pub use compact::compact;
 use events::{Header, Interrupt, Outcome, ResponseWriter, Sink};
@@ -43,8 +43,8 @@ use wire::{Create, CreateBody, Edge};
 
 /// Parses a create request from `edge`.
 fn parse_create(body: Map<String, Value>, edge: Edge) -> Result<Create, ApiError> {
-    refuse_unknown(wire::unknown_field(&body, edge))?;
-    deserialize::<CreateBody>(body)?.check(edge).map_err(|e| ApiError::invalid(Some(e.param), e.message))
+    edge::refuse_unknown::<ApiError>(wire::unknown_field(&body, edge))?;
+    edge::deserialize::<ApiError, CreateBody>(body)?.check(edge).map_err(|e| ApiError::invalid(Some(e.param), e.message))
 }
 
 /// A response submitted to the engine, not yet relayed.
@@ -181,7 +181,7 @@ impl Started {
 /// `POST /v1/responses`.
 pub async fn create(state: &Arc<ServerState>, req: Request<Incoming>, tenant: &str) -> Result<Response<Body>, ApiError> {
     let received = Instant::now();
-    let body = read_json(state, req).await?;
+    let body = edge::read_json::<ApiError>(state, req).await?;
     let create = parse_create(body, Edge::Http)?;
     let stream = create.stream;
     let own_owner = owner(tenant, None);
@@ -189,16 +189,12 @@ pub async fn create(state: &Arc<ServerState>, req: Request<Incoming>, tenant: &s
     let interrupt = Arc::new(Interrupt::default());
     if !stream {
         let writer = started.run(state, Sink::Collect, interrupt, None).await;
-        return Ok(respond::json(StatusCode::OK, writer.whole()?));
+        return Ok(edge::json(StatusCode::OK, &writer.whole()?));
     }
     let (tx, body) = ChannelBody::new(SSE_BUFFER);
     let state = state.clone();
     tokio::spawn(async move {
         started.run(&state, Sink::Sse(tx), interrupt, None).await;
     });
-    let mut r = Response::new(http_body_util::BodyExt::boxed(body));
-    let h = r.headers_mut();
-    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
-    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    Ok(r)
+    Ok(edge::sse(body))
 }

@@ -26,13 +26,14 @@ use futures_util::{SinkExt, StreamExt};
 use hyper::upgrade::Upgraded;
 use hyper::StatusCode;
 use hyper_util::rt::TokioIo;
-use protocol::ErrorCode;
+use protocol::{ErrorCode, ProtocolError};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 use tokio_tungstenite::WebSocketStream;
 
+use super::super::super::http::edge::EdgeError;
 use super::super::super::rate::TokenBucket;
 use super::super::super::ServerState;
 use super::super::respond::ApiError;
@@ -78,7 +79,7 @@ impl Shared {
 
     /// An `error` event, as the SDK parses it.
     async fn error(&self, e: &ApiError, lane: Option<&str>) {
-        self.state.metrics.error(e.metric_code());
+        self.state.metrics.error(e.metric());
         let mut event = json!({"type": "error", "status": e.status.as_u16(), "error": e.body()["error"].clone()});
         if let Some(lane) = lane {
             event["stream_id"] = json!(lane);
@@ -202,7 +203,7 @@ impl Reader {
             match msg {
                 Message::Text(text) => {
                     if !self.bucket.take() {
-                        let e = ApiError::from((
+                        let e = ApiError::from(ProtocolError::new(
                             ErrorCode::RateLimited,
                             format!("more than {} events per second; the event was dropped", state.config.rate_limit_per_sec),
                         ));
@@ -264,7 +265,7 @@ impl Reader {
         if !self.lanes.contains_key(&key) && self.lanes.len() >= limit {
             self.forget_idle_lanes();
             if self.lanes.len() >= limit {
-                let e = ApiError::from((ErrorCode::RateLimited, format!("at most {limit} lanes (stream_id) may be busy on one socket")));
+                let e = ApiError::from(ProtocolError::new(ErrorCode::RateLimited, format!("at most {limit} lanes (stream_id) may be busy on one socket")));
                 return self.shared.error(&e, create.stream_id.as_deref()).await;
             }
         }
@@ -274,7 +275,7 @@ impl Reader {
         });
         let stream_id = create.stream_id.clone();
         if lane.queue.try_send((create, received)).is_err() {
-            let e = ApiError::from((ErrorCode::RateLimited, format!("at most {limit} responses may wait on one lane")));
+            let e = ApiError::from(ProtocolError::new(ErrorCode::RateLimited, format!("at most {limit} responses may wait on one lane")));
             self.shared.error(&e, stream_id.as_deref()).await;
         }
     }

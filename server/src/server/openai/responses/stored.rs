@@ -13,10 +13,9 @@ use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
 use serde_json::{json, Value};
 
-use super::super::super::http::Body;
+use super::super::super::http::{edge, Body};
 use super::super::super::ServerState;
-use super::super::method_not_allowed;
-use super::super::respond::{self, ApiError};
+use super::super::respond::ApiError;
 
 /// Most input items one page holds, and the default (OpenAI's).
 const MAX_PAGE: usize = 100;
@@ -33,11 +32,11 @@ pub fn handle(state: &ServerState, req: &Request<Incoming>, tenant: &str, rest: 
     Some(match (action, method) {
         ("", &Method::GET) => retrieve(state, tenant, id, req.uri().query().unwrap_or("")),
         ("", &Method::DELETE) => delete(state, tenant, id),
-        ("", _) => Ok(method_not_allowed(method, path, "GET, DELETE")),
+        ("", _) => Ok(edge::wrong_method::<ApiError>(method, path, "GET, DELETE")),
         ("input_items", &Method::GET) => input_items(state, tenant, id, req.uri().query().unwrap_or("")),
-        ("input_items", _) => Ok(method_not_allowed(method, path, "GET")),
+        ("input_items", _) => Ok(edge::wrong_method::<ApiError>(method, path, "GET")),
         ("cancel", &Method::POST) => cancel(state, tenant, id),
-        ("cancel", _) => Ok(method_not_allowed(method, path, "POST")),
+        ("cancel", _) => Ok(edge::wrong_method::<ApiError>(method, path, "POST")),
         _ => return None,
     })
 }
@@ -55,14 +54,14 @@ fn retrieve(state: &ServerState, tenant: &str, id: &str, query: &str) -> Result<
     }
     let c = state.responses.stored(tenant, id).ok_or_else(|| not_found(id))?;
     let record = c.record.as_ref().ok_or_else(|| not_found(id))?;
-    Ok(respond::json(StatusCode::OK, record.response.clone()))
+    Ok(edge::json(StatusCode::OK, &record.response))
 }
 
 fn delete(state: &ServerState, tenant: &str, id: &str) -> Result<Response<Body>, ApiError> {
     if !state.responses.delete(tenant, id) {
         return Err(not_found(id));
     }
-    Ok(respond::json(StatusCode::OK, json!({"id": id, "object": "response", "deleted": true})))
+    Ok(edge::json(StatusCode::OK, &json!({"id": id, "object": "response", "deleted": true})))
 }
 
 fn cancel(state: &ServerState, tenant: &str, id: &str) -> Result<Response<Body>, ApiError> {
@@ -121,5 +120,5 @@ fn input_items(state: &ServerState, tenant: &str, id: &str, query: &str) -> Resu
     let has_more = items.len() > page.limit;
     items.truncate(page.limit);
     let (first_id, last_id) = (items.first().map(|v| v["id"].clone()), items.last().map(|v| v["id"].clone()));
-    Ok(respond::json(StatusCode::OK, json!({"object": "list", "data": items, "first_id": first_id, "last_id": last_id, "has_more": has_more})))
+    Ok(edge::json(StatusCode::OK, &json!({"object": "list", "data": items, "first_id": first_id, "last_id": last_id, "has_more": has_more})))
 }
