@@ -256,6 +256,8 @@ def test_a_declared_oversized_body_is_refused_before_it_is_sent(smollm2, path):
     first, answer, closed = raw_request(smollm2.port, head, b'{"model": ')
     assert first is not None and first < 2.0 and answer.startswith(b"HTTP/1.1 413"), answer[:200]
     assert b"connection: close" in answer.lower() and closed, answer[:300]
+    # In the edge's own shape: OpenAI's code, llama.cpp's numeric one.
+    assert (b'"code":"request_too_large"' if path.startswith("/v1/") else b'"code":413') in answer, answer[:300]
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/completion"])
@@ -289,8 +291,8 @@ def test_every_connection_counts_toward_the_cap(crowded):
 
 
 def test_oversized_bodies_and_wrong_methods(smollm2):
-    status, got = smollm2.post("/v1/chat/completions", b"{" + b" " * (2 << 20) + b"}")
-    assert status == 413 and got["error"]["code"] == "request_too_large"
+    # (An oversized body: test_a_declared_oversized_body_is_refused_before_it_is_sent. Sent
+    # whole, its upload races the early 413's close, and the client may get a broken pipe.)
     status, got = smollm2.post("/v1/models", {})
     assert status == 405
     # Every unknown path and wrong method answers in OpenAI's error shape.
