@@ -14,6 +14,7 @@ import urllib.request
 
 import openai
 import pytest
+import websockets
 from websockets.sync.client import connect as ws_connect
 
 from conftest import TOKEN, Server
@@ -243,6 +244,22 @@ def test_bad_events_get_error_events_and_the_socket_stays_up(smollm2):
         while (got := json.loads(ws.recv(timeout=60)))["type"] not in ("response.completed", "response.incomplete"):
             assert got["type"] != "error", got
         assert got["stream_id"] == "after"
+
+
+def test_an_event_over_the_frame_limit_ends_the_socket(smollm2):
+    """As on protocol v1: an event over --max-frame-bytes (1 MiB) gets its
+    error and the socket closes; a new socket serves."""
+    url = smollm2.base_url.replace("http://", "ws://") + "/responses"
+    with ws_connect(url, additional_headers={"Authorization": "Bearer sk-tenant-a"}, max_size=None) as ws:
+        ws.send(json.dumps({**OK, "input": "x" * (1 << 20)}))
+        got = json.loads(ws.recv(timeout=60))
+        assert got["type"] == "error" and got["status"] == 413 and got["error"]["code"] == "request_too_large", got
+        with pytest.raises(websockets.exceptions.ConnectionClosed):
+            ws.recv(timeout=30)
+    with ws_connect(url, additional_headers={"Authorization": "Bearer sk-tenant-a"}) as ws:
+        ws.send(json.dumps(OK))
+        while (got := json.loads(ws.recv(timeout=60)))["type"] not in ("response.completed", "response.incomplete"):
+            assert got["type"] != "error", got
 
 
 # Bad bodies for POST /v1/responses: (body, status, error code or None).

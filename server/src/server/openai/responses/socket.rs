@@ -210,15 +210,19 @@ impl Reader {
                         self.shared.error(&e, None).await;
                         continue;
                     }
+                    // One rule for both sockets (protocol v1 documents it):
+                    // an event over the limit ends the socket, whatever its
+                    // size past it, after its error. A client that sends one
+                    // is broken, and reading on would buffer its next ones.
                     if text.len() > state.config.max_frame_bytes {
                         let e = ApiError::new(
                             StatusCode::PAYLOAD_TOO_LARGE,
                             "invalid_request_error",
-                            format!("the event is over {} bytes", state.config.max_frame_bytes),
+                            format!("the event is over {} bytes; the socket closes", state.config.max_frame_bytes),
                         )
                         .with_code("request_too_large");
                         self.shared.error(&e, None).await;
-                        continue;
+                        return;
                     }
                     self.on_event(text.as_str(), Instant::now()).await;
                 }
