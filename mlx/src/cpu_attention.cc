@@ -633,13 +633,6 @@ inline float max_lanes(__m256 v) {
   return _mm_cvtss_f32(m);
 }
 
-__attribute__((target("avx2,fma")))
-inline float add_lanes(__m256 v) {
-  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_add_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
 
 __attribute__((target("avx2,fma")))
 float softmax_row_avx2(float* s, int lo, int lim, float* max, float* sum) {
@@ -671,7 +664,7 @@ float softmax_row_avx2(float* s, int lo, int lim, float* max, float* sum) {
     _mm256_storeu_ps(s + 8 * c, e);
     total = _mm256_add_ps(total, e);
   }
-  *sum = *sum * alpha + add_lanes(total);
+  *sum = *sum * alpha + sum_lanes(total);
   *max = m;
   return alpha;
 }

@@ -32,6 +32,7 @@
 
 #include "mlx/backend/cpu/encoder.h"
 #include "tether-mlx/src/cpu_dequantize.h"
+#include "tether-mlx/src/simd_exp.h"
 #include "tether-mlx/src/cpu_eval.h"
 #include "mlx/primitives.h"
 #include "tether-mlx/src/row_pool.h"
@@ -566,12 +567,11 @@ bool avx2_supports(const Problem& p) {
   return isa_at_least(Isa::Avx2) && p.bits != 5 && gs % (p.bits == 4 ? 16 : 8) == 0;
 }
 
-__attribute__((target("avx2,fma")))
-inline float sum_lanes(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+// The bias term of one output: sum over groups of b_g * xsum_g.
+inline float bias_term(const float* b, const float* xs, int G) {
+  float bias = 0.f;
+  for (int g = 0; g < G; ++g) bias += b[g] * xs[g];
+  return bias;
 }
 
 // Weight row n against activation rows [m0, m0 + MB).
@@ -619,9 +619,7 @@ void avx2_block(const Problem& p, const float* xp, int n, int m0) {
   #pragma GCC unroll 4
   for (int m = 0; m < MB; ++m) {
     const float* xs = p.xsum + static_cast<size_t>(m0 + m) * p.G;
-    float bias = 0.f;
-    for (int g = 0; g < p.G; ++g) bias += br[g] * xs[g];
-    p.out[static_cast<size_t>(m0 + m) * p.N + n] = sum_lanes(acc[m]) + bias;
+    p.out[static_cast<size_t>(m0 + m) * p.N + n] = sum_lanes(acc[m]) + bias_term(br, xs, p.G);
   }
 }
 
@@ -742,9 +740,7 @@ void int_block_avx2(const Problem& p, const IntActivations& xa, int n, int m0) {
     for (int j = 0; j < MR; ++j) {
       const float* br = p.biases + static_cast<size_t>(n + i) * p.G;
       const float* xs = p.xsum + static_cast<size_t>(m0 + j) * p.G;
-      float bias = 0.f;
-      for (int g = 0; g < p.G; ++g) bias += br[g] * xs[g];
-      p.out[static_cast<size_t>(m0 + j) * p.N + n + i] = sum_lanes(acc[i][j]) + bias;
+      p.out[static_cast<size_t>(m0 + j) * p.N + n + i] = sum_lanes(acc[i][j]) + bias_term(br, xs, p.G);
     }
 }
 

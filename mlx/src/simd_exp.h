@@ -1,4 +1,5 @@
-// Vectorised exponential shared by Tether's CPU kernels.
+// Vector helpers shared by Tether's CPU kernels: the exponential, and the
+// horizontal sum of an AVX2 vector.
 #pragma once
 
 #include <immintrin.h>
@@ -43,6 +44,15 @@ inline __m256 exp_nonpositive_avx2(__m256 x) {
   e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f));
   const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_and_ps(keep, _mm256_mul_ps(e, _mm256_castsi256_ps(pow2)));
+}
+
+// The sum of v's 8 lanes, in a fixed order (halves, then pairs).
+__attribute__((target("avx2,fma")))
+inline float sum_lanes(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
 }
 
 }  // namespace tether_mlx

@@ -146,9 +146,9 @@ impl Relay {
         let tok = self.state.tokenizer.clone();
         let tags = if self.tool_calls.is_some() { crate::tools::tag_tokens(&tok) } else { Vec::new() };
         let mut decoder = tok.stream_decoder(true).keeping(tags);
+        // Once a stop sequence matched (`stops.matched()`), the engine was
+        // told to stop and later tokens are dropped.
         let mut stops = StopMatcher::new(self.stops.clone());
-        // A stop sequence matched: the engine was told to stop, later tokens are dropped.
-        let mut stopped = false;
         // The client still listens (false once the writer lost it).
         let mut alive = true;
         let mut completion = 0usize;
@@ -163,7 +163,7 @@ impl Relay {
                     queue_ms = Some(ms(self.submitted - self.received) + q.max(0.0) as u64);
                 }
                 EngineEvent::Tokens { ids, logprobs } => {
-                    if stopped || !alive {
+                    if stops.matched().is_some() || !alive {
                         continue;
                     }
                     first_token.get_or_insert_with(Instant::now);
@@ -180,12 +180,11 @@ impl Relay {
                         StopScan::Stopped(t) => {
                             // The turn ended here: the engine keeps its
                             // state for the session's next turn.
-                            stopped = true;
                             self.stop.stop(StopReason::StopString);
                             t
                         }
                     };
-                    let (text, tool_calls) = split(&mut self.tool_calls, text, stopped);
+                    let (text, tool_calls) = split(&mut self.tool_calls, text, stops.matched().is_some());
                     let piece = Piece { text, token_ids: ids, logprobs: self.wire_logprobs(&logprobs), tool_calls };
                     if !writer.piece(piece).await {
                         alive = false;
@@ -193,15 +192,12 @@ impl Relay {
                     }
                 }
                 EngineEvent::Finished(info) => {
-                    if alive && !stopped {
+                    if alive && stops.matched().is_none() {
                         // Text held back by the decoder or the stop matcher.
                         let tail = decoder.flush(&tok).unwrap_or_default();
                         let text = match stops.push(&tail) {
                             StopScan::Continue(t) => t + &stops.finish(),
-                            StopScan::Stopped(t) => {
-                                stopped = true;
-                                t
-                            }
+                            StopScan::Stopped(t) => t,
                         };
                         let (text, tool_calls) = split(&mut self.tool_calls, text, true);
                         if !text.is_empty() || !tool_calls.is_empty() {
@@ -210,6 +206,7 @@ impl Relay {
                         }
                     }
                     let called = self.tool_calls.as_ref().is_some_and(CallSplitter::made_calls);
+                    let stopped = stops.matched().is_some();
                     // Calls end a turn the model (or a stop string) ended.
                     let reason = if called && (stopped || matches!(info.reason, Finish::Stop)) {
                         FinishReason::ToolCalls

@@ -236,6 +236,14 @@ pub struct Prepared {
     pub tokenizing: Duration,
 }
 
+/// The token ids of `req`'s input on this server (its tokenizer, FIM
+/// tokens and tool prompting), extending `earlier` where it can.
+fn prompt_ids(state: &ServerState, req: &GenerateRequest, earlier: Option<&PieceEncoding>) -> Result<(Vec<u32>, Option<PieceEncoding>), ProtocolError> {
+    // Tools are shown even with `tool_choice: "none"`, so a conversation's
+    // turns share one prompt prefix (and its cache) whatever each allows.
+    tokenize(&state.tokenizer, state.fim.as_ref(), &req.input, (req.tools.as_slice(), state.tool_prompting), earlier)
+}
+
 /// Tokenizes `req` off the async threads (re-using `earlier`, the owner's
 /// last prompt, where the new one extends it) and checks its length.
 pub async fn prepare(
@@ -249,11 +257,7 @@ pub async fn prepare(
     let rid = req.request_id.clone();
     tokio::task::spawn_blocking(move || {
         let started = Instant::now();
-        // Shown even with `tool_choice: "none"`, so a conversation's turns
-        // share one prompt prefix (and its cache) whatever each turn allows.
-        let tools = (req.tools.as_slice(), state.tool_prompting);
-        let (prompt, encoding) =
-            tokenize(&state.tokenizer, state.fim.as_ref(), &req.input, tools, earlier.as_deref()).map_err(|e| e.with_request_id(req.request_id.clone()))?;
+        let (prompt, encoding) = prompt_ids(&state, &req, earlier.as_deref()).map_err(|e| e.with_request_id(req.request_id.clone()))?;
         let tokenizing = started.elapsed();
         req.check_prompt_tokens(prompt.len(), &state.limits)?;
         let constraint = compile_constraint(&state, &req)?;
@@ -267,12 +271,9 @@ pub async fn prepare(
 /// generation, without submitting it (Anthropic's `count_tokens`).
 pub async fn count_prompt_tokens(state: &Arc<ServerState>, req: &GenerateRequest) -> Result<usize, ProtocolError> {
     let (state, req) = (state.clone(), req.clone());
-    tokio::task::spawn_blocking(move || {
-        let tools = (req.tools.as_slice(), state.tool_prompting);
-        tokenize(&state.tokenizer, state.fim.as_ref(), &req.input, tools, None).map(|(ids, _)| ids.len())
-    })
-    .await
-    .unwrap_or_else(|e| Err(ProtocolError::new(ErrorCode::Internal, format!("tokenizer task failed: {e}"))))
+    tokio::task::spawn_blocking(move || prompt_ids(&state, &req, None).map(|(ids, _)| ids.len()))
+        .await
+        .unwrap_or_else(|e| Err(ProtocolError::new(ErrorCode::Internal, format!("tokenizer task failed: {e}"))))
 }
 
 /// Submits a prepared request to `engine`; returns its handles and the
