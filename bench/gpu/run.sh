@@ -63,7 +63,7 @@
 # 1.5B shape, the engine at 1 and 32 streams for each build of TETHER_BINS
 # ("old new"), the last build also with TETHER_GPU_KERNELS=0 and with MLX's
 # CUDA graphs on (VARIANTS="mlx graphs"; sm2: two blocks a multiprocessor
-# in the layer launches), ROUNDS (2) times; STREAMS (32: a list)
+# in the layer launches; nolook: with --lookahead off), ROUNDS (2) times; STREAMS (32: a list)
 # instead of 32, KERNEL_ROWS (1,2,4,8) for the check, CHECK_MODELS (MODELS)
 # to check fewer; one stream on the 7B shape (when in
 # MODELS) per build; then one traced stream (primitives and host/device time
@@ -151,23 +151,23 @@ if [ "${MODE:-decode}" = kernels ]; then
   # A build as "{default,mlx,graphs}:path": mlx: without the fused step,
   # with it and MLX's CUDA graphs on.
   engine() {
-    local spec=$1 model=$2 streams=$3 round=$4 kernels=1 graphs=0 per_sm=1
-    case "$spec" in mlx:*) kernels=0 ;; graphs:*) graphs=1 ;; sm2:*) per_sm=2 ;; esac
+    local spec=$1 model=$2 streams=$3 round=$4 kernels=1 graphs=0 per_sm=1 flags=()
+    case "$spec" in mlx:*) kernels=0 ;; graphs:*) graphs=1 ;; sm2:*) per_sm=2 ;; nolook:*) flags=(--lookahead off) ;; esac
     local tag="\"build\":\"$(basename "$spec")\",\"variant\":\"${spec%%:*}\",\"round\":$round,"
-    TETHER_GPU_KERNELS=$kernels MLX_USE_CUDA_GRAPHS=$graphs TETHER_GPU_BLOCKS_PER_SM=$per_sm "${spec#*:}" bench --model "$model" --device gpu --streams "$streams" --prompt-tokens 128 --gen-tokens 256 2>>"$OUT/tether.log" \
+    TETHER_GPU_KERNELS=$kernels MLX_USE_CUDA_GRAPHS=$graphs TETHER_GPU_BLOCKS_PER_SM=$per_sm "${spec#*:}" bench --model "$model" --device gpu --streams "$streams" --prompt-tokens 128 --gen-tokens 256 "${flags[@]}" 2>>"$OUT/tether.log" \
       | sed "s/^{/{$tag/" | tee -a "$OUT/results.jsonl"
   }
   for round in $(seq "${ROUNDS:-2}"); do
     for streams in ${STREAMS:-32}; do
       for bin in "${bins[@]/#/default:}" ${VARIANTS-mlx graphs}; do
-        case "$bin" in mlx|graphs|sm2) bin=$bin:$newest ;; esac
+        case "$bin" in mlx|graphs|sm2|nolook) bin=$bin:$newest ;; esac
         engine "$bin" /opt/models/qwen2.5-1.5b-bf16 "$streams" "$round"
       done
     done
   done
   if [ -d /opt/models/qwen2.5-7b-bf16 ]; then
-    for bin in "${bins[@]/#/default:}" $(echo "${VARIANTS-}" | grep -o sm2 || true); do
-      case "$bin" in sm2) bin=$bin:$newest ;; esac
+    for bin in "${bins[@]/#/default:}" $(echo "${VARIANTS-}" | grep -oE 'sm2|nolook' || true); do
+      case "$bin" in sm2|nolook) bin=$bin:$newest ;; esac
       engine "$bin" /opt/models/qwen2.5-7b-bf16 1 1
     done
   fi
@@ -190,7 +190,7 @@ if [ "${MODE:-decode}" = builds ]; then
     for bin in ${TETHER_BINS:-$TETHER_BIN}; do
       tag="\"build\":\"$(basename "$bin")\",\"round\":$round,"
       for streams in 1 32; do
-        "$bin" bench --model "$model" --device gpu --streams "$streams" --prompt-tokens 128 --gen-tokens 256 2>>"$OUT/tether.log" \
+        "$bin" bench --model "$model" --device gpu --streams "$streams" --prompt-tokens 128 --gen-tokens 256 "${flags[@]}" 2>>"$OUT/tether.log" \
           | sed "s/^{/{$tag/" | tee -a "$OUT/results.jsonl"
       done
       "$bin" bench --model "$model" --device gpu --speculation-streams 1,8 --max-draft 8 2>>"$OUT/tether.log" \

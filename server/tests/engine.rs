@@ -121,6 +121,50 @@ async fn concurrent_requests_match_solo_greedy_with(config: EngineConfig) {
     assert_eq!(again, solo[0]);
 }
 
+/// Batched, each plain decode step is queued before the one before it is
+/// read (the lookahead): greedy and seeded rows, one ending early on a stop
+/// id, one with log-probabilities, give the same tokens as with it off, and
+/// the lookahead is both used and dropped (when a row joins).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lookahead_steps_give_the_same_tokens_as_plain_steps() {
+    let prompts = prompts();
+    let seeded = |seed| tether::sample::SamplingParams { temperature: 0.9, top_p: 0.95, seed: Some(seed), ..Default::default() };
+    let requests = || {
+        vec![
+            // Greedy " Paris" (7042) comes a few tokens in for this prompt.
+            SubmitRequest { stop_ids: vec![7042], ..request(prompts[0].clone(), 20) },
+            SubmitRequest { logprobs: Some(2), ..request(prompts[1].clone(), 13) },
+            SubmitRequest { sampling: seeded(7), ..request(prompts[2].clone(), 17) },
+            SubmitRequest { sampling: seeded(11), ..request(prompts[3 % prompts.len()].clone(), 9) },
+        ]
+    };
+    let mut runs = Vec::new();
+    for lookahead in [false, true] {
+        let engine = start(EngineConfig { kv_layout: KvLayout::Batched, lookahead, ..Default::default() });
+        let mut streams: Vec<_> = requests().into_iter().map(|r| engine.submit(r).unwrap().events).collect();
+        // A row joining the decoding ones drops the lookahead in flight.
+        let first = loop {
+            if let Some(EngineEvent::Tokens { ids, .. }) = streams[2].recv().await {
+                break ids;
+            }
+        };
+        streams.push(engine.submit(request(prompts[1].clone(), 6)).unwrap().events);
+        let mut outputs = Vec::new();
+        for rx in streams {
+            outputs.push(collect(rx).await);
+        }
+        outputs[2].0.splice(0..0, first);
+        let stats = engine.stats().await.unwrap();
+        runs.push((outputs, stats.lookahead_served, stats.lookahead_dropped));
+    }
+    let (plain, served_off, _) = &runs[0];
+    let (ahead, served, dropped) = &runs[1];
+    assert_eq!(ahead, plain);
+    assert_eq!(*served_off, 0);
+    assert!(*served > 5 && *dropped > 0, "served {served}, dropped {dropped}");
+    assert_eq!(plain[0].1, Some(Finish::Stop));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_and_dropped_receivers_free_rows() {
     let engine = start(EngineConfig::default());

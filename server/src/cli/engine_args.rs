@@ -51,6 +51,17 @@ pub(super) struct EngineArgs {
     /// less: prompt chunks are bounded by --prefill-chunk alone.
     #[arg(long, default_value_t = EngineConfig::default().max_itl_inflation)]
     max_itl_inflation: f64,
+    /// Build each plain decode step while the step before it is still on
+    /// the device, from its unread tokens (batched KV slots only: the GPU's
+    /// default layout). Off: every step is built after the last one is read.
+    #[arg(long, value_enum, default_value_t = Switch::On)]
+    lookahead: Switch,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(super) enum Switch {
+    On,
+    Off,
 }
 
 impl EngineArgs {
@@ -75,6 +86,7 @@ impl EngineArgs {
             kv_layout: self.kv_layout.layout(),
             kv_quantization: self.kv.quantization()?,
             max_itl_inflation: self.max_itl_inflation,
+            lookahead: self.lookahead == Switch::On,
             ..d
         })
     }

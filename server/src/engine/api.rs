@@ -88,6 +88,10 @@ pub struct EngineStats {
     pub spec_decode_tokens: u64,
     /// Where the engine thread's step time went, summed over all steps.
     pub step_time: StepTimes,
+    /// Lookahead steps (see the engine's `lookahead.rs`) used as the next
+    /// step, and those dropped because the next step's work differed.
+    pub lookahead_served: u64,
+    pub lookahead_dropped: u64,
 }
 
 /// Engine-thread time per phase of a step, in microseconds, summed over

@@ -56,6 +56,10 @@ pub struct EngineConfig {
     /// the engine runs, see [`super::step_cost`]), so a long prompt joining
     /// does not stall the streams; at most 1 turns the limit off.
     pub max_itl_inflation: f64,
+    /// Queue a plain decode step's successor before reading its tokens, so
+    /// building it overlaps the device's work (batched slots only, see
+    /// `lookahead.rs`).
+    pub lookahead: bool,
 }
 
 /// Where running rows keep their KV caches.
@@ -105,6 +109,7 @@ impl Default for EngineConfig {
             kv_quantization: None,
             shared_attention_scores: crate::models::SHARED_ATTENTION_SCORES,
             max_itl_inflation: 1.5,
+            lookahead: true,
         }
     }
 }

@@ -10,6 +10,7 @@
 mod api;
 mod config;
 mod handle;
+mod lookahead;
 mod pool;
 mod prefix;
 mod row;

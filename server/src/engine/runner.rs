@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use tether_sched::{Sampled, StepOutput, Work};
 
+use super::lookahead::{decodes_after, plain_decode, Lookahead};
 use super::row::Row;
 use super::step_masks::{cut_forbidden_drafts, MaskExpander, MasksInFlight, RowMasks};
 use super::worker::Engine;
@@ -27,17 +28,17 @@ pub(super) struct RunTimes {
 }
 
 /// A row's part in this step, as the runner carries it out.
-struct Scheduled {
-    row: usize,
+pub(super) struct Scheduled {
+    pub row: usize,
     /// Whether its logits are sampled (decode, or the last prefill chunk).
-    samples: bool,
+    pub samples: bool,
     /// Where its logits come back.
-    logits_at: LogitsAt,
+    pub logits_at: LogitsAt,
     /// A constrained row's allowed tokens, one mask per sampled position.
-    masks: Option<RowMasks>,
+    pub masks: Option<RowMasks>,
 }
 
-enum LogitsAt {
+pub(super) enum LogitsAt {
     /// A slot of the batched rows.
     Slot(usize),
     /// An entry of the per-row inputs.
@@ -63,6 +64,16 @@ struct Forward {
     logits: Vec<Option<mlx::Array>>,
     /// Whether the batched rows took part (their KV buffers were written).
     ran_batched: bool,
+    /// Whether they ran in the GPU's fused kernels.
+    fused: bool,
+}
+
+/// A step's graph, built: each sampling row's draws, lazily.
+struct Built {
+    draws: Vec<Draws>,
+    scheduled: Vec<Scheduled>,
+    ran_batched: bool,
+    fused: bool,
 }
 
 impl Engine {
@@ -75,38 +86,126 @@ impl Engine {
             work[i] = None;
             output.constraint_failed.push((i, e));
         }
-        // Constrained rows' masks are made while the forward is built and
-        // evaluated: the forward does not need them, only the draws after it.
-        let masks_in_flight = MasksInFlight::start(&mut self.running, work);
         // Held through the step: no row is dropped meanwhile (see SlotLease).
         let mut batch = self.batch.as_ref().map(|b| b.borrow_mut());
-        let mut forward = forward(&self.model, &mut self.running, work, batch.as_deref_mut(), self.config.shared_attention_scores)?;
-        let written_batch = batch.as_deref().filter(|_| forward.ran_batched);
-        let masks_started = Instant::now();
-        if let Some(in_flight) = masks_in_flight {
-            take_masks(in_flight, &mut self.running, &mut forward, written_batch, &mut output)?;
+        let ahead = self.lookahead.take();
+        let served = match (&ahead, batch.as_deref()) {
+            (Some(ahead), Some(kv)) => ahead.serves(work, &self.running, kv),
+            _ => false,
+        };
+        match (&ahead, served) {
+            (Some(_), true) => self.stats.lookahead_served += 1,
+            (Some(_), false) => self.stats.lookahead_dropped += 1,
+            (None, _) => {}
         }
-        let masks_ms = masks_started.elapsed().as_secs_f64() * 1e3;
-        let constrained_rows = forward.scheduled.iter().filter(|s| s.masks.is_some()).count();
-        let draws = draw(&mut self.running, &mut self.mask_expander, forward.logits, &forward.scheduled)?;
-        let primitives = self.trace_steps.then(|| count_primitives(&draws, &forward.scheduled, &self.running, written_batch)).transpose()?;
+        let (step, masks_ms) = match (ahead.filter(|_| served), batch.as_deref_mut()) {
+            // The step is already on the device (see lookahead.rs).
+            (Some(ahead), Some(kv)) => {
+                let fused = ahead.fused;
+                let (draws, scheduled) = ahead.resume(work, &self.running, kv);
+                (Built { draws, scheduled, ran_batched: true, fused }, 0.0)
+            }
+            _ => {
+                // Constrained rows' masks are made while the forward is built and
+                // evaluated: the forward does not need them, only the draws after it.
+                let masks_in_flight = MasksInFlight::start(&mut self.running, work);
+                let mut forward = forward(&self.model, &mut self.running, work, batch.as_deref_mut(), None, self.config.shared_attention_scores)?;
+                let written_batch = batch.as_deref().filter(|_| forward.ran_batched);
+                let masks_started = Instant::now();
+                if let Some(in_flight) = masks_in_flight {
+                    take_masks(in_flight, &mut self.running, &mut forward, written_batch, &mut output)?;
+                }
+                let masks_ms = masks_started.elapsed().as_secs_f64() * 1e3;
+                let draws = draw(&mut self.running, &mut self.mask_expander, forward.logits, &forward.scheduled, 0)?;
+                (Built { draws, scheduled: forward.scheduled, ran_batched: forward.ran_batched, fused: forward.fused }, masks_ms)
+            }
+        };
+        let constrained_rows = step.scheduled.iter().filter(|s| s.masks.is_some()).count();
+        let primitives = match self.trace_steps {
+            true => Some(count_primitives(&step.draws, &step.scheduled, &self.running, batch.as_deref().filter(|_| step.ran_batched))?),
+            false => None,
+        };
         let built = Instant::now();
-        output.sampled = evaluate(draws, &forward.scheduled, &self.running, written_batch)?;
+        if self.config.lookahead {
+            if let Some(kv) = batch.as_deref_mut() {
+                self.lookahead = look_ahead(&self.model, &mut self.running, work, &step, kv, self.config.shared_attention_scores)?;
+            }
+        }
+        output.sampled = evaluate(step.draws, &step.scheduled, &self.running, batch.as_deref().filter(|_| step.ran_batched))?;
         let evaluated = Instant::now();
         Ok((output, RunTimes { built, evaluated, masks_ms, constrained_rows, primitives }))
     }
 }
 
+/// Queues the step after `step` before `step` is read, if every row of it
+/// may be looked ahead of (see lookahead.rs): `step` goes to the device,
+/// then its successor, built from its draws, follows it there. Where the
+/// GPU's fused kernels exist, only a fused step is followed (a step on
+/// MLX's ops leaves the batch's buffers pending, and a successor built on
+/// them would take MLX's ops as well, each step in turn).
+fn look_ahead(
+    model: &Transformer,
+    running: &mut [Row],
+    work: &[Option<Work>],
+    step: &Built,
+    kv: &mut KvBatch,
+    shared_scores: usize,
+) -> mlx::Result<Option<Lookahead>> {
+    let plain = step.draws.len() == step.scheduled.len()
+        && (step.fused || !model.has_fused_decode())
+        && step.scheduled.iter().all(|s| plain_decode(&running[s.row], work[s.row].as_ref(), s));
+    // Its rows: those that go on after this token, with their draws.
+    let (rows, fed): (Vec<&Scheduled>, Vec<&mlx::Array>) =
+        step.scheduled.iter().zip(&step.draws).filter(|(s, _)| decodes_after(&running[s.row])).map(|(s, d)| (s, &d.tokens)).unzip();
+    if !plain || rows.is_empty() {
+        return Ok(None);
+    }
+    mlx::async_eval(&step_outputs(&step.draws, &step.scheduled, running, Some(kv)))?;
+    let slot_of = |s: &Scheduled| match s.logits_at {
+        LogitsAt::Slot(slot) => slot,
+        LogitsAt::Row(_) => unreachable!("lookahead rows are batch slots"),
+    };
+    let lens: Vec<usize> = rows.iter().map(|s| kv.len(slot_of(s))).collect();
+    // The draws in slot order: the batch feeds them to its slots in that order.
+    let mut order: Vec<usize> = (0..rows.len()).collect();
+    order.sort_by_key(|&i| slot_of(rows[i]));
+    let fed: Vec<&mlx::Array> = order.iter().map(|&i| fed[i]).collect();
+    let fed = if fed.len() == 1 { fed[0].clone() } else { mlx::concatenate(&fed, 0)? };
+    let ahead_work: Vec<Option<Work>> = (0..work.len()).map(|i| rows.iter().any(|s| s.row == i).then(|| Work::Decode { drafts: Vec::new() })).collect();
+    let ahead = forward(model, running, &ahead_work, Some(kv), Some(fed), shared_scores)?;
+    // Nothing of the lookahead shows until it is used: the slots' lengths go
+    // back (what it wrote lies past them).
+    for (s, &len) in rows.iter().zip(&lens) {
+        kv.truncate(slot_of(s), len);
+    }
+    let draws = draw(running, &mut MaskExpander::default(), ahead.logits, &ahead.scheduled, 1)?;
+    mlx::async_eval(&step_outputs(&draws, &ahead.scheduled, running, Some(kv)))?;
+    Ok(Some(Lookahead::new(running, &ahead.scheduled, &lens, draws, ahead.fused)))
+}
+
 /// Builds one forward for every row with work: rows in the batch write
-/// their slots, rows with caches of their own go as per-row inputs.
-fn forward(model: &Transformer, running: &mut [Row], work: &[Option<Work>], batch: Option<&mut KvBatch>, shared_scores: usize) -> mlx::Result<Forward> {
+/// their slots, rows with caches of their own go as per-row inputs. `fed`:
+/// the decoding slots' tokens as an unread array (a lookahead's, see
+/// [`BatchedRows::fed`]), in place of their pending tokens.
+fn forward(
+    model: &Transformer,
+    running: &mut [Row],
+    work: &[Option<Work>],
+    batch: Option<&mut KvBatch>,
+    fed: Option<mlx::Array>,
+    shared_scores: usize,
+) -> mlx::Result<Forward> {
     let mut inputs = Vec::new();
     let mut scheduled: Vec<Scheduled> = Vec::new();
     let slots = batch.as_deref().map_or(0, KvBatch::slots);
     let (mut slot_tokens, mut slot_logits_wanted) = (vec![Vec::new(); slots], vec![0; slots]);
     for (i, row) in running.iter_mut().enumerate() {
         let Some(w) = &work[i] else { continue };
-        let tokens: Vec<i32> = row.progress.input(w).ok_or_else(no_input)?.into_iter().map(|t| t as i32).collect();
+        let tokens: Vec<i32> = match fed {
+            // A placeholder: the batch feeds the unread token.
+            Some(_) => vec![0],
+            None => row.progress.input(w).ok_or_else(no_input)?.into_iter().map(|t| t as i32).collect(),
+        };
         let samples = row.progress.samples_after(w);
         let positions = match w {
             Work::Decode { drafts } => 1 + drafts.len(),
@@ -128,7 +227,7 @@ fn forward(model: &Transformer, running: &mut [Row], work: &[Option<Work>], batc
         scheduled.push(Scheduled { row: i, samples, logits_at, masks: None });
     }
     let batched = match batch {
-        Some(kv) if slot_tokens.iter().any(|t| !t.is_empty()) => Some(BatchedRows { kv, tokens: slot_tokens, logits: slot_logits_wanted, shared_scores }),
+        Some(kv) if slot_tokens.iter().any(|t| !t.is_empty()) => Some(BatchedRows { kv, tokens: slot_tokens, fed, logits: slot_logits_wanted, shared_scores }),
         _ => None,
     };
     let ran_batched = batched.is_some();
@@ -144,7 +243,7 @@ fn forward(model: &Transformer, running: &mut [Row], work: &[Option<Work>], batc
             LogitsAt::Row(k) => row_logits[k].take(),
         })
         .collect();
-    Ok(Forward { scheduled, logits, ran_batched })
+    Ok(Forward { scheduled, logits, ran_batched, fused: step_logits.fused })
 }
 
 /// Waits for the constrained rows' masks. Not ready yet: the forward goes
@@ -174,18 +273,19 @@ fn take_masks(in_flight: MasksInFlight, running: &mut [Row], forward: &mut Forwa
 }
 
 /// A sampling row's draws, with its logits when it reports log-probabilities.
-struct Draws {
-    row: usize,
-    tokens: mlx::Array,
-    logits: Option<mlx::Array>,
+pub(super) struct Draws {
+    pub row: usize,
+    pub tokens: mlx::Array,
+    pub logits: Option<mlx::Array>,
 }
 
 /// Each sampling row's draws, lazily: one per position it verifies (the
-/// pending token's successor, then one after each draft), each the argmax
+/// pending token's successor, then one after each draft; `ahead` tokens
+/// further on in a lookahead), each the argmax
 /// or the position-keyed sample (see `Sampler::draw`), over the logits its
 /// grammar allows (every constrained position's allowed set is expanded on
 /// the device at once).
-fn draw(running: &mut [Row], masks: &mut MaskExpander, logits: Vec<Option<mlx::Array>>, scheduled: &[Scheduled]) -> mlx::Result<Vec<Draws>> {
+fn draw(running: &mut [Row], masks: &mut MaskExpander, logits: Vec<Option<mlx::Array>>, scheduled: &[Scheduled], ahead: usize) -> mlx::Result<Vec<Draws>> {
     let constrained: Vec<&RowMasks> = scheduled.iter().filter(|s| s.samples).filter_map(|s| s.masks.as_ref()).collect();
     let width = logits.iter().flatten().next().map(|l| l.dim(-1));
     let allowed = match width {
@@ -211,7 +311,7 @@ fn draw(running: &mut [Row], masks: &mut MaskExpander, logits: Vec<Option<mlx::A
             }
             _ => &logits,
         };
-        let tokens = row.sampler.draw(masked, row.progress.generated)?;
+        let tokens = row.sampler.draw(masked, row.progress.generated + ahead)?;
         let logits = row.progress.limits.logprobs.is_some().then_some(logits);
         draws.push(Draws { row: s.row, tokens, logits });
     }

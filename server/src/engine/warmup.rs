@@ -124,7 +124,7 @@ pub(super) fn warm_up(model: &Transformer, config: &EngineConfig, batched: bool)
         for ((first, first_logits), (rest, rest_logits)) in WARM_UP_SLOT_STEPS.into_iter().chain(gathered) {
             let tokens = (0..WARM_UP_SLOTS).map(|s| vec![1; if s == 0 { first } else { rest }]).collect();
             let logits = (0..WARM_UP_SLOTS).map(|s| if s == 0 { first_logits } else { rest_logits }).collect();
-            let rows = BatchedRows { kv: &mut kv, tokens, logits, shared_scores: SHARED_ATTENTION_SCORES };
+            let rows = BatchedRows { kv: &mut kv, tokens, fed: None, logits, shared_scores: SHARED_ATTENTION_SCORES };
             let step = model.forward_step(Some(rows), &mut [])?;
             let logits: Vec<&mlx::Array> = step.batched.iter().flatten().collect();
             mlx::eval(&logits.into_iter().chain(kv.buffers()).collect::<Vec<_>>())?;

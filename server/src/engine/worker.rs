@@ -45,6 +45,8 @@ pub(super) struct Engine {
     pub(super) trace_steps: bool,
     /// Turns constrained rows' token bitmasks into allowed sets on the device.
     pub(super) mask_expander: super::step_masks::MaskExpander,
+    /// The next decode step, already queued on the device (see `lookahead.rs`).
+    pub(super) lookahead: Option<super::lookahead::Lookahead>,
 }
 
 /// What the loop does before its next turn.
@@ -120,6 +122,7 @@ impl Engine {
             scheduler: Scheduler::new(scheduler_config(&config, batched)),
             trace_steps: super::tracing(),
             mask_expander: Default::default(),
+            lookahead: None,
             config,
             model: model.transformer,
             kv_bytes_per_token,
@@ -399,6 +402,7 @@ impl Engine {
             self.deliver_final(events, EngineEvent::Failed(error.clone()));
         }
         // Whatever state a failed step left in the batch goes with it.
+        self.lookahead = None;
         if let Some(kv) = &self.batch {
             *kv.borrow_mut() = self.model.new_kv_batch();
         }

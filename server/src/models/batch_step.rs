@@ -63,6 +63,11 @@ pub struct BatchedRows<'a> {
     pub kv: &'a mut KvBatch,
     /// Per slot, its tokens this step (empty for an idle or free slot).
     pub tokens: Vec<Vec<i32>>,
+    /// The tokens of a step built before their values are read back (the
+    /// engine's lookahead): int32 `[live]`, one token for each slot that
+    /// brings one, in slot order, as an unread array (the draws of the
+    /// step before). `tokens` then holds one placeholder for each of them.
+    pub fed: Option<Array>,
     /// Per slot, how many of its last tokens want logits: 0 for a prompt
     /// chunk that does not finish the prompt, 1 for a decode token, more to
     /// verify drafts.
@@ -221,21 +226,12 @@ impl BatchStep {
             })
             .collect::<mlx::Result<Vec<_>>>()?;
         let tokens = ids.len();
-        Ok(BatchStep {
-            slots,
-            n,
-            shared,
-            ids: Array::from_i32(&ids, &[1, tokens])?,
-            tokens,
-            starts,
-            real,
-            positions,
-            mask,
-            window,
-            offsets: b.kv.offsets()?,
-            alone,
-            layout,
-        })
+        let ids = Array::from_i32(&ids, &[1, tokens])?;
+        let ids = match &b.fed {
+            Some(fed) => fed_ids(&ids, fed, &starts, &real)?,
+            None => ids,
+        };
+        Ok(BatchStep { slots, n, shared, ids, tokens, starts, real, positions, mask, window, offsets: b.kv.offsets()?, alone, layout })
     }
 
     /// The batched part's `[1, tokens, width]` activations in the shared
@@ -268,6 +264,18 @@ impl BatchStep {
 }
 
 /// The widest window of a batch's sliding-window layers, if it has any.
+/// `ids` with the fed tokens in place of the placeholders: the first
+/// token of each slot that brings any (`real`), at its start in the
+/// batched part, takes the next of `fed` (see [`BatchedRows::fed`]).
+fn fed_ids(ids: &Array, fed: &Array, starts: &[usize], real: &[usize]) -> mlx::Result<Array> {
+    let at: Vec<i32> = starts.iter().zip(real).filter(|(_, &r)| r > 0).map(|(&s, _)| s as i32).collect();
+    if at.len() != fed.size() || real.iter().any(|&r| r > 1) {
+        return Err(mlx::Error { op: "forward", message: format!("{} fed tokens for slots bringing {real:?}", fed.size()) });
+    }
+    let n = at.len() as i32;
+    ids.put_along_axis(&Array::from_i32(&at, &[1, at.len()])?, &fed.astype(mlx::Dtype::I32)?.reshape(&[1, n])?, 1)
+}
+
 fn widest_window(kv: &KvBatch) -> Option<usize> {
     (0..kv.layer_count()).filter_map(|l| kv.window(l)).max()
 }

@@ -69,6 +69,11 @@ pub struct KvBatch {
     kv_heads: usize,
     head_dim: usize,
     dtype: Dtype,
+    /// Whether kernels MLX does not know about may write the buffers in
+    /// place (see [`may_write_in_place`](Self::may_write_in_place)): set
+    /// once the buffers were found held by the batch alone, and cleared by
+    /// every change that replaces them or lets another array see them.
+    in_place: bool,
 }
 
 impl KvBatch {
@@ -84,6 +89,7 @@ impl KvBatch {
             kv_heads,
             head_dim,
             dtype,
+            in_place: false,
         }
     }
 
@@ -157,6 +163,7 @@ impl KvBatch {
         let slot = free.unwrap_or_else(|| self.lens.iter().position(Option::is_none).expect("grown by a slot at least"));
         self.firsts[slot] = first;
         if len > 0 {
+            self.in_place = false;
             let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
             let s = slot as i32;
             for (layer, (k, v)) in self.layers.iter_mut().enumerate() {
@@ -200,6 +207,7 @@ impl KvBatch {
         if self.occupied() == 0 {
             // Nothing decoding: give the memory back.
             self.layers.clear();
+            self.in_place = false;
             self.lens.clear();
             self.firsts.clear();
             self.capacity = 0;
@@ -220,6 +228,7 @@ impl KvBatch {
     /// buffers. The capacity must hold them ([`ensure_capacity`](Self::ensure_capacity));
     /// [`advance`](Self::advance) commits after the last layer.
     pub fn write(&mut self, layer: usize, keys: &Array, values: &Array, positions: &Array) -> mlx::Result<(Array, Array)> {
+        self.in_place = false;
         let (k, v) = self.layers.get_mut(layer).ok_or_else(|| mlx::Error { op: "kv_batch", message: "write to an empty batch".into() })?;
         // Replacing the held arrays leaves the graph as the only holder of
         // the old buffers, so MLX scatters into them in place.
@@ -230,10 +239,26 @@ impl KvBatch {
 
     /// Layer `layer`'s keys and values, `[slots, kv_heads, capacity,
     /// head_dim]`: for kernels that write a step's positions into them in
-    /// place (`models/gpu`), which then [`advance`](Self::advance) as
-    /// [`write`](Self::write)'s callers do.
+    /// place (`models/gpu`, after [`may_write_in_place`](Self::may_write_in_place)),
+    /// which then [`advance`](Self::advance) as [`write`](Self::write)'s callers do.
     pub fn layer(&self, layer: usize) -> Option<(&Array, &Array)> {
         self.layers.get(layer).map(|(k, v)| (k, v))
+    }
+
+    /// Whether a kernel MLX does not know about may write the buffers in
+    /// place: no view, snapshot or pending op but such kernels' own may
+    /// see them. `held_alone` tells whether the batch alone holds a buffer;
+    /// it is asked only at the start of a chain of in-place steps, since a
+    /// step of the chain still in flight (a lookahead, built before the
+    /// step it follows was read) holds the buffers itself: its writes are
+    /// ordered on the device's stream, and anything else that could see
+    /// the buffers (a write through MLX, an admission, a growth, a window
+    /// move) goes through this batch and ends the chain.
+    pub fn may_write_in_place(&mut self, held_alone: impl Fn(&Array) -> bool) -> bool {
+        if !self.in_place {
+            self.in_place = !self.layers.is_empty() && self.layers.iter().all(|(k, v)| held_alone(k) && held_alone(v));
+        }
+        self.in_place
     }
 
     /// Per slot, where a step's `n` rows are written, as int32 `[slots, 1,
@@ -276,6 +301,7 @@ impl KvBatch {
 
     /// Writes a slot's keys and values at `at ..`; returns the index past them.
     fn put_slot(&mut self, layer: usize, slot: usize, at: usize, keys: &Array, values: &Array) -> mlx::Result<usize> {
+        self.in_place = false;
         let at = at - self.first(layer, slot);
         let (k, v) = self.layers.get_mut(layer).ok_or_else(|| mlx::Error { op: "kv_batch", message: "write to an empty batch".into() })?;
         let (h, d, s, end) = (self.kv_heads as i32, self.head_dim as i32, slot as i32, (at + keys.dim(2)) as i32);
@@ -368,6 +394,7 @@ impl KvBatch {
             })
             .collect();
         let index = Array::from_i32(&index, &[self.slots(), 1, capacity, 1])?;
+        self.in_place = false;
         for ((k, v), _) in self.layers.iter_mut().zip(&self.windows).filter(|(_, w)| w.is_some()) {
             *k = k.take_along_axis(&index, 2)?;
             *v = v.take_along_axis(&index, 2)?;
@@ -407,6 +434,7 @@ impl KvBatch {
     /// capacities only grow).
     fn resize(&mut self, slots: usize, capacity: usize, window_capacity: usize) -> mlx::Result<()> {
         let old_slots = self.lens.len();
+        self.in_place = false;
         let layers = std::mem::take(&mut self.layers);
         let grow = |old: Option<&Array>, window: bool| {
             let (cap, old_cap) = if window { (window_capacity, self.window_capacity) } else { (capacity, self.capacity) };

@@ -232,6 +232,11 @@ impl Transformer {
     /// reading their prompt): their tokens come first in the flattened
     /// batch (see [`BatchStep`]), and each layer attends for all of them at
     /// once (see `attention.rs`).
+    /// Whether decode steps of few rows may run in the GPU's fused kernels.
+    pub fn has_fused_decode(&self) -> bool {
+        self.gpu_decode.is_some()
+    }
+
     pub fn forward_step(&self, mut batched: Option<BatchedRows<'_>>, rows: &mut [RowInput<'_>]) -> mlx::Result<StepLogits> {
         if let (Some(gpu), Some(b), true) = (&self.gpu_decode, &mut batched, rows.is_empty()) {
             if let Some(logits) = gpu.step(self, b)? {
@@ -258,7 +263,7 @@ impl Transformer {
         let picks: Vec<Array> = spans.iter().filter(|(_, k)| *k > 0).map(|&(at, k)| h.slice(&[0, at, 0], &[1, at + k, d])).collect::<mlx::Result<_>>()?;
         if picks.is_empty() {
             // Only prompt chunks that do not end their prompts: no head at all.
-            return Ok(StepLogits { batched: spans.iter().map(|_| None).collect(), rows: Vec::new() });
+            return Ok(StepLogits { batched: spans.iter().map(|_| None).collect(), rows: Vec::new(), fused: false });
         }
         let last = if picks.len() == 1 { picks[0].clone() } else { mlx::concatenate(&picks.iter().collect::<Vec<_>>(), 1)? };
         let logits = self.lm_head.forward_fused(&last, Some((&self.final_norm, self.config.rms_eps)), None)?.astype(Dtype::F32)?; // [1, sum of wanted, vocab]
@@ -274,7 +279,7 @@ impl Transformer {
         });
         let batched = (&mut split).take(slots).collect::<mlx::Result<Vec<_>>>()?;
         let rows = split.map(|l| l.map(|l| l.expect("rows always want logits"))).collect::<mlx::Result<Vec<_>>>()?;
-        Ok(StepLogits { batched, rows })
+        Ok(StepLogits { batched, rows, fused: false })
     }
 
     fn heads(&self) -> Heads {
@@ -309,7 +314,7 @@ impl Transformer {
         for _ in 0..slots {
             kv.admit(&empty, capacity)?;
         }
-        let mut rows = BatchedRows { kv: &mut kv, tokens: vec![vec![0; n]; slots], logits: vec![0; slots], shared_scores: usize::MAX };
+        let mut rows = BatchedRows { kv: &mut kv, tokens: vec![vec![0; n]; slots], fed: None, logits: vec![0; slots], shared_scores: usize::MAX };
         let step = BatchStep::prepare(&mut rows, c.n_heads)?;
         // `full` materialises its value, so the rows are laid out as a projection's output.
         let qkv = Array::full(&[1, slots * n, self.heads().qkv_width() as usize], 0.0, self.dtype)?;
@@ -323,6 +328,8 @@ impl Transformer {
 pub struct StepLogits {
     pub batched: Vec<Option<Array>>,
     pub rows: Vec<Array>,
+    /// Whether the step ran in the GPU's fused kernels (`models/gpu`).
+    pub fused: bool,
 }
 
 /// One sequence's share of a batched forward.

@@ -32,6 +32,8 @@ pub struct Metrics {
     engine_peak_memory: Gauge,
     engine_cache_memory: Gauge,
     engine_steps: Counter<u64, AtomicU64>,
+    lookahead_served: Counter<u64, AtomicU64>,
+    lookahead_dropped: Counter<u64, AtomicU64>,
     prefix_hits: Counter<u64, AtomicU64>,
     prefix_lent: Counter<u64, AtomicU64>,
     prefix_misses: Counter<u64, AtomicU64>,
@@ -89,6 +91,8 @@ impl Metrics {
             engine_peak_memory: Gauge::default(),
             engine_cache_memory: Gauge::default(),
             engine_steps: Counter::default(),
+            lookahead_served: Counter::default(),
+            lookahead_dropped: Counter::default(),
             prefix_hits: Counter::default(),
             prefix_lent: Counter::default(),
             prefix_misses: Counter::default(),
@@ -134,6 +138,12 @@ impl Metrics {
         registry.register("engine_peak_memory_bytes", "MLX peak active bytes", m.engine_peak_memory.clone());
         registry.register("engine_cache_memory_bytes", "MLX free-buffer cache bytes", m.engine_cache_memory.clone());
         registry.register("engine_steps", "Engine steps run", m.engine_steps.clone());
+        registry.register("engine_lookahead_served_steps", "Decode steps queued before the step before them was read, and used", m.lookahead_served.clone());
+        registry.register(
+            "engine_lookahead_dropped_steps",
+            "Decode steps queued ahead and dropped (a row ended, joined or changed its work)",
+            m.lookahead_dropped.clone(),
+        );
         registry.register("prefix_cache_hits", "Requests that resumed from a cached prefix", m.prefix_hits.clone());
         registry.register(
             "prefix_cache_lent",
@@ -202,6 +212,8 @@ impl Metrics {
             self.engine_peak_memory.set(s.peak_memory as i64);
             self.engine_cache_memory.set(s.cache_memory as i64);
             catch_up(&self.engine_steps, s.steps);
+            catch_up(&self.lookahead_served, s.lookahead_served);
+            catch_up(&self.lookahead_dropped, s.lookahead_dropped);
             catch_up(&self.prefix_hits, s.prefix.hits);
             catch_up(&self.prefix_lent, s.prefix.lent);
             catch_up(&self.prefix_misses, s.prefix.misses);

@@ -131,7 +131,8 @@ fn step(model: &Transformer, kv: &mut KvBatch, mut tokens: Vec<Vec<i32>>) -> any
     let mut logits = vec![1; tokens.len()];
     tokens.resize(kv.slots(), Vec::new());
     logits.resize(kv.slots(), 0);
-    let StepLogits { batched, .. } = model.forward_step(Some(BatchedRows { kv, tokens, logits, shared_scores: SHARED_ATTENTION_SCORES }), &mut [])?;
+    let StepLogits { batched, .. } =
+        model.forward_step(Some(BatchedRows { kv, tokens, fed: None, logits, shared_scores: SHARED_ATTENTION_SCORES }), &mut [])?;
     let logits: Vec<mlx::Array> = batched.into_iter().flatten().collect();
     let mut outputs: Vec<&mlx::Array> = logits.iter().collect();
     outputs.extend(kv.buffers());

@@ -12,7 +12,7 @@ use tether::engine::speculate::DraftKind;
 use tether::engine::{EngineConfig, EngineHandle};
 use tether::tokenizer::TextTokenizer;
 
-use super::engine_args::{KvArgs, KvLayoutArg};
+use super::engine_args::{KvArgs, KvLayoutArg, Switch};
 use super::model::ModelArgs;
 
 mod gpu_kernels;
@@ -82,6 +82,9 @@ pub(super) struct BenchArgs {
     /// Where decoding rows keep their KV caches.
     #[arg(long, value_enum, default_value_t = KvLayoutArg::Auto)]
     kv_layout: KvLayoutArg,
+    /// Queue each plain decode step before the one before it is read (as `serve`).
+    #[arg(long, value_enum, default_value_t = Switch::On)]
+    lookahead: Switch,
 }
 
 pub(super) fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -133,6 +136,7 @@ fn engine_config(args: &BenchArgs) -> anyhow::Result<EngineConfig> {
         kv_layout: args.kv_layout.layout(),
         prefill_chunk: args.prefill_chunk,
         kv_quantization: args.kv.quantization()?,
+        lookahead: args.lookahead == Switch::On,
         ..EngineConfig::default()
     })
 }

@@ -24,7 +24,13 @@
 //! holds every buffer ([`mlx::cuda::sole_holder`]): no snapshot, view or
 //! pending op can see the write. After a step that grew or filled the
 //! batch (its buffers still lazy), the step runs on MLX's ops, whose writes
-//! leave them solely held again.
+//! leave them solely held again. Once found so, the buffers stay writable
+//! through a chain of fused steps, each built while the one before it is
+//! still on the device (the engine's lookahead), until anything else
+//! touches them ([`super::KvBatch::may_write_in_place`]).
+//!
+//! A step's token ids may be an unread array (`BatchedRows::fed`, the
+//! previous step's draws): the embedding gathers them on the device.
 use mlx::cuda::{sole_holder, CudaKernel, Launch, TemplateArg};
 use mlx::{Array, Dtype};
 
@@ -135,18 +141,21 @@ impl GpuDecode {
         let Some(live) = decode_slots(&b.tokens, &b.logits, |s| b.kv.len(s)) else { return Ok(None) };
         let needed = live.iter().map(|&s| b.kv.len(s) + 1).max().unwrap_or(0);
         b.kv.ensure_capacity(needed)?;
-        if !(0..b.kv.layer_count()).all(|l| b.kv.layer(l).is_some_and(|(k, v)| sole_holder(k) && sole_holder(v))) {
+        if !b.kv.may_write_in_place(sole_holder) {
             if tracing() {
                 eprintln!("[gpu_decode] {} rows on MLX's ops: the batch's buffers are shared or pending (a snapshot, a view, a growth)", live.len());
             }
             return Ok(None);
         }
         let rows = live.len();
-        let ids: Vec<i32> = live.iter().map(|&s| b.tokens[s][0]).collect();
+        let ids = match &b.fed {
+            Some(fed) => fed.reshape(&[1, rows as i32])?,
+            None => Array::from_i32(&live.iter().map(|&s| b.tokens[s][0]).collect::<Vec<_>>(), &[1, rows])?,
+        };
         let places: Vec<i32> = live.iter().flat_map(|&s| [s as i32, b.kv.len(s) as i32]).collect();
         let places = Array::from_i32(&places, &[live.len(), 2])?;
         let d = m.config.d_model;
-        let mut h = m.embedding.rows(&Array::from_i32(&ids, &[1, rows])?, m.dtype)?.reshape(&[rows as i32, d as i32])?;
+        let mut h = m.embedding.rows(&ids, m.dtype)?.reshape(&[rows as i32, d as i32])?;
         for (layer, block) in m.layers.iter().enumerate() {
             let (keys, values) = b.kv.layer(layer).expect("checked above");
             h = self.layer(block, &h, (keys, values), &places)?;
@@ -162,7 +171,7 @@ impl GpuDecode {
                 _ => logits.slice(&[i as i32, 0], &[i as i32 + 1, vocab])?,
             });
         }
-        Ok(Some(StepLogits { batched, rows: Vec::new() }))
+        Ok(Some(StepLogits { batched, rows: Vec::new(), fused: true }))
     }
 
     /// Compiles (NVRTC, at first launch) and runs once every kernel variant a
