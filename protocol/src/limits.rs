@@ -1,5 +1,6 @@
-//! [`Limits`]: the server's limits, announced in `session.ready` and checked
-//! by client message validation.
+//! [`Limits`]: the server's limits, announced in `session.ready`. The server
+//! holds each `generate` to them (its `ValidGenerate`); a client may check
+//! its own requests against them before sending.
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};

@@ -358,45 +358,6 @@ fn limits() -> Limits {
 }
 
 #[test]
-fn check_limits() {
-    let l = limits();
-    let mut g = GenerateRequest::new("r1", GenerateInput::Prompt("x".into()));
-    assert_eq!(g.check_limits(&l), Ok(()));
-    g.max_tokens = 1024;
-    assert_eq!(g.check_limits(&l), Ok(()));
-    g.max_tokens = 1025;
-    let e = g.check_limits(&l).unwrap_err();
-    assert_eq!(e.code, InvalidParameter);
-    assert_eq!(e.message, "max_tokens must be in [0, 1024], got 1025");
-    assert_eq!(e.request_id.as_deref(), Some("r1"));
-
-    let small_ctx = Limits { max_tokens: 8192, context_length: 2048, ..l.clone() };
-    g.max_tokens = 2048;
-    let e = g.check_limits(&small_ctx).unwrap_err();
-    assert_eq!(e.code, ContextOverflow);
-    assert!(e.message.contains("2048-token context"), "{}", e.message);
-    g.max_tokens = 2047;
-    assert_eq!(g.check_limits(&small_ctx), Ok(()));
-}
-
-#[test]
-fn check_prompt_tokens() {
-    let l = limits();
-    let mut g = GenerateRequest::new("r7", GenerateInput::Prompt("x".into()));
-    g.max_tokens = 1000;
-    assert_eq!(g.check_prompt_tokens(3000, &l), Ok(()));
-    let e = g.check_prompt_tokens(3001, &l).unwrap_err();
-    assert_eq!((e.code, e.request_id.as_deref()), (PromptTooLong, Some("r7")));
-    assert_eq!(e.message, "prompt is 3001 tokens, the limit is 3000");
-    g.max_tokens = 1097;
-    let e = g.check_prompt_tokens(3000, &l).unwrap_err();
-    assert_eq!(e.code, ContextOverflow);
-    assert_eq!(e.message, "prompt (3000 tokens) + max_tokens (1097) = 4097 exceeds the context length 4096");
-    g.max_tokens = 1096;
-    assert_eq!(g.check_prompt_tokens(3000, &l), Ok(()));
-}
-
-#[test]
 fn check_frame_len() {
     let l = limits();
     assert_eq!(l.check_frame_len(1 << 20), Ok(()));

@@ -1,6 +1,6 @@
 //! Client → server messages and their validation: the types in `messages`,
-//! their checks (alone and against the server's `Limits`) in `validate`, and
-//! the flat wire form of `generate` in `wire`.
+//! their value checks in `validate`, and the flat wire form of `generate` in
+//! `wire`.
 
 mod messages;
 mod validate;

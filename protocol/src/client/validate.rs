@@ -1,8 +1,8 @@
-//! Validation of client messages: value ranges and formats (`validate`), and
-//! a `generate`'s checks against the server's [`Limits`].
+//! Validation of client messages: value ranges and formats (`validate`).
+//! A `generate`'s checks against a server's limits (its `max_tokens`, its
+//! prompt against the context) are the server's, made where it tokenizes.
 
-use crate::error::{ErrorCode, ProtocolError};
-use crate::limits::Limits;
+use crate::error::ProtocolError;
 
 use super::messages::{Cancel, ChatMessage, ClientMessage, GenerateInput, GenerateRequest, ResponseFormat, Role, SessionOpen, ToolMode};
 
@@ -234,42 +234,6 @@ impl GenerateRequest {
         let must_call = matches!(self.tool_mode(), Some(ToolMode::Required | ToolMode::Named(_)));
         if must_call && self.response_format.as_ref().is_some_and(|f| *f != ResponseFormat::Text) {
             return Err(bad("response_format cannot be combined with a tool_choice that requires a call: the answer is the call"));
-        }
-        Ok(())
-    }
-
-    /// Checks that depend on the server's configuration but need no
-    /// tokenization: `max_tokens <= limits.max_tokens` (`invalid_parameter`)
-    /// and `max_tokens < limits.context_length` (`context_overflow`: even a
-    /// one-token prompt would not fit). Errors carry `request_id`.
-    pub fn check_limits(&self, limits: &Limits) -> Result<(), ProtocolError> {
-        let err = |code, msg: String| Err(ProtocolError::new(code, msg).with_request_id(self.request_id.clone()));
-        if self.max_tokens > limits.max_tokens {
-            return err(ErrorCode::InvalidParameter, format!("max_tokens must be in [0, {}], got {}", limits.max_tokens, self.max_tokens));
-        }
-        if self.max_tokens >= limits.context_length {
-            return err(
-                ErrorCode::ContextOverflow,
-                format!("max_tokens {} leaves no room for the prompt in the {}-token context", self.max_tokens, limits.context_length),
-            );
-        }
-        Ok(())
-    }
-
-    /// Checks after tokenization: `prompt_tokens <= limits.max_prompt_tokens`
-    /// (`prompt_too_long`) and `prompt_tokens + max_tokens <= limits.context_length`
-    /// (`context_overflow`). Errors carry `request_id`.
-    pub fn check_prompt_tokens(&self, prompt_tokens: usize, limits: &Limits) -> Result<(), ProtocolError> {
-        let err = |code, msg: String| Err(ProtocolError::new(code, msg).with_request_id(self.request_id.clone()));
-        if prompt_tokens > limits.max_prompt_tokens as usize {
-            return err(ErrorCode::PromptTooLong, format!("prompt is {prompt_tokens} tokens, the limit is {}", limits.max_prompt_tokens));
-        }
-        let total = prompt_tokens as u64 + self.max_tokens as u64;
-        if total > limits.context_length as u64 {
-            return err(
-                ErrorCode::ContextOverflow,
-                format!("prompt ({prompt_tokens} tokens) + max_tokens ({}) = {total} exceeds the context length {}", self.max_tokens, limits.context_length),
-            );
         }
         Ok(())
     }

@@ -90,9 +90,9 @@ pub async fn handle(state: Arc<ServerState>, req: Request<Incoming>) -> Result<R
         if let Some(why) = auth_problem(&state, &req, &[]).filter(|_| !public) {
             state.metrics.error(ErrorCode::Unauthorized);
             return Ok(match edge {
-                Edge::LlamaCpp => super::llamacpp::unauthorized(why),
-                Edge::Anthropic => super::anthropic::unauthorized(why),
-                Edge::OpenAi => super::openai::unauthorized(why),
+                Edge::LlamaCpp => edge::unauthorized::<super::llamacpp::LlamaError>(why),
+                Edge::Anthropic => edge::unauthorized::<super::anthropic::AnthropicError>(why),
+                Edge::OpenAi => edge::unauthorized::<ApiError>(why),
             });
         }
         return Ok(match edge {
@@ -111,7 +111,7 @@ pub async fn handle(state: Arc<ServerState>, req: Request<Incoming>) -> Result<R
         (&Method::GET, "/metrics") => match auth_problem(&state, &req, &[]) {
             Some(why) => {
                 state.metrics.error(ErrorCode::Unauthorized);
-                super::openai::unauthorized(why)
+                edge::unauthorized::<ApiError>(why)
             }
             None => metrics(&state).await,
         },

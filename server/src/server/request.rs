@@ -1,7 +1,9 @@
-//! One request, whatever the edge: input → token ids → engine request
-//! ([`prepare`], [`submit_request`]), then a [`Relay`] to the edge's writer.
-//! Protocol v1's `generate` ([`start`]) is one such edge: its writer puts
-//! `delta` / `done` frames into the session's replay ring.
+//! One request, whatever the edge: input → [`ValidGenerate`] (every check,
+//! the prompt tokenized: [`prepare`], `valid.rs`) → engine request
+//! ([`submit_request`]), then a [`Relay`] to the edge's writer. Protocol
+//! v1's `generate` ([`start`]) is one such edge: its writer puts `delta` /
+//! `done` frames into the session's replay ring.
+mod valid;
 use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -10,6 +12,7 @@ use protocol::{
     CacheScopeName, Delta, Done, DraftSourceName, ErrorCode, FimInput, GenerateInput, GenerateRequest, ProtocolError, ResponseFormat, ServerMessage,
     SpeculationOptions, Tool, ToolCall, ToolMode,
 };
+pub use valid::{GenerateLimits, Length, ModelChecks, Refused, ValidGenerate};
 
 use super::relay::{engine_error, Ending, Piece, Relay, Writer};
 use super::session::{Frame, Registration, Session};
@@ -127,25 +130,19 @@ fn fim_ids(tok: &TextTokenizer, fim: &FimTokens, f: &FimInput, ids: &mut Vec<u32
     Ok(())
 }
 
-pub fn fim_unsupported() -> ProtocolError {
-    ProtocolError::new(ErrorCode::FimUnsupported, "this model has no fill-in-the-middle tokens (model.fim is false); send `prompt` or `messages`")
+fn fim_unsupported() -> ProtocolError {
+    ProtocolError::new(ErrorCode::FimUnsupported, Refused::FimUnsupported.to_string())
 }
 
-/// The engine request for a validated, tokenized `generate`.
-/// `owner` (a session's id, or an HTTP tenant's key) scopes its prefix-cache
-/// entries: its next turn resumes from this one's KV state, and no other
-/// owner ever sees it (unless the request asked for `cache: "shared"`, which
-/// stores it for every owner). Owners also take turns for free rows.
-/// `constraint` is the request's compiled `response_format`, if it has one.
-pub fn submit_request(
-    state: &ServerState,
-    owner: &str,
-    req: &GenerateRequest,
-    prompt: Vec<u32>,
-    constraint: Option<Constraint>,
-    received: Instant,
-) -> SubmitRequest {
-    SubmitRequest {
+/// The engine request for a valid `generate`, and the request (its length
+/// settled) for the relay. `owner` (a session's id, or an HTTP tenant's
+/// key) scopes its prefix-cache entries: its next turn resumes from this
+/// one's KV state, and no other owner ever sees it (unless the request
+/// asked for `cache: "shared"`, which stores it for every owner). Owners
+/// also take turns for free rows.
+pub fn submit_request(state: &ServerState, owner: &str, valid: ValidGenerate, received: Instant) -> (SubmitRequest, GenerateRequest) {
+    let (req, prompt, constraint) = valid.into_parts();
+    let submit = SubmitRequest {
         prompt,
         max_tokens: req.max_tokens as usize,
         sampling: SamplingParams {
@@ -166,14 +163,15 @@ pub fn submit_request(
         deadline: req.max_time_ms.map(|ms| received + Duration::from_millis(ms as u64)),
         speculation: speculation_for(&state.config.speculation, req.speculation),
         constraint,
-    }
+    };
+    (submit, req)
 }
 
 /// The constraint of `req`: its tool calls' grammar, or its compiled
 /// `response_format`. A schema, pattern or grammar llguidance rejects is the
 /// client's `invalid_parameter`, in its words.
 fn compile_constraint(state: &ServerState, req: &GenerateRequest) -> Result<Option<Constraint>, ProtocolError> {
-    let invalid = |what: &str, e: String| ProtocolError::invalid_parameter(format!("{what}: {e}")).with_request_id(req.request_id.clone());
+    let invalid = |what: &str, e: String| ProtocolError::invalid_parameter(format!("{what}: {e}"));
     let format = req.response_format.as_ref().filter(|f| **f != ResponseFormat::Text);
     if let (Some(ToolMode::Auto), Some(format)) = (req.tool_mode(), format) {
         let parallel = req.parallel_tool_calls.unwrap_or(true);
@@ -203,34 +201,53 @@ fn speculation_for(default: &Speculation, asked: Option<SpeculationOptions>) -> 
     Speculation { kind, max_draft: asked.max_draft.map_or(default.max_draft, usize::from), grammar_drafts }
 }
 
-/// A draft-model request on a server without one is refused up front.
-fn check_speculation(state: &ServerState, req: &GenerateRequest) -> Result<(), ProtocolError> {
-    let wants_model = req.speculation.and_then(|s| s.source) == Some(DraftSourceName::DraftModel);
-    if wants_model && !state.config.has_draft_model {
-        return Err(ProtocolError::invalid_parameter("speculation.source \"draft_model\": this server has no draft model (start it with --draft-model)")
-            .with_request_id(req.request_id.clone()));
+/// Refuses every new request while the server drains.
+pub fn check_accepting(state: &ServerState, request_id: &str) -> Result<(), ProtocolError> {
+    if state.is_draining() {
+        return Err(ProtocolError::new(ErrorCode::ShuttingDown, "the server is shutting down and accepts no new requests; send it to another server")
+            .with_request_id(request_id));
     }
     Ok(())
 }
 
-/// Checks that need neither tokens nor a session: limits, speculation,
-/// FIM support. Errors carry the request id.
-pub fn check_request(state: &ServerState, req: &GenerateRequest) -> Result<(), ProtocolError> {
-    if state.is_draining() {
-        return Err(ProtocolError::new(ErrorCode::ShuttingDown, "the server is shutting down and accepts no new requests; send it to another server")
-            .with_request_id(req.request_id.clone()));
+/// The limits this server holds a `generate` to.
+pub fn generate_limits(state: &ServerState) -> GenerateLimits {
+    GenerateLimits {
+        limits: state.limits.clone(),
+        default_max_tokens: u32::try_from(state.config.default_max_tokens).unwrap_or(u32::MAX),
+        has_draft_model: state.config.has_draft_model,
+        has_fim: state.fim.is_some(),
     }
-    req.check_limits(&state.limits)?;
-    check_speculation(state, req)?;
-    if matches!(req.input, GenerateInput::Fim(_)) && state.fim.is_none() {
-        return Err(fim_unsupported().with_request_id(req.request_id.clone()));
+}
+
+/// This server's model, as checking a request asks of it: its tokenizer
+/// (extending `earlier`, the owner's last prompt, where it can; the new
+/// prompt's encoding is kept for the owner's next) and its grammar engine.
+struct ServedModel<'a> {
+    state: &'a ServerState,
+    earlier: Option<&'a PieceEncoding>,
+    encoding: Option<PieceEncoding>,
+    tokenizing: Duration,
+}
+
+impl ModelChecks for ServedModel<'_> {
+    fn prompt_ids(&mut self, req: &GenerateRequest) -> Result<Vec<u32>, ProtocolError> {
+        let started = Instant::now();
+        let (ids, encoding) = prompt_ids(self.state, req, self.earlier)?;
+        (self.encoding, self.tokenizing) = (encoding, started.elapsed());
+        Ok(ids)
     }
-    Ok(())
+
+    fn constraint(&mut self, req: &GenerateRequest) -> Result<Option<Constraint>, ProtocolError> {
+        compile_constraint(self.state, req)
+    }
 }
 
 /// A request tokenized and checked, ready for the engine.
 pub struct Prepared {
     pub submit: SubmitRequest,
+    /// The request, its length settled.
+    pub request: GenerateRequest,
     /// The prompt's encoding in pieces, for the owner's next prompt to extend.
     pub encoding: Option<PieceEncoding>,
     pub tokenizing: Duration,
@@ -244,27 +261,28 @@ fn prompt_ids(state: &ServerState, req: &GenerateRequest, earlier: Option<&Piece
     tokenize(&state.tokenizer, state.fim.as_ref(), &req.input, (req.tools.as_slice(), state.tool_prompting), earlier)
 }
 
-/// Tokenizes `req` off the async threads (re-using `earlier`, the owner's
-/// last prompt, where the new one extends it) and checks its length.
+/// Checks `req` into a [`ValidGenerate`] (tokenizing it off the async
+/// threads, re-using `earlier`, the owner's last prompt, where the new one
+/// extends it; its length settled as `length` says) and builds its engine
+/// request. Errors carry the request id.
 pub async fn prepare(
     state: &Arc<ServerState>,
     owner: &str,
-    req: &GenerateRequest,
+    req: GenerateRequest,
+    length: Length,
     earlier: Option<Arc<PieceEncoding>>,
     received: Instant,
 ) -> Result<Prepared, ProtocolError> {
-    let (state, req, owner) = (state.clone(), req.clone(), owner.to_string());
-    let rid = req.request_id.clone();
+    let (state, owner, request_id) = (state.clone(), owner.to_string(), req.request_id.clone());
+    let rid = request_id.clone();
     tokio::task::spawn_blocking(move || {
-        let started = Instant::now();
-        let (prompt, encoding) = prompt_ids(&state, &req, earlier.as_deref()).map_err(|e| e.with_request_id(req.request_id.clone()))?;
-        let tokenizing = started.elapsed();
-        req.check_prompt_tokens(prompt.len(), &state.limits)?;
-        let constraint = compile_constraint(&state, &req)?;
-        Ok(Prepared { submit: submit_request(&state, &owner, &req, prompt, constraint, received), encoding, tokenizing })
+        let mut model = ServedModel { state: &state, earlier: earlier.as_deref(), encoding: None, tokenizing: Duration::ZERO };
+        let valid = ValidGenerate::new(req, length, &generate_limits(&state), &mut model).map_err(|e| e.for_request(&rid))?;
+        let (submit, request) = submit_request(&state, &owner, valid, received);
+        Ok(Prepared { submit, request, encoding: model.encoding, tokenizing: model.tokenizing })
     })
     .await
-    .unwrap_or_else(|e| Err(ProtocolError::new(ErrorCode::Internal, format!("tokenizer task failed: {e}")).with_request_id(rid)))
+    .unwrap_or_else(|e| Err(ProtocolError::new(ErrorCode::Internal, format!("tokenizer task failed: {e}")).with_request_id(request_id)))
 }
 
 /// How many tokens `req`'s input comes to, its tools shown as for a
@@ -278,13 +296,8 @@ pub async fn count_prompt_tokens(state: &Arc<ServerState>, req: &GenerateRequest
 
 /// Submits a prepared request to `engine`; returns its handles and the
 /// guard that counts it in flight, and the relay that takes it to a writer.
-pub fn submit(
-    state: &Arc<ServerState>,
-    engine: &EngineHandle,
-    req: &GenerateRequest,
-    prepared: Prepared,
-    received: Instant,
-) -> Result<(Submitted, InFlight, Relay), ProtocolError> {
+pub fn submit(state: &Arc<ServerState>, engine: &EngineHandle, prepared: Prepared, received: Instant) -> Result<(Submitted, InFlight, Relay), ProtocolError> {
+    let req = &prepared.request;
     let prompt_tokens = prepared.submit.prompt.len();
     let submitted_at = Instant::now();
     let submitted = engine.submit(prepared.submit).map_err(|e| {
@@ -309,15 +322,16 @@ pub fn submit(
 /// Validates, tokenizes and submits a `generate`, then spawns its relay.
 /// Errors carry the request id; the request is not registered after one.
 pub async fn start(state: &Arc<ServerState>, session: &Arc<Session>, conn_id: u64, req: GenerateRequest, received: Instant) -> Result<(), ProtocolError> {
-    check_request(state, &req)?;
-    let registration = session.register(conn_id, &req.request_id)?;
-    let prepared = prepare(state, &session.id, &req, session.last_prompt(), received).await?;
-    if let Some(e) = prepared.encoding.clone() {
+    check_accepting(state, &req.request_id)?;
+    let request_id = req.request_id.clone();
+    let mut prepared = prepare(state, &session.id, req, Length::AsAsked, session.last_prompt(), received).await?;
+    let registration = session.register(conn_id, &request_id)?;
+    if let Some(e) = prepared.encoding.take() {
         session.set_last_prompt(e);
     }
-    let (submitted, in_flight, relay) = submit(state, session.engine(), &req, prepared, received)?;
+    let (submitted, in_flight, relay) = submit(state, session.engine(), prepared, received)?;
     registration.set_stop(submitted.stop.clone());
-    let mut writer = FrameWriter { registration, request_id: req.request_id, seq: 0, tool_calls: Vec::new() };
+    let mut writer = FrameWriter { registration, request_id, seq: 0, tool_calls: Vec::new() };
     tokio::spawn(async move {
         relay.run(submitted.events, &mut writer).await;
         // The session forgets the request before the server's count drops,
@@ -326,22 +340,6 @@ pub async fn start(state: &Arc<ServerState>, session: &Arc<Session>, conn_id: u6
         drop(in_flight);
     });
     Ok(())
-}
-
-/// How many tokens a request may generate.
-#[derive(Clone, Copy, PartialEq, Eq, Default)]
-pub enum Length {
-    /// The request's `max_tokens`.
-    #[default]
-    AsAsked,
-    /// Until the context is full (OpenAI's default when no limit is given),
-    /// or `--default-max-tokens`, whichever comes first.
-    FillContext,
-    /// This many, or fewer where the context has less room (Anthropic's
-    /// `max_tokens`: a large one is a ceiling, not an error).
-    UpTo(u32),
-    /// None: the prompt only warms the prefix cache.
-    WarmOnly,
 }
 
 /// How a request is launched, beyond its `GenerateRequest`.
@@ -363,9 +361,10 @@ pub struct Launched {
     pub encoding: Option<PieceEncoding>,
 }
 
-/// The one request path of the HTTP edges: validates `generate`,
-/// tokenizes it (extending `earlier`, the conversation's last prompt),
-/// settles its length, and submits it on `owner`'s engine.
+/// The one request path of the HTTP edges: checks `generate` into a
+/// [`ValidGenerate`] (tokenizing it, extending `earlier`, the
+/// conversation's last prompt; its length settled, and written back to
+/// `generate`), and submits it on `owner`'s engine.
 pub async fn launch(
     state: &Arc<ServerState>,
     owner: &str,
@@ -374,35 +373,15 @@ pub async fn launch(
     received: Instant,
 ) -> Result<Launched, ProtocolError> {
     let Launch { length, earlier, ignore_eos } = launch;
-    if length != Length::AsAsked {
-        // Settled after tokenizing; 0 keeps the checks to the prompt.
-        generate.max_tokens = 0;
-    }
-    generate.validate()?;
-    check_request(state, generate)?;
-    let mut prepared = prepare(state, owner, generate, earlier, received).await?;
-    let ceiling = match length {
-        Length::FillContext => Some(state.config.default_max_tokens.min(state.limits.max_tokens as usize)),
-        Length::UpTo(n) => Some((n as usize).min(state.limits.max_tokens as usize)),
-        Length::AsAsked | Length::WarmOnly => None,
-    };
-    if let Some(ceiling) = ceiling {
-        let room = (state.limits.context_length as usize).saturating_sub(prepared.submit.prompt.len());
-        let max_tokens = room.min(ceiling);
-        if max_tokens == 0 {
-            let message =
-                format!("the prompt ({} tokens) leaves no room to generate in the {}-token context", prepared.submit.prompt.len(), state.limits.context_length);
-            return Err(ProtocolError::new(ErrorCode::ContextOverflow, message).with_request_id(generate.request_id.clone()));
-        }
-        prepared.submit.max_tokens = max_tokens;
-        generate.max_tokens = max_tokens as u32;
-    }
+    check_accepting(state, &generate.request_id)?;
+    let mut prepared = prepare(state, owner, generate.clone(), length, earlier, received).await?;
+    generate.max_tokens = prepared.request.max_tokens;
     if ignore_eos {
         prepared.submit.stop_ids.clear();
     }
     let encoding = prepared.encoding.take();
     let engine = state.engines.for_session(owner).clone();
-    let (submitted, in_flight, relay) = submit(state, &engine, generate, prepared, received)?;
+    let (submitted, in_flight, relay) = submit(state, &engine, prepared, received)?;
     Ok(Launched { submitted, in_flight, relay, encoding })
 }
 

@@ -56,11 +56,14 @@ impl AnthropicError {
 }
 
 impl EdgeError for AnthropicError {
+    const CREDENTIALS: &'static str = "`x-api-key: <key>`";
+
     fn refusal(status: StatusCode, message: String) -> AnthropicError {
         let kind = match status {
             StatusCode::PAYLOAD_TOO_LARGE => "request_too_large",
             StatusCode::REQUEST_TIMEOUT => "timeout_error",
             StatusCode::NOT_FOUND => "not_found_error",
+            StatusCode::UNAUTHORIZED => "authentication_error",
             _ => "invalid_request_error",
         };
         AnthropicError::new(status, kind, message)
@@ -92,11 +95,6 @@ impl From<ProtocolError> for AnthropicError {
         };
         AnthropicError { status, kind, message: e.message, metric: e.code }
     }
-}
-
-/// The refusal of a request without the server's key, in Anthropic's shape.
-pub fn unauthorized(why: &str) -> Response<Body> {
-    AnthropicError::new(StatusCode::UNAUTHORIZED, "authentication_error", format!("{why}: send `x-api-key: <key>`")).response()
 }
 
 /// `YYYY-MM-DD`.

@@ -403,11 +403,8 @@ fn create_fields(body: &Map<String, Value>, parsed: &mut Parsed) -> Result<(), I
         g.temperature = t as f32;
     }
     if let Some(p) = body.get("top_p").filter(|p| !p.is_null()) {
-        let p = number(p, "top_p")?;
-        if !(p > 0.0 && p <= 1.0) {
-            return Err("top_p: Input should be greater than 0 and at most 1".into());
-        }
-        g.top_p = (p < 1.0).then_some(p as f32);
+        // Its range, (0, 1], is the protocol's, checked with the request.
+        g.top_p = Some(number(p, "top_p")? as f32).filter(|&p| p != 1.0);
     }
     if let Some(k) = body.get("top_k").filter(|k| !k.is_null()) {
         let k = k.as_u64().and_then(|k| u32::try_from(k).ok()).ok_or("top_k: Input should be a non-negative integer")?;

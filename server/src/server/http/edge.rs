@@ -33,9 +33,12 @@ pub const SSE_BUFFER: usize = 64;
 pub trait EdgeError: From<ProtocolError> + Send + 'static {
     /// The `Content-Type` of its JSON answers.
     const CONTENT_TYPE: &'static str = "application/json";
-    /// A refusal the kit makes, worded by the kit: a body too large (413),
-    /// too slow (408) or not a JSON object (400), a path nothing serves
-    /// (404), a wrong method (405); the edge gives it its type and code.
+    /// How its clients present the server's token, as a 401 tells them.
+    const CREDENTIALS: &'static str = "`Authorization: Bearer <token>`";
+    /// A refusal the kit makes, worded by the kit: no token or a wrong one
+    /// (401), a body too large (413), too slow (408) or not a JSON object
+    /// (400), a path nothing serves (404), a wrong method (405); the edge
+    /// gives it its type and code.
     fn refusal(status: StatusCode, message: String) -> Self;
     /// A field whose value does not parse.
     fn bad_value(message: String) -> Self {
@@ -83,6 +86,16 @@ pub fn answer<E: EdgeError>(state: &ServerState, result: Result<Response<Body>, 
         }
         r
     })
+}
+
+/// The 401 of a request without the server's token (`why`: none was
+/// presented, or a wrong one), telling how the edge's clients send it. Every
+/// edge takes a bearer token, so every 401 challenges for one (RFC 9110
+/// requires a challenge on a 401).
+pub fn unauthorized<E: EdgeError>(why: &str) -> Response<Body> {
+    let mut r = E::refusal(StatusCode::UNAUTHORIZED, format!("{why}: send {}", E::CREDENTIALS)).response();
+    r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    r
 }
 
 /// The 404 of a path under an edge that nothing serves (worded as OpenAI's API words it).
@@ -203,5 +216,40 @@ impl<E: EdgeError> Events<E> {
                 self.send(name, e.body()).await;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use http_body_util::BodyExt;
+    use serde_json::json;
+
+    use super::*;
+    use crate::server::anthropic::AnthropicError;
+    use crate::server::llamacpp::LlamaError;
+    use crate::server::openai::ApiError;
+
+    /// `E`'s 401: its status, its challenge and its body.
+    async fn refused<E: EdgeError>() -> (StatusCode, Option<HeaderValue>, Value) {
+        let r = unauthorized::<E>("no token");
+        let (status, challenge) = (r.status(), r.headers().get(header::WWW_AUTHENTICATE).cloned());
+        let body = r.into_body().collect().await.expect("a whole body").to_bytes();
+        (status, challenge, serde_json::from_slice(&body).expect("a JSON body"))
+    }
+
+    #[tokio::test]
+    async fn every_edge_answers_a_missing_token_with_a_challenge_in_its_own_shape() {
+        let bearer = Some(HeaderValue::from_static("Bearer"));
+        let (status, challenge, openai) = refused::<ApiError>().await;
+        assert_eq!((status, challenge), (StatusCode::UNAUTHORIZED, bearer.clone()));
+        assert_eq!((&openai["error"]["type"], &openai["error"]["code"]), (&json!("invalid_request_error"), &json!("invalid_api_key")));
+        assert_eq!(openai["error"]["message"], "no token: send `Authorization: Bearer <token>`");
+        let (status, challenge, anthropic) = refused::<AnthropicError>().await;
+        assert_eq!((status, challenge), (StatusCode::UNAUTHORIZED, bearer.clone()));
+        assert_eq!(anthropic, json!({"type": "error", "error": {"type": "authentication_error", "message": "no token: send `x-api-key: <key>`"}}));
+        let (status, challenge, llama) = refused::<LlamaError>().await;
+        assert_eq!((status, challenge), (StatusCode::UNAUTHORIZED, bearer));
+        let message = "no token: send `Authorization: Bearer <token>` or `X-Api-Key: <token>`";
+        assert_eq!(llama, json!({"error": {"code": 401, "message": message, "type": "authentication_error"}}));
     }
 }

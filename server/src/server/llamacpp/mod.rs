@@ -18,14 +18,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use hyper::body::Incoming;
-use hyper::header::{self, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
 use protocol::{ErrorCode, ProtocolError};
 use serde_json::{json, Map, Value};
 
 use super::http::edge::{self, EdgeError};
 use super::http::Body;
-use super::request::{fim_unsupported, launch, Launch, Length};
+use super::request::{launch, Launch, Length};
 use super::ServerState;
 use reply::{EditorWriter, Settings};
 use wire::{Endpoint, Predict};
@@ -56,9 +55,15 @@ impl LlamaError {
 impl EdgeError for LlamaError {
     /// Compact JSON on one line: llama.vim finds `"content":"` in the raw text.
     const CONTENT_TYPE: &'static str = "application/json; charset=utf-8";
+    const CREDENTIALS: &'static str = "`Authorization: Bearer <token>` or `X-Api-Key: <token>`";
 
     fn refusal(status: StatusCode, message: String) -> LlamaError {
-        LlamaError::new(status, if status == StatusCode::NOT_FOUND { "not_found_error" } else { "invalid_request_error" }, message)
+        let kind = match status {
+            StatusCode::NOT_FOUND => "not_found_error",
+            StatusCode::UNAUTHORIZED => "authentication_error",
+            _ => "invalid_request_error",
+        };
+        LlamaError::new(status, kind, message)
     }
 
     fn status(&self) -> StatusCode {
@@ -90,14 +95,6 @@ impl From<ProtocolError> for LlamaError {
 
 fn json_response(status: StatusCode, body: &Value) -> Response<Body> {
     edge::json_as(status, body, LlamaError::CONTENT_TYPE)
-}
-
-/// A refusal for a missing or wrong bearer token.
-pub fn unauthorized(why: &str) -> Response<Body> {
-    let message = format!("{why}: send `Authorization: Bearer <token>` or `X-Api-Key: <token>`");
-    let mut r = LlamaError::new(StatusCode::UNAUTHORIZED, "authentication_error", message).response();
-    r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-    r
 }
 
 /// This edge's paths; each one's subpaths are this edge's too (answered 404
@@ -205,9 +202,6 @@ async fn complete(state: &Arc<ServerState>, req: Request<Incoming>, endpoint: En
     edge::take_turn::<LlamaError>(state, tenant)?;
     let body = edge::read_json::<LlamaError>(state, req).await?;
     edge::refuse_unknown::<LlamaError>(wire::unknown_field(&body))?;
-    if endpoint == Endpoint::Infill && state.fim.is_none() {
-        return Err(LlamaError::from(fim_unsupported()));
-    }
     let body: wire::Body = edge::deserialize::<LlamaError, _>(body)?;
     let (mut generate, options) =
         body.into_generate(endpoint, super::new_secret("cmpl-"), &state.model.name).map_err(|wire::Invalid(m)| LlamaError::invalid(m))?;

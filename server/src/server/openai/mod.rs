@@ -159,13 +159,3 @@ async fn complete(state: &Arc<ServerState>, req: Request<Incoming>, endpoint: En
         edge::collect(launched, Collected::new(reply)).await.into_response()
     }
 }
-
-/// The body of a refusal a caller of [`handle`] makes before routing (no
-/// token, a wrong token), in OpenAI's shape.
-pub fn unauthorized(why: &str) -> Response<Body> {
-    let mut r = ApiError::new(StatusCode::UNAUTHORIZED, "invalid_request_error", format!("{why}: send `Authorization: Bearer <token>`"))
-        .with_code("invalid_api_key")
-        .response();
-    r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-    r
-}

@@ -51,6 +51,7 @@ impl EdgeError for ApiError {
         match status {
             StatusCode::PAYLOAD_TOO_LARGE => e.with_code("request_too_large"),
             StatusCode::REQUEST_TIMEOUT => e.with_code("request_timeout"),
+            StatusCode::UNAUTHORIZED => e.with_code("invalid_api_key"),
             _ => e,
         }
     }

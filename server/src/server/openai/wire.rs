@@ -181,6 +181,32 @@ pub fn bad(param: &'static str, message: impl Into<String>) -> ParamError {
     ParamError { param, message: message.into() }
 }
 
+/// The fields Chat Completions and the Responses API share that hold no
+/// generation parameter (those are the protocol's, checked with the
+/// request), checked once for both: penalties only at 0 (none are
+/// applied), `stream_options` only when streaming, a `prompt_cache_key` of
+/// 1 to 256 characters.
+pub fn check_shared(
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    stream_options: bool,
+    stream: bool,
+    prompt_cache_key: Option<&str>,
+) -> Result<(), ParamError> {
+    for (param, v) in [("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)] {
+        if v.is_some_and(|v| v != 0.0) {
+            return Err(bad(param, format!("{param} is not supported (only 0)")));
+        }
+    }
+    if stream_options && !stream {
+        return Err(bad("stream_options", "stream_options is only allowed with stream: true"));
+    }
+    if prompt_cache_key.is_some_and(|k| k.is_empty() || k.len() > 256) {
+        return Err(bad("prompt_cache_key", "prompt_cache_key must be 1 to 256 characters"));
+    }
+    Ok(())
+}
+
 /// Where a format's schema sits: Chat Completions nests it as
 /// `{type: "json_schema", json_schema: {name, schema, strict}}`, the
 /// Responses API's `text.format` flattens it to `{type: "json_schema",
@@ -334,16 +360,13 @@ fn chat_tool_calls(calls: &[Value], i: usize) -> Result<Vec<ToolCall>, ParamErro
 }
 
 impl Sampling {
-    /// The generation parameters of `req`; `logprobs` is the endpoint's own.
-    fn apply(self, req: &mut GenerateRequest, logprobs: Option<u8>) -> Result<Options, ParamError> {
+    /// The generation parameters of `req`; `logprobs` (whether to report
+    /// them) and `top_logprobs` (how many alternatives) are the endpoint's own.
+    fn apply(self, req: &mut GenerateRequest, logprobs: bool, top_logprobs: Option<u8>) -> Result<Options, ParamError> {
         if self.n.is_some_and(|n| n != 1) {
             return Err(bad("n", "only n = 1 is supported"));
         }
-        for (param, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
-            if v.is_some_and(|v| v != 0.0) {
-                return Err(bad(param, format!("{param} is not supported (only 0)")));
-            }
-        }
+        check_shared(self.presence_penalty, self.frequency_penalty, self.stream_options.is_some(), self.stream, self.prompt_cache_key.as_deref())?;
         if self.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
             return Err(bad("logit_bias", "logit_bias is not supported"));
         }
@@ -361,14 +384,8 @@ impl Sampling {
             req.seed = Some(seed as u64);
         }
         req.stop = self.stop.map(Stop::into_vec).unwrap_or_default();
-        req.logprobs = logprobs.is_some();
-        req.top_logprobs = logprobs.filter(|&n| n > 0);
-        if !self.stream && self.stream_options.is_some() {
-            return Err(bad("stream_options", "stream_options is only allowed with stream: true"));
-        }
-        if self.prompt_cache_key.as_ref().is_some_and(|k| k.is_empty() || k.len() > 256) {
-            return Err(bad("prompt_cache_key", "prompt_cache_key must be 1 to 256 characters"));
-        }
+        req.logprobs = logprobs;
+        req.top_logprobs = top_logprobs;
         Ok(Options {
             stream: self.stream,
             include_usage: self.stream_options.is_some_and(|o| o.include_usage),
@@ -413,12 +430,6 @@ impl ChatRequest {
         let tools = self.tools.as_deref().map(|t| tools(t, FormatShape::Chat)).transpose()?.unwrap_or_default();
         let tool_choice = self.tool_choice.as_ref().map(|c| tool_choice(c, FormatShape::Chat)).transpose()?;
         let format = self.response_format.as_ref().map(|f| response_format(f, "response_format", FormatShape::Chat)).transpose()?;
-        if self.top_logprobs.is_some() && !self.logprobs {
-            return Err(bad("top_logprobs", "top_logprobs requires logprobs: true"));
-        }
-        if self.messages.is_empty() {
-            return Err(bad("messages", "messages must contain at least one message"));
-        }
         let messages = self
             .messages
             .into_iter()
@@ -446,8 +457,7 @@ impl ChatRequest {
         req.tools = tools;
         req.tool_choice = tool_choice;
         req.parallel_tool_calls = self.parallel_tool_calls;
-        let logprobs = self.logprobs.then(|| self.top_logprobs.unwrap_or(0));
-        let options = self.sampling.apply(&mut req, logprobs)?;
+        let options = self.sampling.apply(&mut req, self.logprobs, self.top_logprobs)?;
         Ok((self.model, req, options))
     }
 }
@@ -470,7 +480,8 @@ impl CompletionRequest {
             None => GenerateInput::Prompt(prompt),
         };
         let mut req = GenerateRequest::new(request_id, input);
-        let options = self.sampling.apply(&mut req, self.logprobs)?;
+        // `logprobs`: how many alternatives, the sampled token's own always.
+        let options = self.sampling.apply(&mut req, self.logprobs.is_some(), self.logprobs)?;
         Ok((self.model, req, options))
     }
 }

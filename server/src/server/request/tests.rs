@@ -1,7 +1,8 @@
 //! A request from `generate` to the engine and back, with the engine played
 //! by the test: tokenizing each kind of input, the engine request built from
-//! the client's choices, the checks made before anything is tokenized, and
-//! the whole path through a session's ring.
+//! the client's choices, this server's limits and model in the checks
+//! (`valid/tests.rs` has each check), and the whole path through a
+//! session's ring.
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -10,7 +11,9 @@ use protocol::{
     SpeculationOptions,
 };
 
-use super::{check_request, speculation_for, start, submit_request, tokenize, FimTokens, InFlight};
+use super::{
+    check_accepting, generate_limits, prepare, speculation_for, start, submit_request, tokenize, FimTokens, InFlight, Length, ServedModel, ValidGenerate,
+};
 use crate::engine::speculate::{DraftKind, Speculation};
 use crate::engine::{Command, EngineEvent, Finish, FinishInfo, Scope, StopReason};
 use crate::server::conn::ConnCtl;
@@ -66,12 +69,19 @@ fn fill_in_the_middle_lays_out_its_parts_and_never_reads_control_tokens_from_use
     assert_eq!(tokens(&state, None, &input).unwrap_err().code, ErrorCode::FimUnsupported);
 }
 
+/// `req` checked on `state` as asked, its prompt tokenized.
+fn valid(state: &ServerState, req: GenerateRequest) -> ValidGenerate {
+    let mut model = ServedModel { state, earlier: None, encoding: None, tokenizing: Duration::ZERO };
+    ValidGenerate::new(req, Length::AsAsked, &generate_limits(state), &mut model).unwrap()
+}
+
 #[test]
 fn the_engine_request_carries_the_clients_choices() {
     let state = state();
     let received = Instant::now();
-    let plain = submit_request(&state, "owner", &generate(prompt("abc")), vec![1, 2], None, received);
-    assert_eq!((plain.prompt.as_slice(), plain.max_tokens), (&[1, 2][..], 8));
+    let submit = |req| submit_request(&state, "owner", valid(&state, req), received).0;
+    let plain = submit(generate(prompt("abc")));
+    assert_eq!((plain.prompt, plain.max_tokens), (ids("abc"), 8));
     let s = &plain.sampling;
     assert_eq!((s.temperature, s.top_k, s.top_p, s.min_p, s.seed), (0.0, 0, 1.0, 0.0, None), "greedy, no filters");
     assert_eq!(plain.stop_ids, [END], "the model's end-of-sequence tokens");
@@ -92,7 +102,7 @@ fn the_engine_request_carries_the_clients_choices() {
         max_time_ms: Some(1500),
         ..generate(prompt("abc"))
     };
-    let r = submit_request(&state, "owner", &asked, vec![1], None, received);
+    let r = submit(asked);
     let s = &r.sampling;
     assert_eq!((s.temperature, s.top_k, s.top_p, s.min_p, s.seed), (0.7, 5, 0.9, 0.1, Some(3)));
     assert_eq!(r.logprobs, Some(2));
@@ -100,7 +110,7 @@ fn the_engine_request_carries_the_clients_choices() {
     assert_eq!(r.cache_scope, Some(Scope::Shared));
     assert_eq!(r.deadline, Some(received + Duration::from_millis(1500)));
     let logprobs_only = GenerateRequest { logprobs: true, ..generate(prompt("abc")) };
-    assert_eq!(submit_request(&state, "owner", &logprobs_only, vec![1], None, received).logprobs, Some(0));
+    assert_eq!(submit(logprobs_only).logprobs, Some(0));
 }
 
 #[test]
@@ -116,23 +126,42 @@ fn a_requests_speculation_overrides_the_servers_default() {
     assert_eq!(speculation_for(&off_server, Some(SpeculationOptions { source: Some(DraftSourceName::Echo), max_draft: None })).kind, DraftKind::Echo);
 }
 
-#[test]
-fn requests_this_server_cannot_serve_are_refused_before_tokenizing() {
+#[tokio::test]
+async fn the_servers_limits_and_model_are_what_a_request_is_checked_against() {
     let state = state();
-    let refused = |req: &GenerateRequest| check_request(&state, req).unwrap_err();
+    let refused = |req: GenerateRequest| {
+        let state = state.clone();
+        async move { prepare(&state, "owner", req, Length::AsAsked, None, Instant::now()).await.err().unwrap() }
+    };
     let fim = generate(GenerateInput::Fim(FimInput { prefix: "a".into(), suffix: "b".into(), extra: Vec::new() }));
-    let e = refused(&fim);
+    let e = refused(fim).await;
     assert_eq!((e.code, e.request_id.as_deref()), (ErrorCode::FimUnsupported, Some("r1")), "this model has no FIM tokens");
     let draft =
         GenerateRequest { speculation: Some(SpeculationOptions { source: Some(DraftSourceName::DraftModel), max_draft: None }), ..generate(prompt("abc")) };
-    let e = refused(&draft);
+    let e = refused(draft).await;
     assert_eq!(e.code, ErrorCode::InvalidParameter);
     assert!(e.message.contains("--draft-model"), "{}", e.message);
-    let too_long = GenerateRequest { max_tokens: 100_000, ..generate(prompt("abc")) };
-    assert!(check_request(&state, &too_long).is_err());
-    check_request(&state, &generate(prompt("abc"))).unwrap();
+    let limit = state.limits.max_tokens;
+    let e = refused(GenerateRequest { max_tokens: limit + 1, ..generate(prompt("abc")) }).await;
+    assert_eq!(e.message, format!("max_tokens must be in [0, {limit}], got {}", limit + 1));
+    let long = "x".repeat(state.limits.max_prompt_tokens as usize + 1);
+    let e = refused(GenerateRequest { max_tokens: 0, ..generate(prompt(&long)) }).await;
+    assert_eq!((e.code, e.request_id.as_deref()), (ErrorCode::PromptTooLong, Some("r1")), "the tiny vocabulary's tokens are bytes");
+    let e = refused(generate(prompt(""))).await;
+    assert!(e.message.contains("the input is empty"), "the tokenizer's verdict: {}", e.message);
+    let prepared = prepare(&state, "owner", generate(prompt("abc")), Length::FillContext, None, Instant::now()).await.unwrap();
+    let room = state.limits.context_length as usize - ids("abc").len();
+    assert_eq!(prepared.request.max_tokens as usize, room.min(state.config.default_max_tokens).min(state.limits.max_tokens as usize));
+    assert_eq!(prepared.submit.max_tokens, prepared.request.max_tokens as usize);
+}
+
+#[test]
+fn a_draining_server_accepts_no_request() {
+    let state = state();
+    check_accepting(&state, "r1").unwrap();
     state.draining.store(true, std::sync::atomic::Ordering::Release);
-    assert_eq!(refused(&generate(prompt("abc"))).code, ErrorCode::ShuttingDown);
+    let e = check_accepting(&state, "r1").unwrap_err();
+    assert_eq!((e.code, e.request_id.as_deref()), (ErrorCode::ShuttingDown, Some("r1")));
 }
 
 #[test]

@@ -7,7 +7,7 @@ use protocol::{ChatMessage, ResponseFormat, Tool, ToolChoice};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
-use super::super::wire::{bad, response_format as response_format_of, tool_choice as tool_choice_of, tools as tools_of, FormatShape, ParamError};
+use super::super::wire::{bad, check_shared, response_format as response_format_of, tool_choice as tool_choice_of, tools as tools_of, FormatShape, ParamError};
 use super::input::{self, Input};
 
 /// Fields both `POST /v1/responses` and `response.create` take.
@@ -53,8 +53,6 @@ const MAX_METADATA_KEY: usize = 64;
 const MAX_METADATA_VALUE: usize = 512;
 /// Longest `stream_id`.
 const MAX_STREAM_ID: usize = 64;
-/// Most alternatives `top_logprobs` may ask for at each position (OpenAI's bound).
-const MAX_TOP_LOGPROBS: u8 = 20;
 /// The one `include` value this server fills: sampled logprobs on output text.
 const INCLUDE_LOGPROBS: &str = "message.output_text.logprobs";
 
@@ -200,19 +198,10 @@ impl CreateBody {
                 _ => return Err(bad("include", format!("include {v} is not supported (only {INCLUDE_LOGPROBS:?})"))),
             }
         }
-        if let Some(n) = self.top_logprobs {
-            if n > MAX_TOP_LOGPROBS {
-                return Err(bad("top_logprobs", format!("top_logprobs must be <= {MAX_TOP_LOGPROBS}, got {n}")));
-            }
-            // Alternatives come with the sampled token's own logprob; 0
-            // (the default some clients send) asks for nothing.
-            logprobs |= n > 0;
-        }
-        for (param, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
-            if v.is_some_and(|v| v != 0.0) {
-                return Err(bad(param, format!("{param} is not supported (only 0)")));
-            }
-        }
+        // Alternatives come with the sampled token's own logprob; 0 (the
+        // default some clients send) asks for nothing. Their bound is the
+        // protocol's, checked with the request.
+        logprobs |= self.top_logprobs.is_some_and(|n| n > 0);
         if self.max_tool_calls == Some(0) {
             return Err(bad("max_tool_calls", "max_tool_calls must be at least 1"));
         }
@@ -254,9 +243,14 @@ impl CreateBody {
         if edge == Edge::Socket && self.stream == Some(false) {
             return Err(bad("stream", "responses on a WebSocket always stream; leave `stream` out"));
         }
-        if edge == Edge::Http && !stream && self.stream_options.is_some() {
-            return Err(bad("stream_options", "stream_options is only allowed with stream: true"));
-        }
+        // (The socket takes no `stream_options`: its events always stream.)
+        check_shared(
+            self.presence_penalty,
+            self.frequency_penalty,
+            self.stream_options.is_some(),
+            edge == Edge::Socket || stream,
+            self.prompt_cache_key.as_deref(),
+        )?;
         if self.max_output_tokens == Some(0) {
             return Err(bad("max_output_tokens", "max_output_tokens must be at least 1 (a warm-up is `generate: false`)"));
         }
@@ -264,9 +258,6 @@ impl CreateBody {
             if id.is_empty() || id.len() > MAX_STREAM_ID {
                 return Err(bad("stream_id", format!("stream_id must be 1 to {MAX_STREAM_ID} characters")));
             }
-        }
-        if self.prompt_cache_key.as_ref().is_some_and(|k| k.is_empty() || k.len() > 256) {
-            return Err(bad("prompt_cache_key", "prompt_cache_key must be 1 to 256 characters"));
         }
         if let Some(id) = &self.previous_response_id {
             if id.is_empty() || id.len() > 128 {
