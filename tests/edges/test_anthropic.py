@@ -2,8 +2,9 @@
 streamed messages (the same greedy text, the event sequence Anthropic's
 clients parse), stop reasons and sequences, the agent loop with `tool_use`
 and `tool_result` blocks held to the tools' schemas (the next turn reading
-only its new tokens), `count_tokens`, and errors in Anthropic's shape and
-statuses as the SDK raises them.
+only its new tokens), a prefill continued as the same prompt written out
+continues, `count_tokens`, and errors in Anthropic's shape and statuses as
+the SDK raises them.
 """
 import json
 
@@ -127,6 +128,42 @@ def test_agent_loop_with_tool_use_and_tool_result_blocks(coder):
     assert timed.name == "get_time" and isinstance(timed.input["zone"], str)
 
 
+# A prefill and the same conversation as SmolLM2's chat template (ChatML)
+# writes it, the final turn left open after the prefill's text.
+TUTOR = "You are a geography tutor."
+PREFILLED = [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "The capital of France is"}]
+RENDERED = (
+    "<|im_start|>system\nYou are a geography tutor.<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+    "<|im_start|>assistant\nThe capital of France is"
+)
+
+
+def test_a_prefill_is_continued_not_repeated(smollm2):
+    c = client(smollm2)
+    whole = c.messages.create(model=SMOL, max_tokens=12, system=TUTOR, messages=PREFILLED, extra_body=GREEDY)
+    # The same prompt as plain text, through llama.cpp's /completion: the same tokens follow it.
+    status, plain = smollm2.post("/completion", {"prompt": RENDERED, "n_predict": 12, "temperature": 0})
+    assert status == 200 and plain["content"], plain
+    assert text_of(whole) == plain["content"] and whole.usage.output_tokens == plain["tokens_predicted"], (whole, plain)
+    prompt_tokens = whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+    assert prompt_tokens == len(smollm2.post("/tokenize", {"content": RENDERED})[1]["tokens"])
+    assert c.messages.count_tokens(model=SMOL, system=TUTOR, messages=PREFILLED).input_tokens == prompt_tokens
+    # The answer continues the prefill; it does not repeat it.
+    assert not text_of(whole).lstrip().startswith("The capital")
+    with c.messages.stream(model=SMOL, max_tokens=12, system=TUTOR, messages=PREFILLED, extra_body=GREEDY) as stream:
+        streamed = stream.get_final_message()
+    assert text_of(streamed) == text_of(whole)
+    # As Anthropic's API: a prefill that ends in whitespace is refused.
+    trailing = [PREFILLED[0], {"role": "assistant", "content": "The capital of France is "}]
+    status, body = smollm2.post("/v1/messages", {"model": SMOL, "max_tokens": 4, "messages": trailing})
+    assert (status, body) == (
+        400,
+        {"type": "error", "error": {"type": "invalid_request_error", "message": "messages: final assistant content cannot end with trailing whitespace"}},
+    )
+    with pytest.raises(anthropic.BadRequestError):
+        c.messages.create(model=SMOL, max_tokens=4, messages=trailing)
+
+
 def test_structured_output_follows_its_schema(smollm2):
     schema = {"type": "object", "properties": {"sea": {"type": "string", "maxLength": 40}}, "required": ["sea"], "additionalProperties": False}
     m = client(smollm2).messages.create(
@@ -203,6 +240,9 @@ BAD_BODIES = [
     ({"model": SMOL, "max_tokens": 4, "messages": U, "output_config": {"format": {"type": "json_object"}}}, 400, "invalid_request_error", "output_config.format.type"),
     ({"model": SMOL, "max_tokens": 4, "messages": U, "cache_control": {"type": "forever"}}, 400, "invalid_request_error", "cache_control.type"),
     ({"model": SMOL, "max_tokens": 4, "messages": U, "mcp_servers": []}, 400, "invalid_request_error", "mcp_servers"),
+    ({"model": SMOL, "max_tokens": 4, "messages": [*U, {"role": "assistant", "content": "Hello\n"}]}, 400, "invalid_request_error", "trailing whitespace"),
+    ({"model": SMOL, "max_tokens": 4, "messages": [*U, {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
+     400, "invalid_request_error", "messages.1: tool_use blocks in a final assistant message are not supported"),
     ({"model": "gpt-4o", "max_tokens": 4, "messages": U}, 404, "not_found_error", "does not exist"),
 ]
 

@@ -89,6 +89,17 @@ def test_an_answer_appended_as_returned_continues_the_conversation(smollm2):
     assert status == 400 and "function_call" in got["error"]["message"], got
 
 
+def test_continue_final_message_continues_a_prefill(smollm2):
+    # vLLM's extension; the same prompt as the Anthropic edge's prefill, whose test writes it out.
+    from test_anthropic import PREFILLED, RENDERED, TUTOR
+
+    messages = [{"role": "system", "content": TUTOR}, *PREFILLED]
+    r = client(smollm2).chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0, extra_body={"continue_final_message": True})
+    status, plain = smollm2.post("/completion", {"prompt": RENDERED, "n_predict": 12, "temperature": 0})
+    assert status == 200 and r.choices[0].message.content == plain["content"], (r, plain)
+    assert r.usage.prompt_tokens == plain["tokens_evaluated"] and r.usage.completion_tokens == plain["tokens_predicted"]
+
+
 def test_stop_strings_and_logprobs(smollm2):
     c = client(smollm2)
     r = c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0, logprobs=True, top_logprobs=2, stop=["Paris"])
@@ -218,6 +229,7 @@ BAD_CHAT = [
     ({"model": MODEL, "messages": QUESTION, "stream_options": {"include_usage": True}}, 400, "invalid_request_error", None),
     ({"model": MODEL, "messages": QUESTION, "surprise": 1}, 400, "invalid_request_error", "unknown_parameter"),
     ({"model": MODEL, "messages": QUESTION, "prompt_cache_key": ""}, 400, "invalid_request_error", None),
+    ({"model": MODEL, "messages": QUESTION, "continue_final_message": True}, 400, "invalid_request_error", None),
 ]
 
 

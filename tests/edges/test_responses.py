@@ -4,6 +4,8 @@ its WebSocket mode through `client.responses.connect()`: chained turns
 that read only their new tokens, `generate: false` warm-ups, `stream_id`
 lanes, cancel, a reconnect that continues where the dropped socket was,
 and bad events answered with `error` events on a socket that stays up.
+Response objects and events are validated against the OpenResponses
+specification's JSON Schemas (openresponses.py).
 """
 import json
 import os
@@ -17,6 +19,7 @@ import pytest
 import websockets
 from websockets.sync.client import connect as ws_connect
 
+import openresponses
 from conftest import TOKEN, Server
 
 MODEL = "smollm2-135m"
@@ -355,72 +358,6 @@ def test_a_socket_whose_client_stops_reading_is_closed(impatient):
     assert received < 200_000, f"the response ran to its end ({received} bytes)"
 
 
-# The OpenResponses specification's required fields, with their JSON types
-# (written from its ResponseResource, items and streaming events).
-NUM, INT, STR, BOOL, OBJ, LIST, NULL = (int, float), int, str, bool, dict, list, type(None)
-RESPONSE_FIELDS = {
-    "id": STR, "object": STR, "created_at": INT, "completed_at": (INT, NULL), "status": STR,
-    "incomplete_details": (OBJ, NULL), "model": STR, "previous_response_id": (STR, NULL),
-    "instructions": (STR, LIST, NULL), "output": LIST, "error": (OBJ, NULL), "tools": LIST,
-    "tool_choice": (STR, OBJ), "truncation": STR, "parallel_tool_calls": BOOL, "text": OBJ,
-    "top_p": NUM, "presence_penalty": NUM, "frequency_penalty": NUM, "top_logprobs": INT,
-    "temperature": NUM, "reasoning": (OBJ, NULL), "user": (STR, NULL), "usage": (OBJ, NULL),
-    "max_output_tokens": (INT, NULL), "max_tool_calls": (INT, NULL), "store": BOOL,
-    "background": BOOL, "service_tier": STR, "metadata": OBJ, "safety_identifier": (STR, NULL),
-    "prompt_cache_key": (STR, NULL),
-}
-USAGE_FIELDS = {"input_tokens": INT, "output_tokens": INT, "total_tokens": INT, "input_tokens_details": OBJ, "output_tokens_details": OBJ}
-ITEM_FIELDS = {
-    "message": {"type": STR, "id": STR, "status": STR, "role": STR, "content": LIST},
-    "function_call": {"type": STR, "id": STR, "call_id": STR, "name": STR, "arguments": STR, "status": STR},
-}
-PART_FIELDS = {"type": STR, "text": STR, "annotations": LIST, "logprobs": LIST}
-LOGPROB_FIELDS = {"token": STR, "logprob": NUM, "bytes": LIST, "top_logprobs": LIST}
-TOOL_FIELDS = {"type": STR, "name": STR, "description": (STR, NULL), "parameters": (OBJ, NULL), "strict": BOOL}
-EVENT_FIELDS = {
-    "response.created": {"response": OBJ},
-    "response.in_progress": {"response": OBJ},
-    "response.completed": {"response": OBJ},
-    "response.incomplete": {"response": OBJ},
-    "response.failed": {"response": OBJ},
-    "response.output_item.added": {"output_index": INT, "item": OBJ},
-    "response.output_item.done": {"output_index": INT, "item": OBJ},
-    "response.content_part.added": {"item_id": STR, "output_index": INT, "content_index": INT, "part": OBJ},
-    "response.content_part.done": {"item_id": STR, "output_index": INT, "content_index": INT, "part": OBJ},
-    "response.output_text.delta": {"item_id": STR, "output_index": INT, "content_index": INT, "delta": STR, "logprobs": LIST},
-    "response.output_text.done": {"item_id": STR, "output_index": INT, "content_index": INT, "text": STR, "logprobs": LIST},
-    "response.function_call_arguments.delta": {"item_id": STR, "output_index": INT, "delta": STR},
-    "response.function_call_arguments.done": {"item_id": STR, "output_index": INT, "arguments": STR},
-}
-
-
-def holds(obj, fields, where):
-    for key, kind in fields.items():
-        assert key in obj, f"{where}: `{key}` is required: {obj}"
-        value = obj[key]
-        ok = isinstance(value, kind) and not (isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)))
-        assert ok, f"{where}.{key}: {value!r} is not {kind}"
-
-
-def check_response(r, where="response"):
-    holds(r, RESPONSE_FIELDS, where)
-    assert r["object"] == "response" and (r["completed_at"] is not None) == (r["status"] == "completed"), r
-    if r["usage"] is not None:
-        holds(r["usage"], USAGE_FIELDS, f"{where}.usage")
-    for t in r["tools"]:
-        holds(t, TOOL_FIELDS, f"{where}.tools[]")
-    for item in r["output"]:
-        check_item(item, f"{where}.output[]")
-
-
-def check_item(item, where):
-    holds(item, ITEM_FIELDS[item["type"]], where)
-    for part in item.get("content", []):
-        holds(part, PART_FIELDS, f"{where}.content[]")
-        for lp in part["logprobs"]:
-            holds(lp, LOGPROB_FIELDS, f"{where}.content[].logprobs[]")
-
-
 def sse_events(server, body):
     """The events of a streamed POST /v1/responses, parsed raw (not through the SDK's lenient models)."""
     req = urllib.request.Request(f"http://127.0.0.1:{server.port}/v1/responses", data=json.dumps({**body, "stream": True}).encode(), method="POST")
@@ -433,19 +370,33 @@ def sse_events(server, body):
     return events
 
 
+def get_json(server, path):
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}{path}", timeout=60) as r:
+        return json.load(r)
+
+
+def check_response(r):
+    """A response object against the specification's ResponseResource, and
+    what the schema cannot say: `completed_at` is set exactly when it completed."""
+    openresponses.check("ResponseResource", r)
+    assert (r["completed_at"] is not None) == (r["status"] == "completed"), r
+
+
 def check_events(events):
+    """A stream's events, each against its type's schema, numbered from 0."""
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     for e in events:
-        holds(e, EVENT_FIELDS[e["type"]], e["type"])
+        openresponses.check_event(e)
         if "response" in e:
-            check_response(e["response"], f"{e['type']}.response")
-        if "item" in e:
-            check_item(e["item"], f"{e['type']}.item")
-        if "part" in e:
-            holds(e["part"], PART_FIELDS, f"{e['type']}.part")
+            check_response(e["response"])
 
 
-def test_response_objects_and_events_hold_the_specs_fields(smollm2, coder):
+# The events of a streamed text answer, in the order they first come.
+TEXT_EVENTS = ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+               "response.output_text.delta", "response.output_text.done", "response.content_part.done", "response.output_item.done"]
+
+
+def test_responses_and_their_events_follow_the_openresponses_schemas(smollm2, coder):
     body = {"model": MODEL, "input": QUESTION, "max_output_tokens": 6, "temperature": 0, "user": "u-1", "safety_identifier": "s-1",
             "top_logprobs": 2, "presence_penalty": 0, "max_tool_calls": 3, "reasoning": {"effort": None}}
     status, whole = smollm2.post("/v1/responses", body)
@@ -453,23 +404,57 @@ def test_response_objects_and_events_hold_the_specs_fields(smollm2, coder):
     check_response(whole)
     assert (whole["user"], whole["safety_identifier"], whole["top_logprobs"], whole["max_tool_calls"]) == ("u-1", "s-1", 2, 3)
     assert whole["reasoning"] == {"effort": None, "summary": None} and whole["service_tier"] == "default"
+    # Read back, it is the same object, and as valid.
+    stored = get_json(smollm2, f"/v1/responses/{whole['id']}")
+    check_response(stored)
+    assert stored == whole
+
     events = sse_events(smollm2, body)
     check_events(events)
+    kinds = list(dict.fromkeys(e["type"] for e in events))
+    assert kinds == TEXT_EVENTS + [events[-1]["type"]] and events[-1]["type"] in ("response.completed", "response.incomplete"), kinds
+    check_response(get_json(smollm2, f"/v1/responses/{events[-1]['response']['id']}"))
+    # The WebSocket mode sends the same events (each with its lane's `stream_id` beside).
+    with raw_socket(smollm2) as ws:
+        ws.send(json.dumps({"type": "response.create", **body}))
+        socket_events = [json.loads(ws.recv(timeout=60))]
+        while socket_events[-1]["type"] not in ("response.completed", "response.incomplete", "response.failed", "error"):
+            socket_events.append(json.loads(ws.recv(timeout=60)))
+    check_events(socket_events)
+    assert [e["type"] for e in socket_events] == [e["type"] for e in events]
+
     # A schema format is shown whole (description and strict filled in).
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     status, shaped = smollm2.post("/v1/responses", {**body, "text": {"format": {"type": "json_schema", "name": "place", "schema": schema}}})
     assert status == 200, shaped
     check_response(shaped)
     assert shaped["text"]["format"] == {"type": "json_schema", "name": "place", "schema": schema, "description": None, "strict": False}
+
     # A function call's events and item, on a model that calls tools.
     tool = {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}
     events = sse_events(coder, {"model": "qwen2.5-coder-0.5b", "input": "What time is it in Tokyo?", "tools": [tool, {**tool, "name": "other", "strict": False}],
                                 "tool_choice": {"type": "function", "name": "get_time"}, "temperature": 0, "max_output_tokens": 60})
     check_events(events)
+    assert {"response.function_call_arguments.delta", "response.function_call_arguments.done"} <= {e["type"] for e in events}
     final = events[-1]["response"]
     assert [i["type"] for i in final["output"]] == ["function_call"], final["output"]
     assert [t["strict"] for t in final["tools"]] == [True, False]
     assert final["completed_at"] >= final["created_at"]
+
+
+def test_compact_answers_usage_and_items_follow_the_openresponses_schemas(smollm2):
+    # The pinned specification has no schema for the compaction object
+    # itself (nor its `compaction` item); its usage and messages are the
+    # specification's own types.
+    status, first = smollm2.post("/v1/responses", {"model": MODEL, "input": "My name is Ada.", "max_output_tokens": 4, "temperature": 0})
+    assert status == 200, first
+    status, compacted = smollm2.post("/v1/responses/compact", {"model": MODEL, "previous_response_id": first["id"], "input": "I like trains."})
+    assert status == 200, compacted
+    openresponses.check("Usage", compacted["usage"])
+    messages = [item for item in compacted["output"] if item["type"] == "message"]
+    assert len(messages) == 2
+    for item in messages:
+        openresponses.check("ItemField", item)
 
 
 def test_logprobs_on_output_text_and_its_deltas(smollm2):

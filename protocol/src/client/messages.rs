@@ -298,6 +298,11 @@ pub struct GenerateRequest {
     pub tool_choice: Option<ToolChoice>,
     /// Whether one answer may hold several calls; `None` = yes.
     pub parallel_tool_calls: Option<bool>,
+    /// Continue the text of the final message (an assistant prefill: the
+    /// output picks up where it stops) rather than start a new assistant
+    /// turn; `messages` input only. Set by edges whose API has it
+    /// (Anthropic's); protocol v1's `generate` does not carry it.
+    pub continue_final_message: bool,
 }
 
 /// `generate.response_format`: the output is constrained, token by token,
@@ -386,6 +391,7 @@ impl GenerateRequest {
             tools: Vec::new(),
             tool_choice: None,
             parallel_tool_calls: None,
+            continue_final_message: false,
         }
     }
 

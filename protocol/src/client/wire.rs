@@ -157,6 +157,7 @@ impl TryFrom<GenerateWire> for GenerateRequest {
             tools: w.tools,
             tool_choice: w.tool_choice,
             parallel_tool_calls: w.parallel_tool_calls,
+            continue_final_message: false,
         })
     }
 }

@@ -57,7 +57,8 @@ fn tokenizer_error(e: TokenizerError) -> ProtocolError {
 /// * `prompt`: BOS when the model wants it, then the text with special-token
 ///   text parsed (as `tether generate` does).
 /// * `messages`: the model's chat template with the generation prompt, and
-///   `tools` shown as `prompting` says.
+///   `tools` shown as `prompting` says; or, with `continue_final`, the final
+///   message left open for the model to continue (a prefill).
 /// * `fim`: `[<|file_sep|>{path}\n{content}\n]* <|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>`
 ///   (Qwen2.5-Coder's repo-level format), where the user's text never turns
 ///   into control tokens.
@@ -69,6 +70,7 @@ pub fn tokenize(
     tok: &TextTokenizer,
     fim: Option<&FimTokens>,
     input: &GenerateInput,
+    continue_final: bool,
     (tools, prompting): (&[Tool], ToolPrompting),
     earlier: Option<&PieceEncoding>,
 ) -> Result<(Vec<u32>, Option<PieceEncoding>), ProtocolError> {
@@ -82,7 +84,8 @@ pub fn tokenize(
         }
         GenerateInput::Messages(messages) => {
             let (messages, tools) = tools::template_input(messages, tools, prompting);
-            let opts = RenderOptions { add_generation_prompt: true, tools: tools.as_deref(), ..Default::default() };
+            let opts =
+                RenderOptions { add_generation_prompt: !continue_final, continue_final_message: continue_final, tools: tools.as_deref(), ..Default::default() };
             Some(Cow::Owned(tok.chat_template().and_then(|t| t.render_with(&messages, &opts)).map_err(tokenizer_error)?))
         }
         GenerateInput::Fim(f) => {
@@ -258,7 +261,7 @@ pub struct Prepared {
 fn prompt_ids(state: &ServerState, req: &GenerateRequest, earlier: Option<&PieceEncoding>) -> Result<(Vec<u32>, Option<PieceEncoding>), ProtocolError> {
     // Tools are shown even with `tool_choice: "none"`, so a conversation's
     // turns share one prompt prefix (and its cache) whatever each allows.
-    tokenize(&state.tokenizer, state.fim.as_ref(), &req.input, (req.tools.as_slice(), state.tool_prompting), earlier)
+    tokenize(&state.tokenizer, state.fim.as_ref(), &req.input, req.continue_final_message, (req.tools.as_slice(), state.tool_prompting), earlier)
 }
 
 /// Checks `req` into a [`ValidGenerate`] (tokenizing it off the async

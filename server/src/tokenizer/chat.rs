@@ -75,6 +75,10 @@ impl ChatMessage {
 pub struct RenderOptions<'a> {
     /// Append the assistant header so the model continues as the assistant.
     pub add_generation_prompt: bool,
+    /// Leave the final message open for the model to continue its text (an
+    /// assistant prefill): nothing the template writes after it (end of
+    /// turn, generation prompt) is kept. Transformers' `continue_final_message`.
+    pub continue_final_message: bool,
     /// Tool (function) schemas, exposed as `tools`; left undefined when `None`.
     pub tools: Option<&'a [serde_json::Value]>,
     /// RAG documents, exposed as `documents` when given.
@@ -126,6 +130,42 @@ impl ChatTemplate {
     }
 
     fn render_value(&self, messages: Value, opts: &RenderOptions<'_>) -> Result<String> {
+        if opts.continue_final_message {
+            return self.render_continuing(messages, opts);
+        }
+        self.render_whole(messages, opts)
+    }
+
+    /// Renders the conversation whole and cuts it where the final message's
+    /// text ends, as transformers does: templates have no open-turn mode of
+    /// their own, and their end-of-turn markers differ, but each writes the
+    /// text. Where a template trims the text (Gemma's `| trim`), the cut is
+    /// at its trimmed end. An empty final message has nothing to continue:
+    /// the model starts that turn, as after the generation prompt.
+    fn render_continuing(&self, messages: Value, opts: &RenderOptions<'_>) -> Result<String> {
+        let num_messages = messages.len().unwrap_or(0);
+        let last = num_messages.checked_sub(1).and_then(|i| messages.get_item_by_index(i).ok());
+        let text = last
+            .as_ref()
+            .and_then(final_text)
+            .ok_or_else(|| TokenizerError::TemplateRender("continue_final_message: the final message has no text to continue".into()))?;
+        let whole = RenderOptions { add_generation_prompt: false, continue_final_message: false, ..opts.clone() };
+        let trimmed = text.trim();
+        if trimmed.is_empty() {
+            let earlier: Vec<Value> = (0..num_messages - 1).filter_map(|i| messages.get_item_by_index(i).ok()).collect();
+            return self.render_whole(Value::from(earlier), &RenderOptions { add_generation_prompt: true, ..whole });
+        }
+        let mut rendered = self.render_whole(messages, &whole)?;
+        let at = rendered
+            .rfind(trimmed)
+            .ok_or_else(|| TokenizerError::TemplateRender("continue_final_message: the final message's text does not appear in the rendered chat".into()))?;
+        let unindented = text.trim_start();
+        let end = if rendered[at..].starts_with(unindented) { at + unindented.len() } else { at + trimmed.len() };
+        rendered.truncate(end);
+        Ok(rendered)
+    }
+
+    fn render_whole(&self, messages: Value, opts: &RenderOptions<'_>) -> Result<String> {
         let mut ctx: Vec<(String, Value)> = Vec::new();
         if let Some(extra) = opts.extra {
             for (k, v) in extra {
@@ -146,6 +186,17 @@ impl ChatTemplate {
         let tmpl = self.env.get_template(TEMPLATE_NAME).map_err(|e| TokenizerError::TemplateRender(describe(&e)))?;
         tmpl.render(ctx).map_err(classify)
     }
+}
+
+/// The text a message ends with: its `content` string, or the last text
+/// part of a list of parts.
+fn final_text(message: &Value) -> Option<String> {
+    let content = message.get_attr("content").ok()?;
+    if let Some(s) = content.as_str() {
+        return Some(s.to_string());
+    }
+    let parts: Vec<Value> = content.try_iter().ok()?.collect();
+    parts.iter().rev().find_map(|p| p.get_attr("text").ok()?.as_str().map(str::to_string))
 }
 
 fn classify(e: Error) -> TokenizerError {
@@ -472,6 +523,37 @@ mod tests {
         // 2024-07-26 13:05:09 UTC, a Friday.
         let t = 1_721_999_109;
         assert_eq!(strftime("%d %b %Y %H:%M:%S %A %j %-d", t), "26 Jul 2024 13:05:09 Friday 208 26");
+    }
+
+    const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+    fn continuing(src: &str, msgs: &[ChatMessage]) -> Result<String> {
+        let opts = RenderOptions { continue_final_message: true, ..Default::default() };
+        ChatTemplate::new(src, Some("<s>"), Some("</s>"))?.render_with(msgs, &opts)
+    }
+
+    #[test]
+    fn continuing_leaves_the_final_turn_open() {
+        let msgs = [ChatMessage::user("Capital of France?"), ChatMessage::assistant("The capital of France is")];
+        let out = continuing(CHATML, &msgs).unwrap();
+        assert_eq!(out, "<|im_start|>user\nCapital of France?<|im_end|>\n<|im_start|>assistant\nThe capital of France is");
+        // A template that trims the text (Gemma's) is cut at its trimmed end.
+        let msgs = [ChatMessage::user("Hi"), ChatMessage::assistant("  Hello there\n")];
+        let out = continuing(GEMMA_TEMPLATE, &msgs).unwrap();
+        assert_eq!(out, "<s><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\nHello there");
+    }
+
+    #[test]
+    fn continuing_an_empty_message_starts_its_turn() {
+        let out = continuing(CHATML, &[ChatMessage::user("Hi"), ChatMessage::assistant("")]).unwrap();
+        assert_eq!(out, render(CHATML, &[ChatMessage::user("Hi")], true).unwrap());
+    }
+
+    #[test]
+    fn continuing_text_the_template_drops_is_an_error() {
+        let drops_assistants = "{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}{% endif %}{% endfor %}";
+        let err = continuing(drops_assistants, &[ChatMessage::user("Hi"), ChatMessage::assistant("Hello")]).unwrap_err();
+        assert!(err.to_string().contains("does not appear"), "{err}");
     }
 
     #[test]

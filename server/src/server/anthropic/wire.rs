@@ -2,7 +2,8 @@
 //! and turned into the protocol's [`GenerateRequest`]: an unknown field is
 //! an error (Anthropic's own API answers "Extra inputs are not permitted"),
 //! and a feature this server does not have (images, documents, extended
-//! thinking, server tools) is refused by name rather than ignored.
+//! thinking, server tools) is refused by name rather than ignored. A final
+//! assistant message is a prefill, which the answer continues.
 //!
 //! Errors name their place the way Anthropic's do: `messages.2.content.0`.
 use protocol::{ChatMessage, GenerateInput, GenerateRequest, NamedTool, ResponseFormat, Role, Tool, ToolCall, ToolChoice, ToolChoiceMode};
@@ -218,6 +219,23 @@ fn turn(v: &Value, i: usize, called: &mut Vec<String>, out: &mut Vec<ChatMessage
     Ok(())
 }
 
+/// A final assistant message is a prefill: the answer continues its text
+/// (and does not repeat it). Anthropic refuses one that ends in whitespace:
+/// tokenizers join a space to the word after it, so the model would go on
+/// from a boundary it never saw. One with `tool_use` blocks has no text to
+/// continue: its calls wait for their results, in a user message.
+fn prefill(last: &ChatMessage, i: usize) -> Result<(), Invalid> {
+    if !last.tool_calls.is_empty() {
+        return Err(format!(
+            "messages.{i}: tool_use blocks in a final assistant message are not supported: a prefill continues text; answer the calls with tool_result blocks in a user message"
+        ));
+    }
+    if last.content.ends_with(char::is_whitespace) {
+        return Err("messages: final assistant content cannot end with trailing whitespace".into());
+    }
+    Ok(())
+}
+
 /// A custom tool (`{name, description, input_schema}`) in the protocol's
 /// shape. Anthropic's own server tools (typed `bash_20250124` and the like)
 /// need the tool run by the API, which this server does not do.
@@ -331,12 +349,6 @@ pub fn parse(body: &Map<String, Value>, endpoint: Endpoint, request_id: String) 
     if turns.is_empty() {
         return Err("messages: at least one message is required".into());
     }
-    if endpoint == Endpoint::Create && turns.last().and_then(|m| m.get("role")).and_then(Value::as_str) == Some("assistant") {
-        return Err(format!(
-            "messages.{}: a final assistant message (a prefill to continue) is not supported by this server; end with a user message",
-            turns.len() - 1
-        ));
-    }
     let mut messages = Vec::new();
     if let Some(s) = body.get("system") {
         let s = system(s)?;
@@ -348,8 +360,13 @@ pub fn parse(body: &Map<String, Value>, endpoint: Endpoint, request_id: String) 
     for (i, m) in turns.iter().enumerate() {
         turn(m, i, &mut called, &mut messages)?;
     }
+    let prefilled = turns.last().and_then(|m| m.get("role")).and_then(Value::as_str) == Some("assistant");
+    if let (true, Some(last)) = (prefilled, messages.last()) {
+        prefill(last, turns.len() - 1)?;
+    }
     cache_control(body, "")?;
     let mut generate = GenerateRequest::new(request_id, GenerateInput::Messages(messages));
+    generate.continue_final_message = prefilled;
     if let Some(tools) = body.get("tools").filter(|t| !t.is_null()) {
         let tools = tools.as_array().ok_or("tools: Input should be a valid list")?;
         generate.tools = tools.iter().enumerate().map(|(i, t)| tool(t, i)).collect::<Result<_, _>>()?;
@@ -483,8 +500,24 @@ mod tests {
         assert!(parse_create(orphan).err().unwrap().contains("unexpected `tool_use_id`"));
         let no_max = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
         assert_eq!(parse_create(no_max).err().unwrap(), "max_tokens: Field required");
-        let prefill = json!({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The"}]});
-        assert!(parse_create(prefill).err().unwrap().contains("prefill"));
+    }
+
+    #[test]
+    fn a_final_assistant_message_is_a_prefill_to_continue() {
+        let ask = |last: Value| json!({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": last}]});
+        let p = parse_create(ask(json!([{"type": "text", "text": "The"}, {"type": "text", "text": "capital is"}]))).unwrap();
+        assert!(p.generate.continue_final_message);
+        assert_eq!(messages(&p).last().unwrap().content, "The\n\ncapital is");
+        assert!(
+            !parse_create(json!({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})).unwrap().generate.continue_final_message
+        );
+        assert_eq!(parse_create(ask(json!("The "))).err().unwrap(), "messages: final assistant content cannot end with trailing whitespace");
+        assert_eq!(parse_create(ask(json!("The\n"))).err().unwrap(), "messages: final assistant content cannot end with trailing whitespace");
+        let call = json!([{"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]);
+        assert!(parse_create(ask(call)).err().unwrap().starts_with("messages.1: tool_use blocks in a final assistant message are not supported"));
+        // count_tokens counts the same continued prompt.
+        let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The"}]});
+        assert!(parse(body.as_object().unwrap(), Endpoint::CountTokens, "c".into()).unwrap().generate.continue_final_message);
     }
 
     #[test]

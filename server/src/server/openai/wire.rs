@@ -88,8 +88,20 @@ const SAMPLING_FIELDS: &[&str] = &[
     // Accepted and ignored: an end-user id for the caller's records.
     "user",
 ];
-pub const CHAT_FIELDS: &[&str] =
-    &["model", "messages", "logprobs", "top_logprobs", "store", "metadata", "service_tier", "response_format", "tools", "tool_choice", "parallel_tool_calls"];
+pub const CHAT_FIELDS: &[&str] = &[
+    "model",
+    "messages",
+    "logprobs",
+    "top_logprobs",
+    "store",
+    "metadata",
+    "service_tier",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "continue_final_message",
+];
 pub const COMPLETION_FIELDS: &[&str] = &["model", "prompt", "suffix", "logprobs", "echo", "best_of"];
 
 /// The first field of `body` that neither `fields` nor the shared sampling
@@ -135,6 +147,10 @@ pub struct ChatRequest {
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
     pub parallel_tool_calls: Option<bool>,
+    /// vLLM's extension: continue the final assistant message (a prefill)
+    /// rather than answer it.
+    #[serde(default)]
+    pub continue_final_message: bool,
 }
 
 /// `prompt`: one string (or a list holding exactly one).
@@ -452,11 +468,16 @@ impl ChatRequest {
                 Ok(message)
             })
             .collect::<Result<Vec<_>, ParamError>>()?;
+        let prefill = messages.last().filter(|m| m.role == Role::Assistant && m.tool_calls.is_empty());
+        if self.continue_final_message && prefill.is_none() {
+            return Err(bad("continue_final_message", "continue_final_message needs a final assistant message (without tool_calls) to continue"));
+        }
         let mut req = GenerateRequest::new(request_id, GenerateInput::Messages(messages));
         req.response_format = format;
         req.tools = tools;
         req.tool_choice = tool_choice;
         req.parallel_tool_calls = self.parallel_tool_calls;
+        req.continue_final_message = self.continue_final_message;
         let options = self.sampling.apply(&mut req, self.logprobs, self.top_logprobs)?;
         Ok((self.model, req, options))
     }

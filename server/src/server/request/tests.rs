@@ -34,7 +34,7 @@ fn prompt(text: &str) -> GenerateInput {
 
 /// The token ids `tokenize` gives `input` on `state`'s tokenizer (no tools).
 fn tokens(state: &ServerState, fim: Option<&FimTokens>, input: &GenerateInput) -> Result<Vec<u32>, ProtocolError> {
-    tokenize(&state.tokenizer, fim, input, (&[], state.tool_prompting), None).map(|(ids, _)| ids)
+    tokenize(&state.tokenizer, fim, input, false, (&[], state.tool_prompting), None).map(|(ids, _)| ids)
 }
 
 #[test]
