@@ -108,6 +108,12 @@ pub(super) struct StreamsBench {
     /// All generated tokens over the wall time from submission to the last token.
     aggregate_tok_s: f64,
     mean_ttft_ms: f64,
+    /// A hash of every stream's tokens, in stream order: equal across runs
+    /// that generated the same tokens (e.g. with and without --lookahead).
+    tokens_digest: String,
+    /// Decode steps queued ahead and used, and dropped (see the engine's lookahead).
+    lookahead_served: u64,
+    lookahead_dropped: u64,
     step: StepProfile,
 }
 
@@ -129,25 +135,27 @@ pub(super) fn run_streams_bench(engine: &EngineHandle, name: &str, prompt: Vec<u
             let mut rx = engine.submit(req)?.events;
             tasks.push(tokio::spawn(async move {
                 let mut ttft = None;
-                let mut n = 0usize;
+                let mut tokens = Vec::new();
                 while let Some(ev) = rx.recv().await {
                     match ev {
                         EngineEvent::Tokens { ids, .. } => {
                             ttft.get_or_insert_with(|| start.elapsed());
-                            n += ids.len();
+                            tokens.extend(ids);
                         }
                         EngineEvent::Finished(_) | EngineEvent::Failed(_) => break,
                         EngineEvent::Started { .. } => {}
                     }
                 }
-                (n, ttft.unwrap_or_default())
+                (tokens, ttft.unwrap_or_default())
             }));
         }
         let mut total = 0;
         let mut ttft_sum = 0.0;
+        let mut digest = std::collections::hash_map::DefaultHasher::new();
         for t in tasks {
-            let (n, ttft) = t.await?;
-            total += n;
+            let (tokens, ttft) = t.await?;
+            total += tokens.len();
+            std::hash::Hash::hash(&tokens, &mut digest);
             ttft_sum += ttft.as_secs_f64();
         }
         let wall = start.elapsed().as_secs_f64();
@@ -162,6 +170,9 @@ pub(super) fn run_streams_bench(engine: &EngineHandle, name: &str, prompt: Vec<u
             gen_tokens: gen,
             aggregate_tok_s: total as f64 / wall,
             mean_ttft_ms: ttft_sum / streams as f64 * 1e3,
+            tokens_digest: format!("{:016x}", std::hash::Hasher::finish(&digest)),
+            lookahead_served: after.lookahead_served - before.lookahead_served,
+            lookahead_dropped: after.lookahead_dropped - before.lookahead_dropped,
             step: StepProfile::between(&before, &after),
         })
     })
