@@ -373,11 +373,16 @@ pub fn parse(body: &Map<String, Value>, endpoint: Endpoint, request_id: String) 
     }
     if let Some(choice) = body.get("tool_choice").filter(|c| !c.is_null()) {
         let (choice, parallel) = tool_choice(choice)?;
-        if generate.tools.is_empty() && choice != ToolChoice::Mode(ToolChoiceMode::None) && choice != ToolChoice::Mode(ToolChoiceMode::Auto) {
+        let optional = choice == ToolChoice::Mode(ToolChoiceMode::None) || choice == ToolChoice::Mode(ToolChoiceMode::Auto);
+        if generate.tools.is_empty() && !optional {
             return Err("tool_choice: a tool must be called, but `tools` is empty".into());
         }
-        generate.tool_choice = Some(choice);
-        generate.parallel_tool_calls = parallel;
+        // Anthropic's API takes `auto` or `none` without tools (agents send
+        // their default choice whatever their tool list); it means nothing then.
+        if !generate.tools.is_empty() {
+            generate.tool_choice = Some(choice);
+            generate.parallel_tool_calls = parallel;
+        }
     }
     if let Some(t) = body.get("thinking").filter(|t| !t.is_null()) {
         thinking(t)?;
@@ -480,6 +485,18 @@ mod tests {
         assert_eq!(p.generate.parallel_tool_calls, Some(false));
         assert_eq!(p.generate.temperature, 1.0);
         assert_eq!(p.max_tokens, 64);
+    }
+
+    #[test]
+    fn an_optional_tool_choice_without_tools_is_taken_and_a_forced_one_refused() {
+        let with_choice =
+            |choice: Value| parse_create(json!({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "tool_choice": choice}));
+        for optional in ["auto", "none"] {
+            let p = with_choice(json!({"type": optional})).unwrap();
+            assert_eq!(p.generate.tool_choice, None, "{optional}");
+            p.generate.validate().unwrap();
+        }
+        assert!(with_choice(json!({"type": "any"})).err().unwrap().contains("`tools` is empty"));
     }
 
     #[test]
