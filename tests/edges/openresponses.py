@@ -2,32 +2,38 @@
 Responses API edge emits with a real validator (jsonschema, Draft 2020-12,
 the dialect of OpenAPI 3.1) rather than by hand.
 
-The specification's OpenAPI document is pinned by commit and sha256 in
-openresponses.env; tests/edges/setup.sh downloads it into the cache. Its
-`$ref`s (`#/components/schemas/...`) resolve within the document.
+The specification's OpenAPI document comes from PyPI: the
+`openresponses-py` package (pinned in requirements-spec.txt) bundles it,
+and the document's sha256 is pinned here, so a different build of the
+package fails loudly rather than changing what is checked. Its `$ref`s
+(`#/components/schemas/...`) resolve within the document.
 """
 import hashlib
 import json
-import os
 from functools import lru_cache
+from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
 from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
-HERE = Path(__file__).parent
 BASE = "urn:openresponses:openapi"
-
-
-def pin():
-    lines = (line.split("=", 1) for line in (HERE / "openresponses.env").read_text().splitlines() if "=" in line and not line.startswith("#"))
-    return dict(lines)
+PACKAGE = "openresponses-py"
+# The specification's release 2026-04-24 ("Open Responses"), as that package ships it.
+DOCUMENT = "openresponses/openapi/2026-04-24.json"
+SHA256 = "d598753c3a86fd8a2434828fe39dcc8786a7a694bbe46080a0d24c9fa40e72df"
 
 
 def spec_path():
-    cache = Path(os.environ.get("TETHER_CACHE", Path.home() / ".cache" / "tether"))
-    return cache / "openresponses" / f"openapi-{pin()['OPENRESPONSES_COMMIT']}.json"
+    """The document inside the installed package, found through the
+    package's metadata: importing the package (as importlib.resources
+    would) needs its client's dependencies, which are not installed, and
+    this module's own name shadows it on the tests' path."""
+    try:
+        return Path(distribution(PACKAGE).locate_file(DOCUMENT))
+    except PackageNotFoundError:
+        raise AssertionError(f"{PACKAGE} is not installed: tests/edges/setup.sh installs it (requirements-spec.txt)") from None
 
 
 # Where the specification is wrong rather than our output, the schema is
@@ -35,7 +41,8 @@ def spec_path():
 MENDS = {
     # `JsonSchemaResponseFormat.schema` allows only null (its generator lost
     # the object branch: the request side's `JsonSchemaResponseFormatParam`
-    # has `schema: object`), yet a response echoes the schema it was asked for.
+    # has `schema: object`), yet a response echoes the schema it was asked
+    # for. Still so in 2026-04-24.
     ("JsonSchemaResponseFormat", "schema"): {"anyOf": [{"type": "object"}, {"type": "null"}]},
 }
 
@@ -43,9 +50,9 @@ MENDS = {
 @lru_cache(maxsize=1)
 def spec():
     path = spec_path()
-    assert path.exists(), f"{path} is missing: tests/edges/setup.sh downloads it (or place it there by hand)"
+    assert path.exists(), f"{path} is missing: reinstall {PACKAGE} (tests/edges/setup.sh)"
     raw = path.read_bytes()
-    assert hashlib.sha256(raw).hexdigest() == pin()["OPENRESPONSES_SHA256"], f"{path} is not the pinned specification"
+    assert hashlib.sha256(raw).hexdigest() == SHA256, f"{path} is not the pinned specification (sha256 {SHA256})"
     doc = json.loads(raw)
     for (schema, field), mended in MENDS.items():
         doc["components"]["schemas"][schema]["properties"][field] = mended
@@ -102,3 +109,8 @@ def check_event(event):
     kind = event.get("type")
     assert kind in event_schemas(), f"the specification defines no event {kind!r}"
     check(event_schemas()[kind], event)
+
+
+if __name__ == "__main__":
+    # setup.sh's check that the installed specification is the pinned one.
+    print("OpenResponses specification", spec()["info"]["version"], "from", spec_path())

@@ -77,10 +77,13 @@ impl Shared {
         self.running.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// An `error` event, as the SDK parses it.
+    /// An `error` event, as the SDK parses it. The OpenResponses
+    /// specification's socket error always has a `code` (an HTTP error's may
+    /// be null): one without gets its status's generic code.
     async fn error(&self, e: &ApiError, lane: Option<&str>) {
         self.state.metrics.error(e.metric());
         let mut event = json!({"type": "error", "status": e.status.as_u16(), "error": e.body()["error"].clone()});
+        event["error"]["code"] = json!(e.code.unwrap_or(if e.status.is_server_error() { "server_error" } else { "invalid_request" }));
         if let Some(lane) = lane {
             event["stream_id"] = json!(lane);
         }
