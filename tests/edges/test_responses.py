@@ -230,6 +230,8 @@ BAD_EVENTS = [
     ({**OK, "input": "word " * 9000}, 400, "context_length_exceeded"),
     ({"type": "response.cancel"}, 400, None),
     ({"type": "response.cancel", "response_id": "resp_nothing_running"}, 404, "response_not_found"),
+    # A binary frame, even one holding a good event: the socket speaks JSON text.
+    (json.dumps(OK).encode(), 400, None),
 ]
 
 
@@ -237,7 +239,7 @@ def test_bad_events_get_error_events_and_the_socket_stays_up(smollm2):
     url = smollm2.base_url.replace("http://", "ws://") + "/responses"
     with ws_connect(url, additional_headers={"Authorization": "Bearer sk-tenant-a"}) as ws:
         for frame, status, code in BAD_EVENTS:
-            ws.send(frame if isinstance(frame, str) else json.dumps(frame))
+            ws.send(frame if isinstance(frame, (str, bytes)) else json.dumps(frame))
             got = json.loads(ws.recv(timeout=60))
             assert got["type"] == "error" and got["status"] == status, (frame, got)
             assert set(got["error"]) == {"message", "type", "param", "code"} and got["error"]["message"], got
@@ -261,6 +263,16 @@ def test_an_event_over_the_frame_limit_ends_the_socket(smollm2):
         openresponses.check("WebSocketErrorEvent", got)
         with pytest.raises(websockets.exceptions.ConnectionClosed):
             ws.recv(timeout=30)
+    # Far over (2 MiB, past what the WebSocket layer reads: refused from
+    # its header, its bytes unread), and a binary frame over the limit: the
+    # same error, and it still arrives before the close.
+    for frame in ("y" * (2 << 20), b"z" * ((1 << 20) + 1)):
+        with ws_connect(url, additional_headers={"Authorization": "Bearer sk-tenant-a"}, max_size=None) as ws:
+            ws.send(frame)
+            got = json.loads(ws.recv(timeout=60))
+            assert got["type"] == "error" and got["status"] == 413 and got["error"]["code"] == "request_too_large", got
+            with pytest.raises(websockets.exceptions.ConnectionClosed):
+                ws.recv(timeout=30)
     with ws_connect(url, additional_headers={"Authorization": "Bearer sk-tenant-a"}) as ws:
         ws.send(json.dumps(OK))
         while (got := json.loads(ws.recv(timeout=60)))["type"] not in ("response.completed", "response.incomplete"):
@@ -324,6 +336,24 @@ def test_a_flood_of_requests_gets_429_and_other_keys_are_unharmed(throttled):
         client(throttled, api_key="sk-flood").responses.create(model=MODEL, input="hi", max_output_tokens=1)
     r = client(throttled, api_key="sk-calm").responses.create(model=MODEL, input="hi", max_output_tokens=1)
     assert r.usage.output_tokens == 1
+
+
+def test_a_socket_flood_is_rate_limited_per_frame(throttled):
+    """The socket's flood limit (here one frame per 10 s, burst 1) counts
+    every frame, pings and binary frames too: past it each gets a 429
+    `rate_limit_exceeded` error event, is dropped, and the socket stays up."""
+    url = throttled.base_url.replace("http://", "ws://") + "/responses"
+    with ws_connect(url, additional_headers={"Authorization": "Bearer sk-tenant-a"}) as ws:
+        ws.send(json.dumps({"type": "session.update"}))
+        assert json.loads(ws.recv(timeout=60))["error"]["code"] == "unknown_event_type"
+        for frame in (json.dumps(OK), b"binary", None):
+            if frame is None:
+                ws.ping()
+            else:
+                ws.send(frame)
+            got = json.loads(ws.recv(timeout=60))
+            assert got["type"] == "error" and got["status"] == 429 and got["error"]["code"] == "rate_limit_exceeded", (frame, got)
+            openresponses.check("WebSocketErrorEvent", got)
 
 
 def test_a_socket_whose_client_stops_reading_is_closed(impatient):

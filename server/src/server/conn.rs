@@ -73,8 +73,4 @@ impl ConnCtl {
     pub fn closing(&self) -> watch::Receiver<Option<CloseReason>> {
         self.close.subscribe()
     }
-
-    pub fn is_closing(&self) -> bool {
-        self.close.borrow().is_some()
-    }
 }

@@ -5,6 +5,7 @@ pub mod edge;
 pub mod request_body;
 mod static_files;
 pub mod stream_body;
+pub mod ws_frames;
 
 use std::convert::Infallible;
 use std::sync::Arc;

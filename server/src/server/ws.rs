@@ -2,33 +2,25 @@
 //! frames) and a writer task (the only one touching the socket's send half),
 //! joined by a bounded channel of connection-level frames. Request frames do
 //! not go through that channel: the writer pulls them from the attached
-//! session's replay ring (see `session.rs`), in order.
+//! session's replay ring (see `session.rs`), in order. Client frames come
+//! through the frame reader both WebSockets share (`http/ws_frames.rs`).
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use futures_util::{SinkExt, StreamExt};
-use hyper::upgrade::Upgraded;
-use hyper_util::rt::TokioIo;
 use protocol::{parse_client, ClientMessage, ErrorCode, Pong, ProtocolError, ServerMessage, SessionOpen, SessionReady, PROTOCOL_VERSION};
 use tokio::sync::{mpsc, watch};
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
-use tokio_tungstenite::tungstenite::{Error as WsError, Message};
-use tokio_tungstenite::WebSocketStream;
+use tokio_tungstenite::tungstenite::Message;
 
 use super::conn::{CloseReason, ConnCtl};
-use super::rate::TokenBucket;
+use super::http::ws_frames::{Frame, FrameReader, Ws, WsSink as Sink, WsStream, CLOSE_GRACE};
 use super::session::Session;
 use super::sessions::LookupError;
 use super::{request, ServerState};
 
-type Ws = WebSocketStream<TokioIo<Upgraded>>;
-type Sink = futures_util::stream::SplitSink<Ws, Message>;
-type Stream = futures_util::stream::SplitStream<Ws>;
-
-/// How long the closing handshake may take.
-const CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// Frames the writer takes from the ring at once.
 const PULL_BATCH: usize = 64;
 
@@ -46,28 +38,17 @@ pub async fn run(state: Arc<ServerState>, ws: Ws) {
     let (sink, stream) = ws.split();
     let (tx, rx) = mpsc::channel(state.config.outgoing_queue);
     let writer = tokio::spawn(writer(state.clone(), conn.clone(), sink, rx));
-    let mut reader = Reader {
-        state: state.clone(),
-        conn: conn.clone(),
-        tx,
-        closing: conn.closing(),
-        session: None,
-        bucket: TokenBucket::new(state.config.rate_limit_per_sec, state.config.rate_limit_burst),
-    };
-    let mut stream = stream;
-    let raw_drain = reader.run(&mut stream).await;
+    let mut reader = Reader { state: state.clone(), conn: conn.clone(), tx, closing: conn.closing(), session: None };
+    // The reader stops once the connection is closing (the writer turns the
+    // server's stop into that, after delivering what the session has).
+    let mut frames = FrameReader::new(stream, &state.config, conn.closing(), Option::is_some);
+    reader.run(&mut frames).await;
     if let Some(s) = reader.session.take() {
         s.detach(conn.id);
     }
     drop(reader);
-    let sink = writer.await;
-    if raw_drain {
-        // The rest of an oversized frame is still unread: swallow it (for a
-        // moment) so closing the socket does not reset the connection and
-        // destroy the error and close frames on their way to the client.
-        if let Ok(Ok(ws)) = sink.map(|sink| stream.reunite(sink)) {
-            drain_raw(ws.into_inner()).await;
-        }
+    if let Ok(sink) = writer.await {
+        frames.drain_unread(sink).await;
     }
     state.metrics.connections.dec();
     state.connection_closed();
@@ -79,84 +60,29 @@ struct Reader {
     tx: mpsc::Sender<Out>,
     closing: watch::Receiver<Option<CloseReason>>,
     session: Option<Arc<Session>>,
-    bucket: TokenBucket,
 }
 
 impl Reader {
-    /// Reads until the connection ends. Returns true when the socket still
-    /// holds unread bytes of an oversized frame.
-    async fn run(&mut self, stream: &mut Stream) -> bool {
-        let max = self.state.config.max_frame_bytes;
-        let idle = self.state.config.idle_timeout;
+    /// Reads until the connection ends.
+    async fn run(&mut self, frames: &mut FrameReader<WsStream, Option<CloseReason>>) {
         loop {
-            if self.conn.is_closing() {
-                break;
-            }
-            let next = tokio::select! {
-                biased;
-                _ = self.closing.changed() => continue,
-                r = tokio::time::timeout(idle, stream.next()) => r,
-            };
-            let msg = match next {
-                Err(_) => {
-                    if self.session.as_ref().is_some_and(|s| s.running() > 0) {
-                        continue;
-                    }
+            match frames.next().await {
+                Frame::Text { text, received } => self.on_text(text.as_str(), received).await,
+                Frame::Idle if self.session.as_ref().is_some_and(|s| s.running() > 0) => {}
+                Frame::Idle => {
+                    let idle = self.state.config.idle_timeout;
                     self.fatal(ErrorCode::IdleTimeout, format!("no frame for {} ms; the session can be resumed", idle.as_millis()));
-                    break;
                 }
-                Ok(None) => return false,
-                Ok(Some(Err(WsError::Capacity(e)))) => {
-                    self.fatal(ErrorCode::FrameTooLarge, format!("{e}; the limit is {max} bytes"));
-                    return true;
-                }
-                Ok(Some(Err(_))) => return false,
-                Ok(Some(Ok(m))) => m,
-            };
-            let received = Instant::now();
-            match msg {
-                Message::Text(text) => {
-                    if let Err(e) = self.state.limits.check_frame_len(text.len()) {
-                        self.fatal(e.code, e.message);
-                        break;
-                    }
-                    if !self.bucket.take() {
-                        self.rate_limited().await;
-                        continue;
-                    }
-                    self.on_text(text.as_str(), received).await;
-                }
-                Message::Binary(b) => {
-                    if let Err(e) = self.state.limits.check_frame_len(b.len()) {
-                        self.fatal(e.code, e.message);
-                        break;
-                    }
-                    if !self.bucket.take() {
-                        self.rate_limited().await;
-                        continue;
-                    }
-                    let e = ProtocolError::new(ErrorCode::BinaryFrame, "binary frames are not accepted: send JSON text frames");
-                    self.error(e).await;
-                }
-                Message::Close(_) => return false,
-                Message::Ping(_) | Message::Pong(_) | Message::Frame(_) => {
-                    if !self.bucket.take() {
-                        self.rate_limited().await;
-                    }
-                }
+                Frame::TooLarge(message) => self.fatal(ErrorCode::FrameTooLarge, message),
+                Frame::RateLimited => self.rate_limited().await,
+                Frame::Binary => self.error(ProtocolError::new(ErrorCode::BinaryFrame, "binary frames are not accepted: send JSON text frames")).await,
+                Frame::Closed => return,
+                // Closing: a fatal error above (seen by the next read), a
+                // `session.close`, the server stopping, a stalled client.
+                Frame::Stopped => break,
             }
         }
-        // Closing handshake: read (and ignore) until the peer's close, so
-        // the error and close frames are not lost to a TCP reset.
-        let _ = tokio::time::timeout(CLOSE_GRACE * 2, async {
-            while let Some(Ok(m)) = stream.next().await {
-                if m.is_close() {
-                    break;
-                }
-            }
-        })
-        .await;
-        false
+        frames.await_close().await;
     }
 
     fn fatal(&self, code: ErrorCode, message: impl Into<String>) {
@@ -305,22 +231,6 @@ async fn send(sink: &mut Sink, closing: &mut watch::Receiver<Option<CloseReason>
         r = sink.send(Message::text(text)) => r.map_err(|_| Abort::Broken),
         _ = closing.changed() => Err(Abort::Closing),
     }
-}
-
-/// Reads and discards raw bytes until EOF, 16 MiB or the close grace period.
-async fn drain_raw(mut io: TokioIo<Upgraded>) {
-    use tokio::io::AsyncReadExt;
-    let _ = tokio::time::timeout(CLOSE_GRACE, async {
-        let mut buf = vec![0u8; 64 << 10];
-        let mut total = 0usize;
-        while total < 16 << 20 {
-            match io.read(&mut buf).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => total += n,
-            }
-        }
-    })
-    .await;
 }
 
 async fn writer(state: Arc<ServerState>, conn: Arc<ConnCtl>, mut sink: Sink, mut rx: mpsc::Receiver<Out>) -> Sink {

@@ -23,18 +23,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use futures_util::{SinkExt, StreamExt};
-use hyper::upgrade::Upgraded;
 use hyper::StatusCode;
-use hyper_util::rt::TokioIo;
 use protocol::{ErrorCode, ProtocolError};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
-use tokio_tungstenite::tungstenite::{Error as WsError, Message};
-use tokio_tungstenite::WebSocketStream;
+use tokio_tungstenite::tungstenite::Message;
 
 use super::super::super::http::edge::EdgeError;
-use super::super::super::rate::TokenBucket;
+use super::super::super::http::ws_frames::{Frame, FrameReader, Ws, WsStream};
 use super::super::super::ServerState;
 use super::super::respond::ApiError;
 use super::events::{Interrupt, Outcome, Sink};
@@ -44,8 +41,6 @@ use super::store::SocketResponses;
 use super::wire::{Create, Edge};
 use super::{parse_create, start};
 use crate::engine::{Scope, StopHandle, StopReason};
-
-type Ws = WebSocketStream<TokioIo<Upgraded>>;
 
 /// Events waiting for the socket's writer.
 const OUTGOING: usize = 256;
@@ -100,7 +95,7 @@ struct Lane {
 /// Serves one upgraded socket until it closes.
 pub async fn run(state: Arc<ServerState>, ws: Ws, tenant: String) {
     state.metrics.connections.inc();
-    let (mut sink, mut stream) = ws.split();
+    let (mut sink, stream) = ws.split();
     let (out, mut outgoing) = mpsc::channel::<String>(OUTGOING);
     // A client that takes no event for the stall timeout stopped reading:
     // the socket closes (as `/v1/ws` does), its responses are cancelled.
@@ -111,14 +106,15 @@ pub async fn run(state: Arc<ServerState>, ws: Ws, tenant: String) {
             while let Some(text) = outgoing.recv().await {
                 match tokio::time::timeout(stall, sink.send(Message::text(text))).await {
                     Ok(Ok(())) => {}
-                    Ok(Err(_)) => return,
+                    Ok(Err(_)) => return sink,
                     Err(_) => {
                         stalled.notify_one();
-                        return;
+                        return sink;
                     }
                 }
             }
             let _ = sink.close().await;
+            sink
         })
     };
     let owner = format!("responses:{tenant}:{}", crate::server::new_secret(""));
@@ -134,10 +130,10 @@ pub async fn run(state: Arc<ServerState>, ws: Ws, tenant: String) {
         steers: Steers::default(),
         closed: AtomicBool::new(false),
     });
-    let mut reader =
-        Reader { shared: shared.clone(), lanes: HashMap::new(), bucket: TokenBucket::new(state.config.rate_limit_per_sec, state.config.rate_limit_burst) };
+    let mut reader = Reader { shared: shared.clone(), lanes: HashMap::new() };
+    let mut frames = FrameReader::new(stream, &state.config, state.stop_signal(), |stop| *stop);
     tokio::select! {
-        _ = reader.run(&mut stream) => {}
+        _ = reader.run(&mut frames) => {}
         _ = stalled.notified() => {}
         _ = tokio::time::sleep(state.config.responses_socket_lifetime) => {
             let e = ApiError::invalid(None, format!(
@@ -162,7 +158,9 @@ pub async fn run(state: Arc<ServerState>, ws: Ws, tenant: String) {
     engine.set_scope_live(Scope::Session(owner), false);
     drop(reader);
     drop(shared);
-    let _ = writer.await;
+    if let Ok(sink) = writer.await {
+        frames.drain_unread(sink).await;
+    }
     state.metrics.connections.dec();
     state.connection_closed();
 }
@@ -170,7 +168,6 @@ pub async fn run(state: Arc<ServerState>, ws: Ws, tenant: String) {
 struct Reader {
     shared: Arc<Shared>,
     lanes: HashMap<String, Lane>,
-    bucket: TokenBucket,
 }
 
 fn invalid(param: Option<&'static str>, message: impl Into<String>) -> ApiError {
@@ -178,60 +175,24 @@ fn invalid(param: Option<&'static str>, message: impl Into<String>) -> ApiError 
 }
 
 impl Reader {
-    async fn run(&mut self, stream: &mut futures_util::stream::SplitStream<Ws>) {
-        let state = self.shared.state.clone();
-        let mut stop = state.stop_signal();
+    /// Reads until the socket ends; an idle socket ends once none of its
+    /// responses runs.
+    async fn run(&mut self, frames: &mut FrameReader<WsStream, bool>) {
         loop {
-            let next = tokio::select! {
-                _ = stop.changed() => return,
-                r = tokio::time::timeout(state.config.idle_timeout, stream.next()) => r,
-            };
-            let msg = match next {
-                Err(_) if self.shared.running().is_empty() => return,
-                Err(_) => continue,
-                Ok(None) | Ok(Some(Err(WsError::ConnectionClosed | WsError::AlreadyClosed | WsError::Io(_)))) => return,
-                Ok(Some(Err(WsError::Capacity(e)))) => {
-                    let e = ApiError::new(
-                        StatusCode::PAYLOAD_TOO_LARGE,
-                        "invalid_request_error",
-                        format!("{e}; the limit is {} bytes", state.config.max_frame_bytes),
-                    )
-                    .with_code("request_too_large");
+            match frames.next().await {
+                Frame::Text { text, received } => self.on_event(text.as_str(), received).await,
+                Frame::Idle if !self.shared.running().is_empty() => {}
+                Frame::Idle | Frame::Closed | Frame::Stopped => return,
+                Frame::TooLarge(message) => {
+                    let e = ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", message).with_code("request_too_large");
+                    return self.shared.error(&e, None).await;
+                }
+                Frame::RateLimited => {
+                    let per_sec = self.shared.state.config.rate_limit_per_sec;
+                    let e = ApiError::from(ProtocolError::new(ErrorCode::RateLimited, format!("more than {per_sec} events per second; the event was dropped")));
                     self.shared.error(&e, None).await;
-                    return;
                 }
-                Ok(Some(Err(_))) => return,
-                Ok(Some(Ok(m))) => m,
-            };
-            match msg {
-                Message::Text(text) => {
-                    if !self.bucket.take() {
-                        let e = ApiError::from(ProtocolError::new(
-                            ErrorCode::RateLimited,
-                            format!("more than {} events per second; the event was dropped", state.config.rate_limit_per_sec),
-                        ));
-                        self.shared.error(&e, None).await;
-                        continue;
-                    }
-                    // One rule for both sockets (protocol v1 documents it):
-                    // an event over the limit ends the socket, whatever its
-                    // size past it, after its error. A client that sends one
-                    // is broken, and reading on would buffer its next ones.
-                    if text.len() > state.config.max_frame_bytes {
-                        let e = ApiError::new(
-                            StatusCode::PAYLOAD_TOO_LARGE,
-                            "invalid_request_error",
-                            format!("the event is over {} bytes; the socket closes", state.config.max_frame_bytes),
-                        )
-                        .with_code("request_too_large");
-                        self.shared.error(&e, None).await;
-                        return;
-                    }
-                    self.on_event(text.as_str(), Instant::now()).await;
-                }
-                Message::Binary(_) => self.shared.error(&invalid(None, "binary frames are not supported: send JSON text events"), None).await,
-                Message::Close(_) => return,
-                _ => {}
+                Frame::Binary => self.shared.error(&invalid(None, "binary frames are not supported: send JSON text events"), None).await,
             }
         }
     }
