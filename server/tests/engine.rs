@@ -134,7 +134,9 @@ async fn lookahead_steps_give_the_same_tokens_as_plain_steps() {
             // Greedy " Paris" (7042) comes a few tokens in for this prompt.
             SubmitRequest { stop_ids: vec![7042], ..request(prompts[0].clone(), 20) },
             SubmitRequest { logprobs: Some(2), ..request(prompts[1].clone(), 13) },
-            SubmitRequest { sampling: seeded(7), ..request(prompts[2].clone(), 17) },
+            // Long enough to be still decoding when the late row joins, however
+            // slowly a busy machine runs this thread.
+            SubmitRequest { sampling: seeded(7), ..request(prompts[2].clone(), 48) },
             SubmitRequest { sampling: seeded(11), ..request(prompts[3 % prompts.len()].clone(), 9) },
         ]
     };
@@ -143,17 +145,28 @@ async fn lookahead_steps_give_the_same_tokens_as_plain_steps() {
         let engine = start(EngineConfig { kv_layout: KvLayout::Batched, lookahead, ..Default::default() });
         let mut streams: Vec<_> = requests().into_iter().map(|r| engine.submit(r).unwrap().events).collect();
         // A row joining the decoding ones drops the lookahead in flight.
-        let first = loop {
-            if let Some(EngineEvent::Tokens { ids, .. }) = streams[2].recv().await {
-                break ids;
+        // Once every row that emits has decoded a token past its prompt's
+        // (the first ends on its stop id at once), so lookaheads are queued.
+        let mut first = Vec::new();
+        for rx in &mut streams[1..] {
+            let mut ids = Vec::new();
+            while ids.len() < 2 {
+                match rx.recv().await {
+                    Some(EngineEvent::Tokens { ids: more, .. }) => ids.extend(more),
+                    Some(_) => {}
+                    None => panic!("a row ended before its second token"),
+                }
             }
-        };
+            first.push(ids);
+        }
         streams.push(engine.submit(request(prompts[1].clone(), 6)).unwrap().events);
         let mut outputs = Vec::new();
         for rx in streams {
             outputs.push(collect(rx).await);
         }
-        outputs[2].0.splice(0..0, first);
+        for (output, first) in outputs[1..].iter_mut().zip(first) {
+            output.0.splice(0..0, first);
+        }
         let stats = engine.stats().await.unwrap();
         runs.push((outputs, stats.lookahead_served, stats.lookahead_dropped));
     }

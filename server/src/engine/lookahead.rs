@@ -48,12 +48,10 @@ struct AheadRow {
 }
 
 /// Whether a row of a step leaves it plain decoding, as a lookahead needs:
-/// it decodes one token and samples it, in a batch slot, without drafts,
-/// grammar or a drafter.
-pub(super) fn plain_decode(row: &Row, work: Option<&Work>, scheduled: &Scheduled) -> bool {
+/// it decodes one token (and so samples it) in a batch slot, without
+/// drafts, grammar (so without masks) or a drafter.
+pub(super) fn plain_decode(row: &Row, work: Option<&Work>) -> bool {
     matches!(work, Some(Work::Decode { drafts }) if drafts.is_empty())
-        && scheduled.samples
-        && scheduled.masks.is_none()
         && matches!(row.kv, RowKv::Slot(_))
         && row.progress.constraint.is_none()
         && row.drafter.is_none()

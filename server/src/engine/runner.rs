@@ -89,16 +89,14 @@ impl Engine {
         // Held through the step: no row is dropped meanwhile (see SlotLease).
         let mut batch = self.batch.as_ref().map(|b| b.borrow_mut());
         let ahead = self.lookahead.take();
-        let served = match (&ahead, batch.as_deref()) {
-            (Some(ahead), Some(kv)) => ahead.serves(work, &self.running, kv),
-            _ => false,
-        };
-        match (&ahead, served) {
-            (Some(_), true) => self.stats.lookahead_served += 1,
-            (Some(_), false) => self.stats.lookahead_dropped += 1,
-            (None, _) => {}
+        let had_ahead = ahead.is_some();
+        let ahead = ahead.filter(|a| batch.as_deref().is_some_and(|kv| a.serves(work, &self.running, kv)));
+        match (had_ahead, ahead.is_some()) {
+            (true, true) => self.stats.lookahead_served += 1,
+            (true, false) => self.stats.lookahead_dropped += 1,
+            _ => {}
         }
-        let (step, masks_ms) = match (ahead.filter(|_| served), batch.as_deref_mut()) {
+        let (step, masks_ms) = match (ahead, batch.as_deref_mut()) {
             // The step is already on the device (see lookahead.rs).
             (Some(ahead), Some(kv)) => {
                 let fused = ahead.fused;
@@ -153,7 +151,7 @@ fn look_ahead(
 ) -> mlx::Result<Option<Lookahead>> {
     let plain = step.draws.len() == step.scheduled.len()
         && (step.fused || !model.has_fused_decode())
-        && step.scheduled.iter().all(|s| plain_decode(&running[s.row], work[s.row].as_ref(), s));
+        && step.scheduled.iter().all(|s| plain_decode(&running[s.row], work[s.row].as_ref()));
     // Its rows: those that go on after this token, with their draws.
     let (rows, fed): (Vec<&Scheduled>, Vec<&mlx::Array>) =
         step.scheduled.iter().zip(&step.draws).filter(|(s, _)| decodes_after(&running[s.row])).map(|(s, d)| (s, &d.tokens)).unzip();
