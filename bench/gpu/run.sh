@@ -69,6 +69,16 @@
 # MODELS) per build; then one traced stream (primitives and host/device time
 # per step).
 # Needs only the wheel's halves and a Qwen tokenizer in $KEEP.
+# MODE=peer: llama.cpp's server (built here by build-llamacpp.sh from
+# $KEEP/llamacpp-src.tar.xz, CUDA, this GPU's architecture) beside `tether
+# serve`, over the wire with bench/load.py's decode workload (STREAMS,
+# default 1,1,32; 128-token prompts, MAX_TOKENS 256), one server at a time,
+# on random checkpoints of MODELS' shapes (default qwen2.5-1.5b qwen2.5-7b):
+# bf16 safetensors for Tether, the same tensors as an f16 GGUF for llama.cpp
+# (hf_to_gguf.py, tokenizer metadata from $KEEP/tok.json.xz). stage-peer.sh
+# stages both files here, in .gpu/lc. Each build of
+# TETHER_BINS, the last also with each extra `serve` flag set of
+# PEER_VARIANTS (`;`-separated; default "--lookahead off").
 # MODE=agent: the 12-turn agent workload of bench/load.py (WORKLOAD=agent in
 # bench/load.sh) on the random Qwen2.5-1.5B-shaped bf16 checkpoint: `tether
 # serve` (session prefix cache on, and off) beside mlx_lm.server (its prompt
@@ -128,6 +138,7 @@ if [ "${MODE:-decode}" = spec ]; then
 fi
 
 # The agent workload needs only the 1.5B bf16 checkpoint; the other modes all four.
+[ "${MODE:-decode}" = peer ] && MODELS=${MODELS:-qwen2.5-1.5b qwen2.5-7b}
 [ "${MODE:-decode}" = kernels ] && MODELS=${MODELS:-qwen2.5-1.5b qwen2.5-0.5b qwen3-0.6b llama-135m qwen2.5-7b}
 MODELS=${MODELS:-qwen2.5-0.5b qwen2.5-1.5b}
 case "${MODE:-decode}" in admit|agent|serving|streams|graphs|builds) MODELS=qwen2.5-1.5b ;; esac
@@ -136,11 +147,50 @@ case "${MODE:-decode}" in admit|agent|serving|streams|graphs|builds) MODELS=qwen
 LOAD_ARGS=${LOAD_ARGS:-}
 for m in $MODELS; do
   [ -f /opt/models/$m-bf16/model.safetensors ] || "$PY" "$here/make_random_model.py" /opt/models/$m-bf16 $m "$KEEP"
-  case "${MODE:-decode}" in admit|agent|serving|graphs|structured|sessions|builds|kernels) continue ;; esac
+  case "${MODE:-decode}" in admit|agent|serving|graphs|structured|sessions|builds|kernels|peer) continue ;; esac
   [ -f /opt/models/$m-4bit/config.json ] || "$PY" -m mlx_lm convert --hf-path /opt/models/$m-bf16 --mlx-path /opt/models/$m-4bit -q --q-bits 4 --q-group-size 64 >"$OUT/convert-$m.log" 2>&1
 done
 
 : > "$OUT/results.jsonl"
+if [ "${MODE:-decode}" = peer ]; then
+  log() { echo "[peer] $*" >&2; }
+  source "$here/../lib.sh"
+  llama_server=$("$here/build-llamacpp.sh" "$KEEP/llamacpp-src.tar.xz")
+  [ -f "$KEEP/tok.json" ] || "$PY" -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$KEEP/tok.json.xz" "$KEEP/tok.json"
+  bins=(${TETHER_BINS:-$TETHER_BIN})
+  newest=${bins[${#bins[@]}-1]}
+  IFS=';' read -ra variants <<< "${PEER_VARIANTS---lookahead off}"
+  decode=(--workloads decode --streams "${STREAMS:-1,1,32}" --prompt-tokens 128 --max-tokens "${MAX_TOKENS:-256}" --out "$OUT/results.jsonl")
+  for m in $MODELS; do
+    dir=/opt/models/$m-bf16 gguf=/opt/models/$m-f16.gguf
+    [ -f "$gguf" ] || "$PY" "$here/hf_to_gguf.py" "${LLAMACPP_ROOT:-/root/lc}/llama.cpp/gguf-py" "$dir" "$KEEP/tok.json" "$gguf" >>"$OUT/gguf.log" 2>&1
+    port=$(free_port)
+    "$llama_server" -m "$gguf" -ngl 999 -np 32 -c $((32 * 4608)) --host 127.0.0.1 --port "$port" --no-webui >"$OUT/llamacpp-$m.log" 2>&1 &
+    SERVER_PID=$!
+    wait_http "http://127.0.0.1:$port/health" "$OUT/llamacpp-$m.log" 300 &&
+      "$PY" "$here/../load.py" --engine llama.cpp --url "http://127.0.0.1:$port" --label "$m" --build llama.cpp \
+        --model-dir "$dir" "${decode[@]}" || echo "llama.cpp on $m failed" >&2
+    stop_server
+    runs=()
+    for bin in "${bins[@]}"; do runs+=("$bin|"); done
+    for flags in "${variants[@]}"; do [ -n "$flags" ] && runs+=("$newest|$flags"); done
+    for run in "${runs[@]}"; do
+      bin=${run%%|*} flags=${run#*|}
+      engine=tether-prev
+      [ "$bin" = "$newest" ] && engine=tether
+      name="$(basename "$bin")$(echo "$flags" | tr -c 'a-z0-9.\n' _)"
+      # shellcheck disable=SC2086
+      start_tether "$bin" "$OUT/tether-serve-$m-$name.log" --model "$dir" --device gpu $flags &&
+        "$PY" "$here/../load.py" --engine $engine --url "http://127.0.0.1:$port" --label "$m" \
+          --build "$(basename "$bin")${flags:+ $flags}" --model-dir "$dir" "${decode[@]}" || echo "$name on $m failed" >&2
+      curl -sf "http://127.0.0.1:$port/metrics" | grep -E '^tether_engine_lookahead' | sed "s/^/$m $name /" >>"$OUT/lookahead.txt" || true
+      stop_server
+    done
+  done
+  "$PY" "$here/../load.py" --report "$OUT/results.jsonl"
+  cat "$OUT/lookahead.txt" 2>/dev/null || true
+  exit 0
+fi
 if [ "${MODE:-decode}" = kernels ]; then
   bins=(${TETHER_BINS:-$TETHER_BIN})
   newest=${bins[${#bins[@]}-1]}
