@@ -31,6 +31,8 @@ cargo test --release --locked --workspace
 # The reference forward again with the CPU kernels held to AVX2 (the path of
 # CPUs without AVX-512), so it is tested on any machine.
 TETHER_CPU_ISA=avx2 cargo test --release --locked -p tether --test reference_forward
+# And the kernels' own tests (every code width, rows alone and batched) there.
+TETHER_CPU_ISA=avx2 cargo test --release --locked -p tether-mlx --test ops
 export TETHER_BIN="$(realpath "$TETHER_BIN")"
 # The HTTP edges: OpenAI's API and its Responses API (with the WebSocket
 # mode) through the official `openai` Python SDK (pinned, in a venv under
