@@ -90,6 +90,11 @@ impl Engine {
             .map_err(|e| e.context("loading the draft model"))?;
         let batched = config.kv_layout.batched_on(mlx::default_device());
         anyhow::ensure!(!batched || config.kv_quantization.is_none(), "quantized KV is for rows with caches of their own (--kv-layout rows, on the CPU)");
+        anyhow::ensure!(
+            !batched || model.transformer.config.hybrid.is_none(),
+            "{} keeps recurrent state per row, which batched KV slots do not hold yet: serve it with --kv-layout rows",
+            model.transformer.config.arch.name()
+        );
         model.transformer.set_kv_quantization(config.kv_quantization).map_err(|e| anyhow::anyhow!("--kv-bits: {e}"))?;
         if mlx::default_device() == mlx::Device::Gpu {
             super::warmup::warm_up(&model.transformer, &config, batched).map_err(|e| anyhow::anyhow!("warming up the model's kernels failed: {e}"))?;

@@ -1,0 +1,206 @@
+//! Qwen3.5 (GGUF `qwen35`: Gated DeltaNet layers beside gated attention
+//! ones) on random weights of its real layout, against the independent
+//! numpy forward of `tests/reference/qwen35.py`. No checkpoint of the
+//! family reaches this machine, so the script writes a small GGUF from a
+//! seed at test time (about 90 MB, Qwen2.5's tokenizer) with the expected
+//! logits and greedy tokens, and these tests load it as a user's model
+//! would be loaded. Then state rows: several rows decoding together equal
+//! each alone, and through the engine a session's second turn equals a
+//! fresh request with the whole history (resumed only where the stored
+//! state is exactly at the matched length), with drafts off.
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use common::*;
+use serde_json::Value;
+use tether::engine::speculate::{DraftKind, Speculation};
+use tether::engine::{EngineConfig, EngineHandle, KvLayout, Scope, SubmitRequest};
+use tether::generate::{greedy_tokens, prefill};
+use tether::models::{load_transformer, KvCache, LoadOptions, RowInput, Transformer};
+
+/// The numpy oracle computes in float64; ours in float32 (measured: 1.5e-5
+/// on logits of spread ~8).
+const MAX_ABS_ERROR: f32 = 1e-3;
+
+/// The generated model and the oracle's expectations (once per test binary).
+fn generated() -> &'static (PathBuf, Value) {
+    static MODEL: OnceLock<(PathBuf, Value)> = OnceLock::new();
+    MODEL.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("tether-qwen35-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (model, expect) = (dir.join("qwen35-random.gguf"), dir.join("expect.json"));
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/qwen35.py");
+        let venv = std::env::var_os("TETHER_REFENV")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/tether/refenv"));
+        let python = venv.join("bin/python");
+        let run = |args: &[&Path]| {
+            let status = Command::new(&python).arg(&script).args(args).status();
+            let ok = status.as_ref().is_ok_and(|s| s.success());
+            assert!(ok, "{} {} {args:?}: {status:?} (tests/reference/setup.sh makes the venv)", python.display(), script.display());
+        };
+        run(&[Path::new("write"), &model, Path::new("--seed"), Path::new("1")]);
+        run(&[Path::new("expect"), &model, &expect]);
+        let expect = serde_json::from_str(&std::fs::read_to_string(&expect).unwrap()).unwrap();
+        (model, expect)
+    })
+}
+
+fn load() -> Transformer {
+    mlx::set_default_device(mlx::Device::Cpu).unwrap();
+    load_transformer(&generated().0, LoadOptions::for_device(mlx::Device::Cpu)).unwrap()
+}
+
+fn floats(v: &Value) -> Vec<f32> {
+    v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
+}
+
+fn max_abs(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// Logits `[n, vocab]` of the last `n` positions of one forward over `prompt`.
+fn logits_rows(logits: &mlx::Array) -> Vec<Vec<f32>> {
+    let vocab = logits.dim(-1);
+    logits.to_vec_f32().unwrap().chunks(vocab).map(<[f32]>::to_vec).collect()
+}
+
+#[test]
+fn logits_and_greedy_tokens_match_the_numpy_reference() {
+    let model = load();
+    let (_, expect) = generated();
+    let prompt = ids(&expect["prompt_ids"]);
+
+    // The whole prompt at once: every position's logits.
+    let mut cache = model.new_cache();
+    let all = logits_rows(&model.forward(&prompt, &mut cache, prompt.len()).unwrap());
+    let mut worst = 0.0f32;
+    for (i, want) in expect["logits_first"].as_array().unwrap().iter().enumerate() {
+        worst = worst.max(max_abs(&all[i], &floats(want)));
+    }
+    let last = floats(&expect["logits_last"]);
+    worst = worst.max(max_abs(all.last().unwrap(), &last));
+    eprintln!("qwen35: logits max abs error {worst:.2e} over the first positions and the last");
+    assert!(worst < MAX_ABS_ERROR, "logits differ by {worst} from the reference");
+
+    // In chunks of 5 (the state carried between forwards) and token by token.
+    for chunk in [5, 1] {
+        let mut cache = model.new_cache();
+        let got = prefill(&model, &mut cache, &prompt, chunk).unwrap().to_vec_f32().unwrap();
+        assert!(max_abs(&got, &last) < MAX_ABS_ERROR, "chunks of {chunk}: last logits differ");
+    }
+
+    // Greedy tokens, up to the first step whose margin is within the bar.
+    let want = ids(&expect["greedy_ids"]);
+    let margins = floats(&expect["margins"]);
+    let clear = margins.iter().position(|&m| m < 2.0 * MAX_ABS_ERROR).unwrap_or(want.len());
+    let got = greedy_tokens(&model, &prompt, want.len()).unwrap();
+    assert_eq!(got[..clear], want[..clear], "greedy tokens (clear margins for {clear} steps)");
+}
+
+/// Three rows of different prompts read and decode in the same forwards,
+/// each with its own recurrent state, and give what each gives alone.
+#[test]
+fn rows_decoding_together_equal_each_alone() {
+    let model = load();
+    let prompt = ids(&generated().1["prompt_ids"]);
+    let prompts = [prompt.clone(), prompt[5..].to_vec(), prompt[..9].iter().rev().copied().collect::<Vec<_>>()];
+    let alone: Vec<Vec<u32>> = prompts.iter().map(|p| greedy_tokens(&model, p, 12).unwrap()).collect();
+
+    let mut caches: Vec<KvCache> = prompts.iter().map(|_| model.new_cache()).collect();
+    let mut feed: Vec<Vec<u32>> = prompts.to_vec();
+    let mut together: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+    for _ in 0..12 {
+        let mut rows: Vec<RowInput<'_>> = feed
+            .iter()
+            .zip(caches.iter_mut())
+            .map(|(ids, cache)| {
+                let ids: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
+                RowInput { ids: mlx::Array::from_i32(&ids, &[1, ids.len()]).unwrap(), cache, n_logits: 1 }
+            })
+            .collect();
+        let logits = model.forward_batch(&mut rows).unwrap();
+        for (r, l) in logits.iter().enumerate() {
+            let next = l.argmax(-1, false).unwrap().to_vec_i32().unwrap()[0] as u32;
+            together[r].push(next);
+            feed[r] = vec![next];
+        }
+    }
+    assert_eq!(together, alone, "rows beside each other must decode as alone");
+}
+
+/// A cache with recurrent state cut back below its length refuses to run
+/// on (its row fails), and is never a prefix-cache entry's state again.
+#[test]
+fn rolled_back_state_refuses_to_run() {
+    let model = load();
+    let prompt = ids(&generated().1["prompt_ids"]);
+    let mut cache = model.new_cache();
+    mlx::eval(&[&model.forward(&prompt, &mut cache, 1).unwrap()]).unwrap();
+    assert_eq!(cache.earliest_truncation(), prompt.len(), "state holds its own length only");
+    cache.truncate(prompt.len() - 2);
+    assert_eq!(cache.earliest_truncation(), usize::MAX);
+    assert!(model.forward(&prompt[prompt.len() - 2..], &mut cache, 1).is_err(), "a rolled-back state must not run on");
+}
+
+fn start_engine_on(path: PathBuf) -> EngineHandle {
+    let config = EngineConfig { kv_layout: KvLayout::Rows, ..Default::default() };
+    EngineHandle::start(config, move || {
+        mlx::set_default_device(mlx::Device::Cpu)?;
+        Ok(tether::loaded::LoadedModel::load_path("qwen35-random", &path, LoadOptions::for_device(mlx::Device::Cpu))?)
+    })
+    .unwrap()
+}
+
+fn request(prompt: &[u32], max_tokens: usize, session: Option<&str>) -> SubmitRequest {
+    SubmitRequest { cache_scope: session.map(|s| Scope::Session(s.to_string())), ..SubmitRequest::new(prompt.to_vec(), max_tokens) }
+}
+
+/// Through the engine: concurrent rows each keep their own state, a
+/// session's next turn gives what a fresh request with the whole history
+/// gives (resuming only when the stored state is exactly at the matched
+/// length, else reading the prompt again), and a request asking for drafts
+/// decodes without them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_and_concurrent_rows_through_the_engine() {
+    let model = load();
+    let engine = start_engine_on(generated().0.clone());
+    let prompt = ids(&generated().1["prompt_ids"]); // 24 tokens
+
+    // Two rows at once, each as alone.
+    let (a, b) = (prompt.clone(), prompt[3..].to_vec());
+    let (ra, rb) = tokio::join!(run_request(&engine, request(&a, 10, None)), run_request(&engine, request(&b, 10, None)));
+    assert_eq!(ra.0, greedy_tokens(&model, &a, 10).unwrap());
+    assert_eq!(rb.0, greedy_tokens(&model, &b, 10).unwrap());
+
+    // Turn 1: 24 prompt tokens and 9 generated, so the stored state is at
+    // 24 + 9 - 1 = 32, a whole number of 16-token blocks: turn 2 resumes it.
+    let (out1, f1) = run_request(&engine, request(&prompt, 9, Some("s"))).await;
+    assert_eq!(f1.cached_tokens, 0);
+    let mut turn2 = prompt.clone();
+    turn2.extend(&out1);
+    turn2.extend([198, 785, 3974]);
+    let (resumed, f2) = run_request(&engine, request(&turn2, 12, Some("s"))).await;
+    assert_eq!(f2.cached_tokens, 32, "the state at exactly 32 tokens resumes");
+    let (fresh, f3) = run_request(&engine, request(&turn2, 12, None)).await;
+    assert_eq!(f3.cached_tokens, 0);
+    assert_eq!(resumed, fresh, "a resumed turn must equal a fresh one");
+
+    // Turn 3 forks inside what turn 2 stored (its state is past the
+    // match): no exact state, so the prompt is read again, same tokens.
+    let mut turn3: Vec<u32> = turn2.iter().chain(&resumed).take(40).copied().collect();
+    turn3.extend([11, 12, 13]);
+    let (forked, f4) = run_request(&engine, request(&turn3, 8, Some("s"))).await;
+    assert_eq!(f4.cached_tokens, 0, "no state at 32: the entry's state is at its own length");
+    assert_eq!(forked, greedy_tokens(&model, &turn3, 8).unwrap());
+
+    // Drafts asked for: none run, the tokens are plain decoding's.
+    let echo = SubmitRequest { speculation: Speculation { kind: DraftKind::Echo, ..Default::default() }, ..request(&turn3, 8, None) };
+    let (echoed, f5) = run_request(&engine, echo).await;
+    assert_eq!(echoed, forked);
+    assert!(f5.speculative.is_none(), "a row with recurrent state never drafts");
+}
