@@ -7,7 +7,8 @@
 //! would be loaded. Then state rows: several rows decoding together equal
 //! each alone, and through the engine a session's second turn equals a
 //! fresh request with the whole history (resumed only where the stored
-//! state is exactly at the matched length), with drafts off.
+//! state is exactly at the matched length), with drafts off; and over HTTP
+//! a chat's second turn equals another tenant's fresh request.
 mod common;
 
 use std::path::{Path, PathBuf};
@@ -158,6 +159,48 @@ fn start_engine_on(path: PathBuf) -> EngineHandle {
 
 fn request(prompt: &[u32], max_tokens: usize, session: Option<&str>) -> SubmitRequest {
     SubmitRequest { cache_scope: session.map(|s| Scope::Session(s.to_string())), ..SubmitRequest::new(prompt.to_vec(), max_tokens) }
+}
+
+/// One chat completion over HTTP/1.0 (a close-delimited body) as the
+/// tenant of `bearer`: the reply's text and its cached prompt tokens.
+async fn chat(addr: std::net::SocketAddr, bearer: &str, messages: Value, max_tokens: u32) -> (String, u64) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let body = serde_json::json!({"model": "qwen35-random", "messages": messages, "max_tokens": max_tokens, "temperature": 0}).to_string();
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.0\r\nHost: {addr}\r\nAuthorization: Bearer {bearer}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(body.as_bytes()).await.unwrap();
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).await.unwrap();
+    let text = String::from_utf8_lossy(&buf).to_string();
+    let (_, body) = text.split_once("\r\n\r\n").unwrap();
+    let v: Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {text}"));
+    let content = v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    (content, v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0))
+}
+
+/// The server: a chat's second turn (the tenant's own cache consulted)
+/// gives what another tenant's fresh request with the whole history gives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chat_turn_over_http_equals_a_fresh_request() {
+    let path = generated().0.clone();
+    let engine = start_engine_on(path.clone());
+    let tokenizer = std::sync::Arc::new(tether::tokenizer::TextTokenizer::from_gguf_path(&path).unwrap());
+    let config = tether::server::ServerConfig { host: "127.0.0.1".into(), port: 0, ..Default::default() };
+    let server = tether::server::serve(config, engine, tokenizer).await.unwrap();
+    let addr = server.addr();
+    let first = serde_json::json!([{"role": "user", "content": "Write a haiku about the sea."}]);
+    let (reply, _) = chat(addr, "alice", first.clone(), 8).await;
+    let mut history = first.as_array().unwrap().clone();
+    history.push(serde_json::json!({"role": "assistant", "content": reply}));
+    history.push(serde_json::json!({"role": "user", "content": "And one about the sky."}));
+    let (second, _) = chat(addr, "alice", Value::Array(history.clone()), 12).await;
+    let (fresh, cached) = chat(addr, "bob", Value::Array(history), 12).await;
+    assert_eq!(cached, 0, "another tenant shares nothing");
+    assert_eq!(second, fresh, "a session's next turn must equal a fresh request");
 }
 
 /// Through the engine: concurrent rows each keep their own state, a

@@ -102,6 +102,12 @@ impl ModelConfig {
         2 * self.kv_layers() * self.n_kv_heads * self.head_dim * elem_bytes
     }
 
+    /// Bytes of recurrent state one row holds, whatever its length (none
+    /// without recurrent layers).
+    pub fn state_bytes_per_row(&self, elem_bytes: usize) -> usize {
+        self.hybrid.map_or(0, |h| (self.n_layers - self.kv_layers()) * h.state_values() * elem_bytes)
+    }
+
     /// Whether layer `layer` is a recurrent one (no KV: a state per row).
     pub fn is_recurrent(&self, layer: usize) -> bool {
         self.hybrid.is_some_and(|h| h.is_recurrent(layer))

@@ -69,6 +69,12 @@ impl Hybrid {
         self.value_heads * self.value_dim
     }
 
+    /// Values one row's state holds per recurrent layer: the convolution's
+    /// last inputs and the delta rule's matrices.
+    pub fn state_values(&self) -> usize {
+        (self.conv_kernel - 1) * self.conv_channels() + self.value_heads * self.key_dim * self.value_dim
+    }
+
     pub(super) fn validate(&self) -> bool {
         self.full_attention_every > 0
             && self.conv_kernel > 1
@@ -301,6 +307,7 @@ mod tests {
         let attending: Vec<usize> = (0..12).filter(|&l| !hy.is_recurrent(l)).collect();
         assert_eq!(attending, [3, 7, 11]);
         assert_eq!(hy.conv_channels(), 2 * 16 * 128 + 32 * 128);
+        assert_eq!(hy.state_values(), 3 * (2 * 16 * 128 + 32 * 128) + 32 * 128 * 128, "conv inputs and a matrix per value head");
         assert!(hy.validate());
         assert!(!Hybrid { value_heads: 24, key_heads: 16, ..hy }.validate(), "value heads must repeat the key heads whole");
     }
