@@ -150,6 +150,8 @@ def write(path: str, seed: int) -> None:
     out.add_float32(k + "rope.freq_base", c["rope_base"])
     out.add_float32(k + "attention.layer_norm_rms_epsilon", c["rms_eps"])
     out.add_array(k + "rope.dimension_sections", c["rope_sections"])
+    # Both ways a file names its recurrent layers, as llama.cpp's converter writes them.
+    out.add_array(k + "attention.recurrent_layers", [is_recurrent(c, L) for L in range(c["n_layer"])])
     for name, field in src.fields.items():
         if name.startswith("tokenizer."):
             vtype = field.types[0]
@@ -177,6 +179,9 @@ def load(path: str) -> tuple[dict, dict[str, np.ndarray]]:
         "ssm_conv_kernel": get("ssm.conv_kernel"), "ssm_state_size": get("ssm.state_size"),
         "ssm_group_count": get("ssm.group_count"), "ssm_time_step_rank": get("ssm.time_step_rank"),
     }
+    key = f"{ARCH}.attention.recurrent_layers"
+    n, every = c["n_layer"], c["full_attention_interval"]
+    c["recurrent"] = [bool(x) for x in f[key].contents()] if key in f else [(L + 1) % every != 0 for L in range(n)]
     w = {t.name: quants.dequantize(t.data, t.tensor_type).astype(np.float64) for t in r.tensors}
     return c, w
 
@@ -278,7 +283,7 @@ class Qwen35:
         x = w["token_embd.weight"][ids]
         for L in range(c["n_layer"]):
             h = self.rms(x, w[f"blk.{L}.attn_norm.weight"])
-            mixer = self.delta_net if (L + 1) % c["full_attention_interval"] != 0 else self.attention
+            mixer = self.delta_net if c["recurrent"][L] else self.attention
             x = x + mixer(L, h, s)
             h = self.rms(x, w[f"blk.{L}.post_attention_norm.weight"])
             gate = h @ w[f"blk.{L}.ffn_gate.weight"].T

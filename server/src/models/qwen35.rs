@@ -41,9 +41,9 @@ use super::LoadError;
 /// The recurrent layers of a hybrid model and their sizes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Hybrid {
-    /// Every `full_attention_every`-th layer (the last of each group)
-    /// attends; the others are recurrent.
-    pub full_attention_every: usize,
+    /// Bit `l` set: layer `l` is recurrent, else it attends (a model of up
+    /// to 128 layers; the largest Qwen3.5 has 64).
+    pub recurrent: u128,
     /// Taps of the causal convolution.
     pub conv_kernel: usize,
     pub key_heads: usize,
@@ -54,9 +54,18 @@ pub struct Hybrid {
     pub value_dim: usize,
 }
 
+/// The most layers a [`Hybrid`] pattern holds.
+pub const MAX_HYBRID_LAYERS: usize = 128;
+
 impl Hybrid {
+    /// The pattern of `n_layers` where every `interval`-th layer (the last
+    /// of each group) attends and the others recur.
+    pub fn every(n_layers: usize, interval: usize) -> u128 {
+        (0..n_layers.min(MAX_HYBRID_LAYERS)).filter(|l| !(l + 1).is_multiple_of(interval.max(1))).fold(0, |m, l| m | 1 << l)
+    }
+
     pub fn is_recurrent(&self, layer: usize) -> bool {
-        !(layer + 1).is_multiple_of(self.full_attention_every)
+        layer < MAX_HYBRID_LAYERS && self.recurrent >> layer & 1 == 1
     }
 
     /// The convolution's channels: queries, keys, then values.
@@ -76,12 +85,7 @@ impl Hybrid {
     }
 
     pub(super) fn validate(&self) -> bool {
-        self.full_attention_every > 0
-            && self.conv_kernel > 1
-            && self.key_heads > 0
-            && self.value_heads.is_multiple_of(self.key_heads)
-            && self.key_dim > 0
-            && self.value_dim > 0
+        self.conv_kernel > 1 && self.key_heads > 0 && self.value_heads.is_multiple_of(self.key_heads) && self.key_dim > 0 && self.value_dim > 0
     }
 }
 
@@ -92,12 +96,26 @@ pub(super) fn gguf_args(file: &GgufFile, arch_name: &str, c: &mut ModelConfig) -
         file.get_u64(&key).map(|v| v as usize).ok_or_else(|| LoadError::Invalid(format!("missing {key}")))
     };
     let (value_heads, inner) = (int("ssm.time_step_rank")?, int("ssm.inner_size")?);
-    if file.get(&format!("{arch_name}.attention.recurrent_layers")).is_some() {
-        return Err(LoadError::Invalid(format!("{arch_name}: a per-layer recurrent pattern is not supported yet")));
+    // The last blocks may be multi-token-prediction heads (they draft; the
+    // forward does not run them).
+    c.n_layers = c.n_layers.saturating_sub(file.get_u64(&format!("{arch_name}.nextn_predict_layers")).unwrap_or(0) as usize);
+    if c.n_layers > MAX_HYBRID_LAYERS {
+        return Err(LoadError::Invalid(format!("{arch_name}: {} layers, at most {MAX_HYBRID_LAYERS} are supported", c.n_layers)));
     }
+    // Which layers recur: named one by one, or every layer but each
+    // `full_attention_interval`-th (llama.cpp's default interval: 4).
+    let recurrent = match file.get_array(&format!("{arch_name}.attention.recurrent_layers")) {
+        Some(flags) => {
+            let flags: Option<Vec<bool>> = flags.iter().take(c.n_layers).map(|v| v.as_bool()).collect();
+            match flags {
+                Some(f) if f.len() == c.n_layers => f.iter().enumerate().fold(0u128, |m, (l, &r)| m | (r as u128) << l),
+                _ => return Err(LoadError::Invalid(format!("{arch_name}.attention.recurrent_layers must hold a boolean per layer"))),
+            }
+        }
+        None => Hybrid::every(c.n_layers, file.get_u64(&format!("{arch_name}.full_attention_interval")).map_or(4, |v| v as usize)),
+    };
     c.hybrid = Some(Hybrid {
-        // llama.cpp's default when the file names none.
-        full_attention_every: file.get_u64(&format!("{arch_name}.full_attention_interval")).map_or(4, |v| v as usize),
+        recurrent,
         conv_kernel: int("ssm.conv_kernel")?,
         key_heads: int("ssm.group_count")?,
         value_heads,
@@ -303,7 +321,7 @@ mod tests {
 
     #[test]
     fn every_last_layer_of_a_group_attends() {
-        let hy = Hybrid { full_attention_every: 4, conv_kernel: 4, key_heads: 16, value_heads: 32, key_dim: 128, value_dim: 128 };
+        let hy = Hybrid { recurrent: Hybrid::every(12, 4), conv_kernel: 4, key_heads: 16, value_heads: 32, key_dim: 128, value_dim: 128 };
         let attending: Vec<usize> = (0..12).filter(|&l| !hy.is_recurrent(l)).collect();
         assert_eq!(attending, [3, 7, 11]);
         assert_eq!(hy.conv_channels(), 2 * 16 * 128 + 32 * 128);
