@@ -17,7 +17,7 @@ use std::sync::OnceLock;
 
 use common::*;
 use serde_json::Value;
-use tether::engine::speculate::{DraftKind, Speculation};
+use tether::engine::speculate::{DraftKind, DraftModel, DraftModelSpec, Speculation};
 use tether::engine::{EngineConfig, EngineHandle, KvLayout, Scope, SubmitRequest};
 use tether::generate::{greedy_tokens, prefill};
 use tether::models::{load_transformer, KvCache, LoadOptions, RowInput, Transformer};
@@ -27,26 +27,39 @@ use tether::models::{load_transformer, KvCache, LoadOptions, RowInput, Transform
 const MAX_ABS_ERROR: f32 = 1e-3;
 
 /// The generated model and the oracle's expectations (once per test binary).
+/// Kept in the temporary folder under a name of the script's contents, so
+/// later runs reuse it and a changed script writes a new one; written
+/// under a name of this process's and renamed, so concurrent runs never
+/// read a half-written file.
 fn generated() -> &'static (PathBuf, Value) {
     static MODEL: OnceLock<(PathBuf, Value)> = OnceLock::new();
     MODEL.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("tether-qwen35-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let (model, expect) = (dir.join("qwen35-random.gguf"), dir.join("expect.json"));
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/qwen35.py");
-        let venv = std::env::var_os("TETHER_REFENV")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/tether/refenv"));
-        let python = venv.join("bin/python");
-        let run = |args: &[&Path]| {
-            let status = Command::new(&python).arg(&script).args(args).status();
-            let ok = status.as_ref().is_ok_and(|s| s.success());
-            assert!(ok, "{} {} {args:?}: {status:?} (tests/reference/setup.sh makes the venv)", python.display(), script.display());
-        };
-        run(&[Path::new("write"), &model, Path::new("--seed"), Path::new("1")]);
-        run(&[Path::new("expect"), &model, &expect]);
-        let expect = serde_json::from_str(&std::fs::read_to_string(&expect).unwrap()).unwrap();
-        (model, expect)
+        let source = std::fs::read(&script).unwrap();
+        let digest = source.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3));
+        let dir = std::env::temp_dir().join(format!("tether-qwen35-seed1-{digest:016x}"));
+        if !dir.join("expect.json").is_file() {
+            let scratch = std::env::temp_dir().join(format!("tether-qwen35-{}", std::process::id()));
+            std::fs::create_dir_all(&scratch).unwrap();
+            let venv = std::env::var_os("TETHER_REFENV")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/tether/refenv"));
+            let python = venv.join("bin/python");
+            let run = |args: &[&Path]| {
+                let status = Command::new(&python).arg(&script).args(args).status();
+                let ok = status.as_ref().is_ok_and(|s| s.success());
+                assert!(ok, "{} {} {args:?}: {status:?} (tests/reference/setup.sh makes the venv)", python.display(), script.display());
+            };
+            let model = scratch.join("qwen35-random.gguf");
+            run(&[Path::new("write"), &model, Path::new("--seed"), Path::new("1")]);
+            run(&[Path::new("expect"), &model, &scratch.join("expect.json")]);
+            // Another run may have got there first: then its copy serves.
+            if std::fs::rename(&scratch, &dir).is_err() {
+                std::fs::remove_dir_all(&scratch).unwrap();
+            }
+        }
+        let expect = serde_json::from_str(&std::fs::read_to_string(dir.join("expect.json")).unwrap()).unwrap();
+        (dir.join("qwen35-random.gguf"), expect)
     })
 }
 
@@ -146,6 +159,16 @@ fn rolled_back_state_refuses_to_run() {
     cache.truncate(prompt.len() - 2);
     assert_eq!(cache.earliest_truncation(), usize::MAX);
     assert!(model.forward(&prompt[prompt.len() - 2..], &mut cache, 1).is_err(), "a rolled-back state must not run on");
+}
+
+/// A hybrid model cannot be a draft model: a draft's cache is cut back
+/// after every verification.
+#[test]
+fn a_hybrid_model_is_refused_as_a_draft_model() {
+    mlx::set_default_device(mlx::Device::Cpu).unwrap();
+    let spec = DraftModelSpec { path: generated().0.clone(), options: LoadOptions::for_device(mlx::Device::Cpu) };
+    let err = DraftModel::load(&spec, 151_936).err().expect("refused");
+    assert!(err.to_string().contains("recurrent state"), "{err}");
 }
 
 fn start_engine_on(path: PathBuf) -> EngineHandle {
