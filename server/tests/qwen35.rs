@@ -7,7 +7,7 @@
 //! would be loaded. Then state rows: several rows decoding together equal
 //! each alone, and through the engine a session's second turn equals a
 //! fresh request with the whole history (resumed only where the stored
-//! state is exactly at the matched length), with drafts off; and over HTTP
+//! state is exactly: a prompt holding the whole stored turn), with drafts off; and over HTTP
 //! a chat's second turn equals another tenant's fresh request.
 mod common;
 
@@ -220,7 +220,10 @@ async fn a_chat_turn_over_http_equals_a_fresh_request() {
     let mut history = first.as_array().unwrap().clone();
     history.push(serde_json::json!({"role": "assistant", "content": reply}));
     history.push(serde_json::json!({"role": "user", "content": "And one about the sky."}));
-    let (second, _) = chat(addr, "alice", Value::Array(history.clone()), 12).await;
+    let (second, resumed) = chat(addr, "alice", Value::Array(history.clone()), 12).await;
+    // The prompt holds the whole first turn (its reply renders to the same
+    // tokens): the stored state resumes at its own length.
+    assert!(resumed > 0, "the second turn resumes the first turn's state");
     let (fresh, cached) = chat(addr, "bob", Value::Array(history), 12).await;
     assert_eq!(cached, 0, "another tenant shares nothing");
     assert_eq!(second, fresh, "a session's next turn must equal a fresh request");
@@ -256,17 +259,25 @@ async fn sessions_and_concurrent_rows_through_the_engine() {
     assert_eq!(f3.cached_tokens, 0);
     assert_eq!(resumed, fresh, "a resumed turn must equal a fresh one");
 
-    // Turn 3 forks inside what turn 2 stored (its state is past the
-    // match): no exact state, so the prompt is read again, same tokens.
-    let mut turn3: Vec<u32> = turn2.iter().chain(&resumed).take(40).copied().collect();
-    turn3.extend([11, 12, 13]);
-    let (forked, f4) = run_request(&engine, request(&turn3, 8, Some("s"))).await;
-    assert_eq!(f4.cached_tokens, 0, "no state at 32: the entry's state is at its own length");
-    assert_eq!(forked, greedy_tokens(&model, &turn3, 8).unwrap());
+    // Turn 3 carries all of turn 2: it resumes at the stored state's own
+    // length, 36 + 12 - 1 = 47, off the 16-token blocks.
+    let mut turn3: Vec<u32> = turn2.iter().chain(&resumed).copied().collect();
+    turn3.extend([198, 11, 12]);
+    let (resumed3, f4) = run_request(&engine, request(&turn3, 8, Some("s"))).await;
+    assert_eq!(f4.cached_tokens, 47, "the whole stored state resumes");
+    assert_eq!(resumed3, greedy_tokens(&model, &turn3, 8).unwrap());
+
+    // A fork inside what turn 3 stored (its state is past the match): no
+    // exact state, so the prompt is read again, same tokens.
+    let mut fork: Vec<u32> = turn3[..40].to_vec();
+    fork.extend([11, 12, 13]);
+    let (forked, f5) = run_request(&engine, request(&fork, 8, Some("s"))).await;
+    assert_eq!(f5.cached_tokens, 0, "no state at 32: the entry's state is at its own length");
+    assert_eq!(forked, greedy_tokens(&model, &fork, 8).unwrap());
 
     // Drafts asked for: none run, the tokens are plain decoding's.
-    let echo = SubmitRequest { speculation: Speculation { kind: DraftKind::Echo, ..Default::default() }, ..request(&turn3, 8, None) };
-    let (echoed, f5) = run_request(&engine, echo).await;
+    let echo = SubmitRequest { speculation: Speculation { kind: DraftKind::Echo, ..Default::default() }, ..request(&fork, 8, None) };
+    let (echoed, f6) = run_request(&engine, echo).await;
     assert_eq!(echoed, forked);
-    assert!(f5.speculative.is_none(), "a row with recurrent state never drafts");
+    assert!(f6.speculative.is_none(), "a row with recurrent state never drafts");
 }
