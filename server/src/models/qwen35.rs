@@ -85,7 +85,12 @@ impl Hybrid {
     }
 
     pub(super) fn validate(&self) -> bool {
-        self.conv_kernel > 1 && self.key_heads > 0 && self.value_heads.is_multiple_of(self.key_heads) && self.key_dim > 0 && self.value_dim > 0
+        self.conv_kernel > 1
+            && self.key_heads > 0
+            && self.value_heads > 0
+            && self.value_heads.is_multiple_of(self.key_heads)
+            && self.key_dim > 0
+            && self.value_dim > 0
     }
 }
 
