@@ -191,6 +191,8 @@ mod tests {
             activation: crate::models::Activation::Silu,
             post_norms: false,
             sliding_window: None,
+            rope_dims: None,
+            hybrid: None,
         }
     }
 

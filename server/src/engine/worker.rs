@@ -90,6 +90,11 @@ impl Engine {
             .map_err(|e| e.context("loading the draft model"))?;
         let batched = config.kv_layout.batched_on(mlx::default_device());
         anyhow::ensure!(!batched || config.kv_quantization.is_none(), "quantized KV is for rows with caches of their own (--kv-layout rows, on the CPU)");
+        anyhow::ensure!(
+            !batched || model.transformer.config.hybrid.is_none(),
+            "{} keeps recurrent state per row, which batched KV slots do not hold yet: serve it with --kv-layout rows",
+            model.transformer.config.arch.name()
+        );
         model.transformer.set_kv_quantization(config.kv_quantization).map_err(|e| anyhow::anyhow!("--kv-bits: {e}"))?;
         if mlx::default_device() == mlx::Device::Gpu {
             super::warmup::warm_up(&model.transformer, &config, batched).map_err(|e| anyhow::anyhow!("warming up the model's kernels failed: {e}"))?;
@@ -238,14 +243,17 @@ impl Engine {
     }
 
     /// KV bytes a request can grow to (prompt + max_tokens, in cache blocks),
-    /// in the form its cache ends in: codes once it passes the quantization's start.
+    /// in the form its cache ends in: codes once it passes the quantization's start;
+    /// plus a hybrid model's recurrent state, the same at any length.
     /// (The conversion itself briefly holds both forms; a row converts once.)
     fn reserved_bytes(&self, r: &SubmitRequest) -> usize {
         let tokens = (r.prompt.len() + r.max_tokens).next_multiple_of(crate::models::KV_CAPACITY_STEP);
-        match self.config.kv_quantization {
-            Some(q) if tokens > q.start => tokens * q.bytes_per_token(&self.model.config),
-            _ => tokens * self.kv_bytes_per_token,
-        }
+        let state = self.model.config.state_bytes_per_row(self.model.dtype.size());
+        state
+            + match self.config.kv_quantization {
+                Some(q) if tokens > q.start => tokens * q.bytes_per_token(&self.model.config),
+                _ => tokens * self.kv_bytes_per_token,
+            }
     }
 
     /// Ends the rows and waiting requests the edge stopped (or whose

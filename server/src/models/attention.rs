@@ -23,6 +23,7 @@ use super::gemma3;
 use super::kv::{Kv, LayerKv};
 use super::kv_batch::KvBatch;
 use super::layers::{Attention, Heads, RopeTables};
+use super::state_rows::LayerState;
 use super::transformer::RowInput;
 
 /// How rows with caches of their own attend.
@@ -169,6 +170,39 @@ impl<'s, 'r, 'c> StepAttention<'s, 'r, 'c> {
                     parts.push(attention_own(attention, &mine, at, mask, self.dtype, |k, v| row.cache.update_and_fetch(layer, k, v))?);
                 }
             }
+        }
+        match parts.len() {
+            1 => Ok(parts.pop().expect("one part")),
+            _ => mlx::concatenate(&parts.iter().collect::<Vec<_>>(), 1),
+        }
+    }
+
+    /// Recurrent layer `layer` for the whole step: `x` is the step's
+    /// `[1, T, width]` projected input; `run` takes a row's share of it and
+    /// that row's state (`None` before its first token) and returns the
+    /// row's outputs and its state after them, which replaces the old one.
+    /// Only rows with caches of their own hold state: a batched slot does
+    /// not (a hybrid model's server refuses that layout).
+    pub fn recur(&mut self, layer: usize, x: &Array, run: impl Fn(&Array, Option<&LayerState>) -> mlx::Result<(Array, LayerState)>) -> mlx::Result<Array> {
+        if self.slots.is_some() {
+            return Err(mlx::Error {
+                op: "recurrent_state",
+                message: "batched KV slots hold no recurrent state; a hybrid model runs rows with caches of their own".into(),
+            });
+        }
+        let rows = &mut self.rows;
+        let width = x.dim(2) as i32;
+        let (mut parts, single) = (Vec::with_capacity(rows.inputs.len()), rows.inputs.len() == 1);
+        for (r, row) in rows.inputs.iter_mut().enumerate() {
+            let (s, n) = (rows.starts[r], rows.lens[r] as i32);
+            let state = row
+                .cache
+                .recurrent_mut()
+                .ok_or_else(|| mlx::Error { op: "recurrent_state", message: "a recurrent layer's row has a cache without recurrent state".into() })?;
+            let mine = if single { x.clone() } else { x.slice(&[0, s, 0], &[1, s + n, width])? };
+            let (out, next) = run(&mine, state.layer(layer)?)?;
+            state.set_layer(layer, next);
+            parts.push(out);
         }
         match parts.len() {
             1 => Ok(parts.pop().expect("one part")),

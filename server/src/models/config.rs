@@ -2,6 +2,7 @@
 
 pub use super::gemma3::SlidingWindow;
 pub use super::llama::Llama3RopeScaling;
+pub use super::qwen35::Hybrid;
 
 /// The architectures the forward pass implements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -15,6 +16,10 @@ pub enum Architecture {
     /// norms after attention and after the MLP as well as before, GeGLU,
     /// and sliding-window layers interleaved with global ones.
     Gemma3,
+    /// Qwen3.5: Gated DeltaNet (linear-attention) layers with a recurrent
+    /// state per row, every few of them a full-attention layer whose output
+    /// is gated per feature and whose RoPE turns only part of each head.
+    Qwen35,
 }
 
 impl Architecture {
@@ -24,6 +29,7 @@ impl Architecture {
             "qwen2" | "Qwen2ForCausalLM" => Some(Architecture::Qwen2),
             "qwen3" | "Qwen3ForCausalLM" => Some(Architecture::Qwen3),
             "gemma3" | "gemma3_text" => Some(Architecture::Gemma3),
+            "qwen35" => Some(Architecture::Qwen35),
             _ => None,
         }
     }
@@ -34,11 +40,12 @@ impl Architecture {
             Architecture::Qwen2 => "qwen2",
             Architecture::Qwen3 => "qwen3",
             Architecture::Gemma3 => "gemma3",
+            Architecture::Qwen35 => "qwen35",
         }
     }
 
     /// Every architecture the forward pass implements, for error messages.
-    pub const SUPPORTED: &'static str = "llama, qwen2, qwen3, gemma3";
+    pub const SUPPORTED: &'static str = "llama, qwen2, qwen3, gemma3, qwen35";
 }
 
 /// The gate activation of the gated MLP: `act(gate) * up`.
@@ -83,12 +90,33 @@ pub struct ModelConfig {
     pub post_norms: bool,
     /// Sliding-window layers, if the model has them.
     pub sliding_window: Option<SlidingWindow>,
+    /// Features of each head RoPE turns, from the first (`None`: all).
+    pub rope_dims: Option<usize>,
+    /// The recurrent layers of a hybrid model (Qwen3.5), if it has them.
+    pub hybrid: Option<Hybrid>,
 }
 
 impl ModelConfig {
     /// Bytes of KV cache one token occupies across all layers at `elem_bytes` per value.
     pub fn kv_bytes_per_token(&self, elem_bytes: usize) -> usize {
-        2 * self.n_layers * self.n_kv_heads * self.head_dim * elem_bytes
+        2 * self.kv_layers() * self.n_kv_heads * self.head_dim * elem_bytes
+    }
+
+    /// Bytes of recurrent state one row holds, whatever its length (none
+    /// without recurrent layers).
+    pub fn state_bytes_per_row(&self, elem_bytes: usize) -> usize {
+        self.hybrid.map_or(0, |h| (self.n_layers - self.kv_layers()) * h.state_values() * elem_bytes)
+    }
+
+    /// Whether layer `layer` is a recurrent one (no KV: a state per row).
+    pub fn is_recurrent(&self, layer: usize) -> bool {
+        self.hybrid.is_some_and(|h| h.is_recurrent(layer))
+    }
+
+    /// Layers that keep keys and values (every one but the recurrent ones):
+    /// a row's KV cache holds these, in order.
+    pub fn kv_layers(&self) -> usize {
+        (0..self.n_layers).filter(|&l| !self.is_recurrent(l)).count()
     }
 
     /// Layer `layer`'s attention window (`None`: the whole history).
@@ -96,17 +124,20 @@ impl ModelConfig {
         self.sliding_window.filter(|w| w.is_local(layer)).map(|w| w.size)
     }
 
-    /// Each layer's attention window.
+    /// Each KV layer's attention window.
     pub fn layer_windows(&self) -> Vec<Option<usize>> {
-        (0..self.n_layers).map(|l| self.layer_window(l)).collect()
+        (0..self.n_layers).filter(|&l| !self.is_recurrent(l)).map(|l| self.layer_window(l)).collect()
     }
 
     pub fn validate(&self) -> Result<(), String> {
         let checks = [
             (self.n_layers > 0, "block count is zero"),
+            (self.kv_layers() > 0, "no layer attends"),
             (self.n_heads > 0 && self.n_kv_heads > 0, "head count is zero"),
             (self.n_heads.is_multiple_of(self.n_kv_heads.max(1)), "query heads are not a multiple of KV heads"),
             (self.head_dim > 0 && self.head_dim.is_multiple_of(2), "head dimension must be even for RoPE"),
+            (self.rope_dims.is_none_or(|d| d > 0 && d <= self.head_dim && d.is_multiple_of(2)), "RoPE dimension count must be even and within the head"),
+            (self.hybrid.is_none_or(|h| h.validate()), "recurrent layers' sizes do not fit together"),
             (self.vocab_size > 0, "vocabulary is empty"),
             (self.rms_eps > 0.0, "RMS norm epsilon must be positive"),
             (self.sliding_window.is_none_or(|w| w.size > 0 && w.global_every > 0), "sliding window or its layer pattern is zero"),

@@ -1,4 +1,4 @@
-//! Builds a [`Transformer`] from a GGUF file (llama, qwen2, qwen3 and gemma3 architectures).
+//! Builds a [`Transformer`] from a GGUF file (llama, qwen2, qwen3, gemma3 and qwen35 architectures).
 use gguf::{GgufFile, TensorInfo};
 use mlx::Dtype;
 
@@ -6,10 +6,10 @@ use super::config::{Activation, Architecture, ModelConfig};
 use super::embedding::Embedding;
 use super::linear::{Linear, Weight};
 use super::qwen3::QkNorm;
-use super::transformer::{LayerWeights, Transformer};
+use super::transformer::{LayerWeights, LoadedLayer, Transformer};
 use super::weights::{affine_to_mlx, dense, five_bit_codes_here, WeightFormat};
 use super::LoadError;
-use super::{gemma3, llama};
+use super::{gemma3, llama, qwen35};
 
 /// Reads the hyperparameters under the file's `general.architecture` prefix.
 pub fn read_config(file: &GgufFile) -> Result<ModelConfig, LoadError> {
@@ -47,11 +47,14 @@ pub fn read_config(file: &GgufFile) -> Result<ModelConfig, LoadError> {
         activation: Activation::Silu,
         post_norms: false,
         sliding_window: None,
+        rope_dims: None,
+        hybrid: None,
     };
     // What each family sets beyond the fields every file names.
     match arch {
         Architecture::Llama => llama::gguf_args(&mut config),
         Architecture::Gemma3 => gemma3::gguf_args(file, arch_name, &mut config)?,
+        Architecture::Qwen35 => qwen35::gguf_args(file, arch_name, &mut config)?,
         Architecture::Qwen2 | Architecture::Qwen3 => {}
     }
     config.validate().map_err(LoadError::Invalid)?;
@@ -62,7 +65,8 @@ fn tensor<'a>(file: &'a GgufFile, name: &str) -> Result<&'a TensorInfo, LoadErro
     file.tensor(name).ok_or_else(|| LoadError::MissingTensor(name.to_string()))
 }
 
-struct Loader<'a> {
+/// Reads a file's tensors into the model's dtype and weight form.
+pub(super) struct Loader<'a> {
     file: &'a GgufFile,
     dtype: Dtype,
     format: WeightFormat,
@@ -71,14 +75,23 @@ struct Loader<'a> {
 }
 
 impl Loader<'_> {
-    fn dense(&self, name: &str, expect: &[usize]) -> Result<mlx::Array, LoadError> {
+    pub(super) fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    /// Projections that share an input as one (see [`fuse_or_dense`]).
+    pub(super) fn fuse(&self, parts: &[Linear], names: &[&str]) -> Result<Linear, LoadError> {
+        fuse_or_dense(self, parts.to_vec(), names)
+    }
+
+    pub(super) fn dense(&self, name: &str, expect: &[usize]) -> Result<mlx::Array, LoadError> {
         let t = tensor(self.file, name)?;
         check_shape(t, expect)?;
         let data = self.file.dequantize_f32(t)?;
         Ok(dense(&data, &t.shape(), self.dtype)?)
     }
 
-    fn linear(&self, name: &str, out: usize, inp: usize) -> Result<Linear, LoadError> {
+    pub(super) fn linear(&self, name: &str, out: usize, inp: usize) -> Result<Linear, LoadError> {
         let t = tensor(self.file, &format!("{name}.weight"))?;
         check_shape(t, &[out, inp])?;
         let weight = match self.quantized(t, out, inp)? {
@@ -126,6 +139,11 @@ pub fn load(file: &GgufFile, dtype: Dtype, format: WeightFormat) -> Result<Trans
     let query_scale = gemma3::query_norm_scale(c);
     let mut layers = Vec::with_capacity(c.n_layers);
     for i in 0..c.n_layers {
+        if c.arch == Architecture::Qwen35 {
+            layers.push(qwen35::gguf_layer(&loader, c, i)?);
+            mlx::eval(&linear_arrays(&layers.last().expect("just pushed").linears()))?;
+            continue;
+        }
         let p = format!("blk.{i}");
         let q = loader.linear(&format!("{p}.attn_q"), c.n_heads * hd, d)?;
         let k = loader.linear(&format!("{p}.attn_k"), c.n_kv_heads * hd, d)?;
@@ -146,20 +164,20 @@ pub fn load(file: &GgufFile, dtype: Dtype, format: WeightFormat) -> Result<Trans
             }
             Ok(Some(loader.dense(&format!("{p}.{name}.weight"), &[d])?))
         };
-        layers.push(LayerWeights {
+        layers.push(LoadedLayer::Attention(LayerWeights {
+            attn_gate: None,
             post_attn_norm: post_norm("post_attention_norm")?,
             post_ffn_norm: post_norm("post_ffw_norm")?,
             qk_norm,
             attn_norm: loader.dense(&format!("{p}.attn_norm.weight"), &[d])?,
-            qkv: fuse_or_dense(&loader, [q, k, v], &[&format!("{p}.attn_q"), &format!("{p}.attn_k"), &format!("{p}.attn_v")])?,
+            qkv: fuse_or_dense(&loader, vec![q, k, v], &[&format!("{p}.attn_q"), &format!("{p}.attn_k"), &format!("{p}.attn_v")])?,
             attn_out: loader.linear(&format!("{p}.attn_output"), d, c.n_heads * hd)?,
             ffn_norm: loader.dense(&format!("{p}.ffn_norm.weight"), &[d])?,
-            gate_up: fuse_or_dense(&loader, [gate, up], &[&format!("{p}.ffn_gate"), &format!("{p}.ffn_up")])?,
+            gate_up: fuse_or_dense(&loader, vec![gate, up], &[&format!("{p}.ffn_gate"), &format!("{p}.ffn_up")])?,
             down: loader.linear(&format!("{p}.ffn_down"), d, ff)?,
-        });
+        }));
         // Materialise layer by layer so host copies are freed as we go.
-        let l = layers.last().expect("just pushed");
-        mlx::eval(&linear_arrays(&[&l.qkv, &l.attn_out, &l.gate_up, &l.down]))?;
+        mlx::eval(&linear_arrays(&layers.last().expect("just pushed").linears()))?;
     }
     let final_norm = loader.dense("output_norm.weight", &[d])?;
     let lm_head = if c.tied_embeddings {
@@ -186,7 +204,7 @@ pub fn load(file: &GgufFile, dtype: Dtype, format: WeightFormat) -> Result<Trans
 /// at different widths (Q5_0 next to Q8_0), they are reloaded with 5-bit
 /// codes as 8-bit ones; when some came out quantized and others dense (e.g.
 /// Q4_K next to Q6_K), all are reloaded dense.
-fn fuse_or_dense<const N: usize>(loader: &Loader<'_>, parts: [Linear; N], names: &[&str]) -> Result<Linear, LoadError> {
+fn fuse_or_dense(loader: &Loader<'_>, parts: Vec<Linear>, names: &[&str]) -> Result<Linear, LoadError> {
     let all_quantized = parts.iter().all(|p| matches!(p.weight, Weight::Quantized(_)));
     let all_same = parts.iter().all(|p| matches!(p.weight, Weight::Dense(_))) || all_quantized;
     if all_same {

@@ -32,7 +32,12 @@
 //! CPU's fused attention writes a cache's buffers inside its own graph node
 //! ([`KvCache::take_for_write`]) and stays outside the protocol.
 //!
-//! Paged KV and state rows (recurrent layers) plug in here: a new holder
+//! State rows (a hybrid model's recurrent layers, `state_rows.rs`) ride in
+//! the row's [`KvCache`] beside its attention layers' KV, so every holder
+//! of a row's KV carries them; what the protocol asks of them is that
+//! [`trim`](Kv::trim) below a state's position leaves it rolled back (it
+//! refuses to run on) and [`KvCache::earliest_truncation`] says no
+//! rollback reaches below it. Paged KV plugs in here too: a new holder
 //! implements [`Kv`], and [`LayerKv`] where layers write to it directly.
 use mlx::Array;
 

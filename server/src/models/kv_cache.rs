@@ -35,6 +35,7 @@ use mlx::fast::{KeyLayout, KvCodes, KEY_BLOCK};
 use mlx::{Array, Dtype};
 
 use super::kv::{Kv, LayerKv};
+use super::state_rows::RecurrentState;
 
 /// Capacity grows in multiples of this many tokens.
 pub const CAPACITY_STEP: usize = 256;
@@ -164,6 +165,8 @@ pub struct KvCache {
     /// How the buffers hold features now, and when they turn to codes.
     codes: KvCodes,
     quantization: Option<KvQuantization>,
+    /// A hybrid model's recurrent layers' state at `len` (see `state_rows.rs`).
+    recurrent: Option<RecurrentState>,
 }
 
 impl KvCache {
@@ -182,7 +185,26 @@ impl KvCache {
             keys: KeyLayout::Positions,
             codes: KvCodes::Float,
             quantization: None,
+            recurrent: None,
         }
+    }
+
+    /// The same cache also holding the state of `layers` recurrent layers
+    /// (a hybrid model's); set before anything is stored.
+    pub fn with_recurrent_layers(mut self, layers: usize) -> KvCache {
+        assert!(self.is_empty(), "recurrent layers are set on an empty cache");
+        self.recurrent = (layers > 0).then(|| RecurrentState::new(layers));
+        self
+    }
+
+    /// The recurrent layers' state, if the model has such layers.
+    pub fn recurrent(&self) -> Option<&RecurrentState> {
+        self.recurrent.as_ref()
+    }
+
+    /// The recurrent layers' state, to read and replace within a step.
+    pub fn recurrent_mut(&mut self) -> Option<&mut RecurrentState> {
+        self.recurrent.as_mut()
     }
 
     /// An empty cache storing keys in blocks, for the CPU's fused attention
@@ -224,7 +246,8 @@ impl KvCache {
     /// what [`fill`](Self::fill) restores a stored copy into.
     pub fn emptied(&self) -> KvCache {
         let empty = KvCache::new(self.layers.len(), self.kv_heads, self.head_dim, self.dtype);
-        KvCache { keys: self.keys, quantization: self.quantization, ..empty }.with_windows(self.windows.clone())
+        let recurrent = self.recurrent.as_ref().map(RecurrentState::emptied);
+        KvCache { keys: self.keys, quantization: self.quantization, recurrent, ..empty }.with_windows(self.windows.clone())
     }
 
     /// How the buffers hold features now.
@@ -261,8 +284,13 @@ impl KvCache {
 
     /// Its bookkeeping and every layer's whole buffers (spare room
     /// included, keys in the cache's own layout): what storing the cache
-    /// elsewhere as is takes. `None` for a cache with an empty layer.
+    /// elsewhere as is takes. `None` for a cache with an empty layer, and
+    /// for one holding recurrent state (not written to files yet: such an
+    /// entry is dropped rather than spilled).
     pub fn as_stored(&self) -> Option<(StoredCache, Vec<(&Array, &Array)>)> {
+        if self.recurrent.is_some() {
+            return None;
+        }
         let layers = self.layers.iter().map(|l| l.as_ref().map(|(k, v)| (k, v))).collect::<Option<Vec<_>>>()?;
         let codes = match self.codes {
             KvCodes::Float => None,
@@ -368,8 +396,14 @@ impl KvCache {
     }
 
     /// The shortest length this cache can be truncated to and still go on:
-    /// the next query must find its whole window in the window layers.
+    /// the next query must find its whole window in the window layers, and
+    /// recurrent state holds its own length only (none, once rolled back).
     pub fn earliest_truncation(&self) -> usize {
+        match &self.recurrent {
+            Some(state) if state.is_rolled_back() => return usize::MAX,
+            Some(_) => return self.len,
+            None => {}
+        }
         match self.widest_window() {
             Some(w) if self.window_first > 0 => self.window_first + w - 1,
             _ => 0,
@@ -380,14 +414,21 @@ impl KvCache {
     /// [`earliest_truncation`](Self::earliest_truncation), which the engine's
     /// rollbacks never reach (they stay at or after the last step's start)
     /// and the prefix cache checks.
+    /// A cache with recurrent state cut back below its length is rolled
+    /// back (see `state_rows.rs`): it cannot run on nor serve.
     pub fn truncate(&mut self, len: usize) {
-        debug_assert!(len >= self.earliest_truncation().min(self.len), "truncating to {len} drops keys the window still needs");
+        if let Some(state) = self.recurrent.as_mut().filter(|_| len < self.len) {
+            state.roll_back();
+        } else {
+            debug_assert!(len >= self.earliest_truncation().min(self.len), "truncating to {len} drops keys the window still needs");
+        }
         self.len = self.len.min(len);
     }
 
     /// Bytes reserved on the device.
     pub fn nbytes(&self) -> usize {
-        self.layers.iter().flatten().map(|(k, v)| k.nbytes() + v.nbytes()).sum()
+        let state = self.recurrent.as_ref().map_or(0, RecurrentState::nbytes);
+        state + self.layers.iter().flatten().map(|(k, v)| k.nbytes() + v.nbytes()).sum::<usize>()
     }
 
     /// Bytes reserved by the window layers.
@@ -587,7 +628,8 @@ impl KvCache {
 
     /// The stored buffers, for evaluating them along with a step's outputs.
     pub fn buffers(&self) -> Vec<&Array> {
-        self.layers.iter().flatten().flat_map(|(k, v)| [k, v]).collect()
+        let state = self.recurrent.iter().flat_map(RecurrentState::buffers);
+        self.layers.iter().flatten().flat_map(|(k, v)| [k, v]).chain(state).collect()
     }
 }
 

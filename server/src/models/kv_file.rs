@@ -109,6 +109,9 @@ impl Encoded {
 /// the cache.
 pub fn encode(cache: &KvCache, namespace: u64, tokens: &[u32], base: usize) -> Result<Encoded, KvFileError> {
     let (layers, heads, dim, dtype) = cache.geometry();
+    if cache.recurrent().is_some() {
+        return Err(KvFileError::Mismatch("recurrent state is not written to files yet"));
+    }
     let (stored, buffers) = cache.as_stored().ok_or(KvFileError::Mismatch("a layer holds nothing"))?;
     let base = if cache.has_windows() { 0 } else { base.min(stored.len) / KEY_BLOCK * KEY_BLOCK };
     let header = Header {

@@ -1,6 +1,8 @@
 //! The parts every family's decoder is built from, written once: RoPE (at a
 //! base, or by given per-pair periods), the attention block's projections
 //! and norms, the gated MLP, and the pre-norm residual block that joins them.
+//! A block's mixer is attention, or for a hybrid model's recurrent layers a
+//! Gated DeltaNet (`qwen35.rs`).
 //!
 //! A family file (`llama.rs`, `qwen2.rs`, `qwen3.rs`, `gemma3.rs`) holds only
 //! what its model does differently, and the loader sets those parts in
@@ -16,6 +18,7 @@ use mlx::{Array, Dtype};
 use super::gemma3;
 use super::linear::Linear;
 use super::qwen3::QkNorm;
+use super::qwen35::DeltaNet;
 
 /// Query and key/value head counts and the head size, as MLX's shapes want them.
 #[derive(Clone, Copy, Debug)]
@@ -36,7 +39,8 @@ impl Heads {
 #[derive(Debug)]
 pub struct Rope {
     pub freqs: RopeFreqs,
-    /// Rotated dimensions: the whole head.
+    /// Rotated dimensions, from a head's first: the whole head, or part of
+    /// it (Qwen3.5).
     pub dims: i32,
     /// Rotate adjacent pairs (2i, 2i+1) rather than a head's two halves.
     pub traditional: bool,
@@ -115,6 +119,9 @@ pub struct Attention {
     /// Per-head query/key norms before RoPE (Qwen3, Gemma 3).
     pub qk_norm: Option<QkNorm>,
     pub out: Linear,
+    /// The heads' outputs are multiplied by `sigmoid` of this projection
+    /// of the normed input before `out` (Qwen3.5).
+    pub gate: Option<Linear>,
     /// The norm of the block's output before it joins the residual (Gemma 3).
     pub post_norm: Option<Array>,
     /// Shared with the layers that turn alike (see [`RopeTables`]).
@@ -136,6 +143,17 @@ impl Attention {
             Some(norm) => norm.apply(&qkv, self.heads, h.dim(1) as i32, self.eps),
             None => Ok(qkv),
         }
+    }
+
+    /// `h + out(..)` of this block: `attend` turns the projected
+    /// `[1, T, (hq + 2 hkv) hd]` into the heads' outputs `[1, T, hq hd]`.
+    pub(super) fn forward(&self, h: &Array, attend: impl FnOnce(&Attention, &Array) -> mlx::Result<Array>) -> mlx::Result<Array> {
+        let heads = attend(self, &self.project(h)?)?;
+        let heads = match &self.gate {
+            Some(gate) => heads.multiply(&gate.forward_fused(h, Some((&self.norm, self.eps)), None)?.sigmoid()?)?,
+            None => heads,
+        };
+        residual(h, &self.out, &heads, self.post_norm.as_ref(), self.eps)
     }
 
     /// `[1, n, ..]` rows of the projection at positions `offset ..` split
@@ -186,7 +204,7 @@ pub struct Mlp {
 
 impl Mlp {
     /// `h + down(act(gate) * up)` of the normed `h`.
-    fn forward(&self, h: &Array) -> mlx::Result<Array> {
+    pub(super) fn forward(&self, h: &Array) -> mlx::Result<Array> {
         let gate_up = self.gate_up.forward_fused(h, Some((&self.norm, self.eps)), None)?; // [1, total, 2 d_ff]
         let gated = match self.gate {
             Gate::SwiGluCpu => fast::cpu_swiglu(&gate_up)?,
@@ -204,38 +222,63 @@ impl Mlp {
     }
 }
 
-/// One decoder layer: pre-norm attention, then the pre-norm MLP, each
+/// What mixes a layer's positions: attention over the KV, or a recurrent
+/// layer's state.
+pub enum Mixer {
+    Attention(Attention),
+    /// A Gated DeltaNet layer (Qwen3.5), its state per row.
+    DeltaNet(DeltaNet),
+}
+
+/// One decoder layer: the pre-norm mixer, then the pre-norm MLP, each
 /// added to the residual stream.
 pub struct Block {
-    pub attention: Attention,
+    pub mixer: Mixer,
     pub mlp: Mlp,
 }
 
 impl Block {
-    /// `h` through this layer; `attend` turns the projected
-    /// `[1, T, (hq + 2 hkv) hd]` into the heads' outputs `[1, T, hq hd]`.
-    pub(super) fn forward(&self, h: &Array, attend: impl FnOnce(&Attention, &Array) -> mlx::Result<Array>) -> mlx::Result<Array> {
-        let a = &self.attention;
-        let heads = attend(a, &a.project(h)?)?;
-        let h = residual(h, &a.out, &heads, a.post_norm.as_ref(), a.eps)?;
-        self.mlp.forward(&h)
+    /// Its attention, unless the layer is a recurrent one.
+    pub fn attention(&self) -> Option<&Attention> {
+        match &self.mixer {
+            Mixer::Attention(a) => Some(a),
+            Mixer::DeltaNet(_) => None,
+        }
     }
 
-    /// The layer's projections: q/k/v, attention out, gate/up, down.
-    pub fn linears(&self) -> [&Linear; 4] {
-        [&self.attention.qkv, &self.attention.out, &self.mlp.gate_up, &self.mlp.down]
+    /// The layer's projections: the mixer's (q/k/v, the gate, attention
+    /// out; or the recurrent layer's in and out), then gate/up, down.
+    pub fn linears(&self) -> Vec<&Linear> {
+        let mut out: Vec<&Linear> = match &self.mixer {
+            Mixer::Attention(a) => [&a.qkv, &a.out].into_iter().chain(a.gate.as_ref()).collect(),
+            Mixer::DeltaNet(d) => d.linears().into(),
+        };
+        out.extend([&self.mlp.gate_up, &self.mlp.down]);
+        out
     }
 
-    pub(super) fn linears_mut(&mut self) -> [&mut Linear; 4] {
-        [&mut self.attention.qkv, &mut self.attention.out, &mut self.mlp.gate_up, &mut self.mlp.down]
+    pub(super) fn linears_mut(&mut self) -> Vec<&mut Linear> {
+        let mut out: Vec<&mut Linear> = match &mut self.mixer {
+            Mixer::Attention(a) => [&mut a.qkv, &mut a.out].into_iter().chain(a.gate.as_mut()).collect(),
+            Mixer::DeltaNet(d) => d.linears_mut().into(),
+        };
+        out.extend([&mut self.mlp.gate_up, &mut self.mlp.down]);
+        out
     }
 
     /// Bytes held by this layer's weights.
     pub fn nbytes(&self) -> usize {
-        let (a, m) = (&self.attention, &self.mlp);
-        let qk = a.qk_norm.as_ref().map_or(0, |n| n.q.nbytes() + n.k.nbytes());
-        let post = [&a.post_norm, &m.post_norm].into_iter().flatten().map(Array::nbytes).sum::<usize>();
-        qk + post + a.norm.nbytes() + m.norm.nbytes() + self.linears().iter().map(|l| l.nbytes()).sum::<usize>()
+        let m = &self.mlp;
+        let mlp = m.norm.nbytes() + m.post_norm.as_ref().map_or(0, Array::nbytes) + m.gate_up.nbytes() + m.down.nbytes();
+        let mixer = match &self.mixer {
+            Mixer::Attention(a) => {
+                let qk = a.qk_norm.as_ref().map_or(0, |n| n.q.nbytes() + n.k.nbytes());
+                let linears = [&a.qkv, &a.out].into_iter().chain(a.gate.as_ref()).map(Linear::nbytes).sum::<usize>();
+                qk + a.post_norm.as_ref().map_or(0, Array::nbytes) + a.norm.nbytes() + linears
+            }
+            Mixer::DeltaNet(d) => d.nbytes(),
+        };
+        mlp + mixer
     }
 }
 

@@ -3,7 +3,7 @@
 //! A model on disk is either a GGUF file or an HF-style safetensors folder;
 //! both load into the same [`Transformer`]. Its layers are written once
 //! (`layers.rs`); each family file (`llama.rs`, `qwen2.rs`, `qwen3.rs`,
-//! `gemma3.rs`) holds only what that family does differently, and the
+//! `gemma3.rs`, `qwen35.rs`) holds only what that family does differently, and the
 //! loaders build each model's blocks with its family's parts. How rows
 //! attend (the CPU's kernel, MLX's attention, batched slots) is
 //! `attention.rs`, its backend picked once at load.
@@ -23,8 +23,10 @@ mod linear;
 mod llama;
 mod qwen2;
 mod qwen3;
+mod qwen35;
 mod safetensors_loader;
 mod slot_lease;
+mod state_rows;
 mod transformer;
 mod weights;
 
@@ -39,10 +41,12 @@ pub use kv_batch::{capacity_class, capacity_classes, KvBatch};
 pub use kv_cache::{KvCache, KvQuantization, StoredCache, CAPACITY_STEP as KV_CAPACITY_STEP};
 /// The old name of a decoder layer (now a [`Block`] of an [`Attention`] and an [`Mlp`]).
 pub use layers::Block as Layer;
-pub use layers::{Attention, Block, Gate, Mlp, Rope, RopeFreqs};
+pub use layers::{Attention, Block, Gate, Mixer, Mlp, Rope, RopeFreqs};
 pub use linear::{Linear, Weight};
 pub use qwen3::QkNorm;
+pub use qwen35::{DeltaNet, Hybrid};
 pub use slot_lease::{SharedKvBatch, SlotLease};
+pub use state_rows::{LayerState, RecurrentState};
 pub use transformer::{RowInput, StepLogits, Transformer};
 pub use weights::WeightFormat;
 

@@ -12,7 +12,7 @@ use super::config::{Activation, Architecture, ModelConfig};
 use super::embedding::Embedding;
 use super::linear::{Linear, Weight};
 use super::qwen3::QkNorm;
-use super::transformer::{LayerWeights, Transformer};
+use super::transformer::{LayerWeights, LoadedLayer, Transformer};
 use super::LoadError;
 use super::{gemma3, llama, qwen2, qwen3};
 
@@ -49,12 +49,15 @@ pub fn read_config(dir: &Path) -> Result<(ModelConfig, Option<(i32, i32)>), Load
         activation: Activation::Silu,
         post_norms: false,
         sliding_window: None,
+        rope_dims: None,
+        hybrid: None,
     };
     // What each family sets beyond the fields every config names.
     match arch {
         Architecture::Qwen2 => qwen2::hf_args(&mut config),
         Architecture::Qwen3 => qwen3::hf_args(&mut config),
         Architecture::Llama | Architecture::Gemma3 => {}
+        Architecture::Qwen35 => return Err(LoadError::Invalid("Qwen3.5 loads from its GGUF file; Hugging Face folders of it are not supported yet".into())),
     }
     config.validate().map_err(LoadError::Invalid)?;
     let quant = v.get("quantization").map(|q| (q["group_size"].as_i64().unwrap_or(64) as i32, q["bits"].as_i64().unwrap_or(4) as i32));
@@ -138,7 +141,8 @@ pub fn load(dir: &Path, dtype: Dtype) -> Result<Transformer, LoadError> {
             true => Some(QkNorm { q: t.float(&format!("{p}.self_attn.q_norm.weight"))?, k: t.float(&format!("{p}.self_attn.k_norm.weight"))? }),
             false => None,
         };
-        layers.push(LayerWeights {
+        layers.push(LoadedLayer::Attention(LayerWeights {
+            attn_gate: None,
             post_attn_norm: None,
             post_ffn_norm: None,
             qk_norm,
@@ -148,7 +152,7 @@ pub fn load(dir: &Path, dtype: Dtype) -> Result<Transformer, LoadError> {
             ffn_norm: t.float(&format!("{p}.post_attention_layernorm.weight"))?,
             gate_up: Linear::fuse(&gate_up)?,
             down: t.linear(&format!("{p}.mlp.down_proj"))?,
-        });
+        }));
     }
     let final_norm = t.float("model.norm.weight")?;
     let lm_head = if config.tied_embeddings {

@@ -20,9 +20,10 @@ use super::gemma3;
 use super::gpu::GpuDecode;
 use super::kv_batch::KvBatch;
 use super::kv_cache::{KvCache, KvQuantization};
-use super::layers::{Attention, Block, Gate, Heads, Mlp, Rope, RopeFreqs};
+use super::layers::{Attention, Block, Gate, Heads, Mixer, Mlp, Rope, RopeFreqs};
 use super::linear::{Linear, Weight};
 use super::qwen3::QkNorm;
+use super::qwen35::DeltaNet;
 
 /// One layer's weights as a loader reads them, before
 /// [`Transformer::assemble`] builds its [`Block`].
@@ -30,10 +31,36 @@ pub(super) struct LayerWeights {
     pub attn_norm: Array,
     pub qk_norm: Option<QkNorm>,
     pub qkv: Linear,
+    /// The attention output's gate (Qwen3.5).
+    pub attn_gate: Option<Linear>,
     pub attn_out: Linear,
     pub ffn_norm: Array,
     pub post_attn_norm: Option<Array>,
     pub post_ffn_norm: Option<Array>,
+    pub gate_up: Linear,
+    pub down: Linear,
+}
+
+/// A layer as a loader reads it: an attention layer's weights, or a
+/// recurrent layer's mixer built whole beside its MLP's weights.
+pub(super) enum LoadedLayer {
+    Attention(LayerWeights),
+    Recurrent(DeltaNet, MlpWeights),
+}
+
+impl LoadedLayer {
+    /// Its projections, to materialise as it loads.
+    pub fn linears(&self) -> Vec<&Linear> {
+        match self {
+            LoadedLayer::Attention(w) => [&w.qkv, &w.attn_out, &w.gate_up, &w.down].into_iter().chain(w.attn_gate.as_ref()).collect(),
+            LoadedLayer::Recurrent(d, m) => d.linears().into_iter().chain([&m.gate_up, &m.down]).collect(),
+        }
+    }
+}
+
+/// A recurrent layer's MLP weights.
+pub(super) struct MlpWeights {
+    pub ffn_norm: Array,
     pub gate_up: Linear,
     pub down: Linear,
 }
@@ -68,14 +95,19 @@ impl Transformer {
         config: ModelConfig,
         dtype: Dtype,
         embedding: Embedding,
-        layers: Vec<LayerWeights>,
+        layers: Vec<LoadedLayer>,
         final_norm: Array,
         lm_head: Linear,
         rope_periods: Option<Array>,
     ) -> Transformer {
         let c = &config;
-        let backend = AttentionBackend::pick(dtype);
-        let rope = |freqs| Rc::new(Rope { freqs, dims: c.head_dim as i32, traditional: c.rope_traditional });
+        // The CPU kernel's RoPE tables turn whole heads, and its rows know
+        // nothing of recurrent state: a hybrid model's rows attend by MLX's ops.
+        let backend = match c.hybrid {
+            Some(_) => AttentionBackend::Mlx,
+            None => AttentionBackend::pick(dtype),
+        };
+        let rope = |freqs| Rc::new(Rope { freqs, dims: c.rope_dims.unwrap_or(c.head_dim) as i32, traditional: c.rope_traditional });
         let global = rope(match rope_periods {
             Some(periods) => RopeFreqs::Periods(periods),
             None => RopeFreqs::Base(c.rope_theta),
@@ -90,34 +122,31 @@ impl Transformer {
         let blocks = layers
             .into_iter()
             .enumerate()
-            .map(|(i, w)| {
+            .map(|(i, layer)| {
+                let mlp = |norm, gate_up, down, post_norm| Mlp { norm, gate_up, down, post_norm, gate, d_ff: c.d_ff as i32, eps: c.rms_eps, dtype };
+                let w = match layer {
+                    LoadedLayer::Attention(w) => w,
+                    LoadedLayer::Recurrent(d, m) => return Block { mixer: Mixer::DeltaNet(d), mlp: mlp(m.ffn_norm, m.gate_up, m.down, None) },
+                };
                 let window = c.layer_window(i);
                 let rope = match (window, &local) {
                     (Some(_), Some(local)) => local.clone(),
                     _ => global.clone(),
                 };
                 Block {
-                    attention: Attention {
+                    mixer: Mixer::Attention(Attention {
                         norm: w.attn_norm,
                         qkv: w.qkv,
                         qk_norm: w.qk_norm,
                         out: w.attn_out,
+                        gate: w.attn_gate,
                         post_norm: w.post_attn_norm,
                         rope,
                         window,
                         heads,
                         eps: c.rms_eps,
-                    },
-                    mlp: Mlp {
-                        norm: w.ffn_norm,
-                        gate_up: w.gate_up,
-                        down: w.down,
-                        post_norm: w.post_ffn_norm,
-                        gate,
-                        d_ff: c.d_ff as i32,
-                        eps: c.rms_eps,
-                        dtype,
-                    },
+                    }),
+                    mlp: mlp(w.ffn_norm, w.gate_up, w.down, w.post_ffn_norm),
                 }
             })
             .collect();
@@ -128,17 +157,18 @@ impl Transformer {
         let c = &self.config;
         // The CPU's attention kernel reads keys stored in blocks in place.
         let cache = match self.backend {
-            AttentionBackend::CpuKernel => KvCache::with_keys_in_blocks(c.n_layers, c.n_kv_heads, c.head_dim, self.dtype),
-            AttentionBackend::Mlx => KvCache::new(c.n_layers, c.n_kv_heads, c.head_dim, self.dtype),
+            AttentionBackend::CpuKernel => KvCache::with_keys_in_blocks(c.kv_layers(), c.n_kv_heads, c.head_dim, self.dtype),
+            AttentionBackend::Mlx => KvCache::new(c.kv_layers(), c.n_kv_heads, c.head_dim, self.dtype),
         };
-        cache.with_windows(c.layer_windows()).with_quantization(self.kv_quantization).expect("checked by set_kv_quantization")
+        let cache = cache.with_windows(c.layer_windows()).with_recurrent_layers(c.n_layers - c.kv_layers());
+        cache.with_quantization(self.kv_quantization).expect("checked by set_kv_quantization")
     }
 
     /// Rows' caches turn to codes as `q` says: only where the CPU's
     /// attention kernel reads them (float32 on the CPU).
     pub fn set_kv_quantization(&mut self, q: Option<KvQuantization>) -> mlx::Result<()> {
         let c = &self.config;
-        let probe = KvCache::with_keys_in_blocks(c.n_layers, c.n_kv_heads, c.head_dim, self.dtype);
+        let probe = KvCache::with_keys_in_blocks(c.kv_layers(), c.n_kv_heads, c.head_dim, self.dtype);
         if q.is_some() && self.backend != AttentionBackend::CpuKernel {
             return Err(mlx::Error {
                 op: "kv_quantization",
@@ -152,7 +182,7 @@ impl Transformer {
 
     /// An empty batch of KV slots for this model's running rows.
     pub fn new_kv_batch(&self) -> KvBatch {
-        KvBatch::new(self.config.n_layers, self.config.n_kv_heads, self.config.head_dim, self.dtype).with_windows(self.config.layer_windows())
+        KvBatch::new(self.config.kv_layers(), self.config.n_kv_heads, self.config.head_dim, self.dtype).with_windows(self.config.layer_windows())
     }
 
     /// Bytes held by the weights.
@@ -247,8 +277,21 @@ impl Transformer {
         let mut attention = StepAttention::begin(self.backend, self.heads(), self.dtype, codes, batched, rows)?;
         let h = self.embedding.rows(&attention.ids()?, self.dtype)?; // [1, T, d]
         let mut h = gemma3::scale_embeddings(h, &self.config, self.dtype)?;
-        for (li, layer) in self.layers.iter().enumerate() {
-            h = layer.forward(&h, |a, qkv| attention.attend(li, a, qkv))?;
+        // A row's KV holds the attention layers' keys, its recurrent state
+        // the other layers', each counted in layer order.
+        let (mut kv_layer, mut state_layer) = (0, 0);
+        for layer in &self.layers {
+            h = match &layer.mixer {
+                Mixer::Attention(a) => {
+                    kv_layer += 1;
+                    a.forward(&h, |a, qkv| attention.attend(kv_layer - 1, a, qkv))?
+                }
+                Mixer::DeltaNet(d) => {
+                    state_layer += 1;
+                    d.forward(&h, |x| attention.recur(state_layer - 1, x, |x, state| d.run(x, state)))?
+                }
+            };
+            h = layer.mlp.forward(&h)?;
         }
         let slots = attention.slot_count();
         let spans = attention.finish();
@@ -282,6 +325,11 @@ impl Transformer {
         Ok(StepLogits { batched, rows, fused: false })
     }
 
+    /// The first attention layer (a model with none does not load).
+    fn first_attention(&self) -> &Attention {
+        self.layers.iter().find_map(Block::attention).expect("invariant: every model has an attention layer")
+    }
+
     fn heads(&self) -> Heads {
         let c = &self.config;
         Heads { q: c.n_heads as i32, kv: c.n_kv_heads as i32, dim: c.head_dim as i32 }
@@ -298,7 +346,7 @@ impl Transformer {
         let mask = kv.alone_mask(0, queries)?;
         let alone = AloneSlot { slot: 0, start: 0, tokens: queries, queries, offset: 0, mask: None };
         let qkv = Array::full(&[1, queries, self.heads().qkv_width() as usize], 0.0, self.dtype)?;
-        let out = attention_alone(0, &self.layers[0].attention, &qkv, &mut kv, &alone, &mask)?;
+        let out = attention_alone(0, self.first_attention(), &qkv, &mut kv, &alone, &mask)?;
         mlx::eval(&[&out])
     }
 
@@ -318,7 +366,7 @@ impl Transformer {
         let step = BatchStep::prepare(&mut rows, c.n_heads)?;
         // `full` materialises its value, so the rows are laid out as a projection's output.
         let qkv = Array::full(&[1, slots * n, self.heads().qkv_width() as usize], 0.0, self.dtype)?;
-        let out = attention_batched(0, &self.layers[0].attention, &qkv, rows.kv, &step)?;
+        let out = attention_batched(0, self.first_attention(), &qkv, rows.kv, &step)?;
         mlx::eval(&[&out])
     }
 }

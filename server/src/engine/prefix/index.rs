@@ -198,7 +198,11 @@ impl Index {
     /// The entry holding the longest block-aligned prefix of `prompt` (all
     /// but its last token: that one must run to produce the logits that
     /// start generation) in `scope` (in RAM only, when `ram_only`), and
-    /// that prefix's length.
+    /// that prefix's length. An entry that cannot be cut back to the
+    /// block-aligned length serves instead at its own whole length when the
+    /// prompt holds all of its tokens: a hybrid model's recurrent state is
+    /// only ever at its entry's length, so a session's next turn, whose
+    /// prompt carries the whole last turn, resumes there.
     pub fn longest_match(&self, scope: &Scope, prompt: &[u32], ram_only: bool) -> Option<(EntryId, usize)> {
         let usable = prompt.len().saturating_sub(1);
         let keys = self.block_keys(scope, &prompt[..usable]);
@@ -209,8 +213,15 @@ impl Index {
             // A hash collision must never serve the wrong state; and a cache
             // whose sliding-window layers dropped the keys a continuation at
             // `len` would see cannot serve it (a miss, computed afresh).
-            let usable = entry.earliest_truncation <= len && (!ram_only || entry.place == Place::Ram);
-            (usable && entry.scope == *scope && entry.tokens.len() >= len && entry.tokens[..len] == prompt[..len]).then_some((id, len))
+            let held = entry.scope == *scope && entry.tokens.len() >= len && entry.tokens[..len] == prompt[..len] && (!ram_only || entry.place == Place::Ram);
+            if !held {
+                return None;
+            }
+            if entry.earliest_truncation <= len {
+                return Some((id, len));
+            }
+            let whole = entry.tokens.len();
+            (entry.earliest_truncation <= whole && whole <= usable && prompt[len..whole] == entry.tokens[len..]).then_some((id, whole))
         })
     }
 

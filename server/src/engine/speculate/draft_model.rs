@@ -41,6 +41,14 @@ impl DraftModel {
             model.config.vocab_size,
             target_vocab
         );
+        // A draft's cache is cut back after every verification; recurrent
+        // state cannot be (see `models/state_rows.rs`).
+        anyhow::ensure!(
+            model.config.hybrid.is_none(),
+            "the draft model {} ({}) keeps recurrent state, which cannot roll back rejected drafts yet",
+            spec.path.display(),
+            model.config.arch.name()
+        );
         Ok(DraftModel { model })
     }
 

@@ -98,7 +98,7 @@ impl GpuDecode {
             return Ok(None);
         }
         let c = &m.config;
-        let rope = &m.layers[0].attention.rope;
+        let rope = &m.layers[0].attention().expect("checked by fits").rope;
         let half = c.head_dim / 2;
         let inv_freq = match &rope.freqs {
             RopeFreqs::Base(theta) => {
@@ -193,7 +193,7 @@ impl GpuDecode {
     /// notes' five kernels); `cache`: the layer's slot buffers, which the
     /// attention writes at `places` (`[rows, 2]` int32: slot, position).
     fn layer(&self, block: &Block, h: &Array, cache: (&Array, &Array), places: &Array) -> mlx::Result<Array> {
-        let (a, mlp) = (&block.attention, &block.mlp);
+        let (a, mlp) = (block.attention().expect("checked by fits"), &block.mlp);
         let qkv = self.project(h, &a.qkv, Some(&a.norm), None, 0, Dtype::BF16)?;
         let heads = self.attend(&qkv, cache.0, cache.1, places, a.qk_norm.as_ref().map(|n| (&n.q, &n.k)))?;
         let h = self.project(&heads, &a.out, None, Some(h), 0, Dtype::BF16)?;
@@ -288,15 +288,17 @@ fn fits(m: &Transformer) -> bool {
             && l.bias.as_ref().is_none_or(|b| b.dtype() == Dtype::BF16)
     };
     let layers_fit = m.layers.iter().all(|b| {
-        let (a, mlp) = (&b.attention, &b.mlp);
+        let (Some(a), mlp) = (b.attention(), &b.mlp) else { return false };
         a.window.is_none()
+            && a.gate.is_none()
+            && a.rope.dims == c.head_dim as i32
             && a.post_norm.is_none()
             && mlp.post_norm.is_none()
             && b.linears().into_iter().all(dense_bf16)
             && a.norm.dtype() == Dtype::BF16
             && mlp.norm.dtype() == Dtype::BF16
             && a.qk_norm.as_ref().is_none_or(|n| n.q.dtype() == Dtype::BF16 && n.k.dtype() == Dtype::BF16)
-            && std::rc::Rc::ptr_eq(&a.rope, &m.layers[0].attention.rope)
+            && m.layers[0].attention().is_some_and(|first| std::rc::Rc::ptr_eq(&a.rope, &first.rope))
     });
     layers_fit
         && !m.layers.is_empty()

@@ -190,7 +190,8 @@ fn lookup(rng: &mut Rng, index: &mut Index) -> bool {
     }
     if let Some((id, len)) = found {
         let e = &index.entries[&id];
-        assert!(len % BLOCK == 0 && len < prompt.len() && e.tokens[..len] == prompt[..len] && (e.scope == scope || e.scope == Scope::Shared));
+        let aligned_or_whole = len % BLOCK == 0 || (len == e.tokens.len() && e.earliest_truncation > len / BLOCK * BLOCK);
+        assert!(aligned_or_whole && len < prompt.len() && e.tokens[..len] == prompt[..len] && (e.scope == scope || e.scope == Scope::Shared));
         if rng.one_in(2) {
             index.touch(id);
         }
@@ -198,20 +199,30 @@ fn lookup(rng: &mut Rng, index: &mut Index) -> bool {
     found.is_some()
 }
 
-/// The longest match in `scope` over every key in the map, by comparing
-/// tokens (not by walking the prompt's own hash chain).
+/// The match in `scope` by comparing tokens over every key in the map
+/// (not by walking the prompt's own hash chain): of the keys whose block
+/// the prompt holds, the longest that serves, at its block-aligned length
+/// or, for an entry that cannot be cut back that far, at its whole length
+/// when the prompt holds all of its tokens.
 fn brute_longest(index: &Index, scope: &Scope, prompt: &[u32], ram_only: bool) -> Option<(EntryId, usize)> {
     let usable = prompt.len().saturating_sub(1);
-    let mut best: Option<(EntryId, usize)> = None;
+    let mut held: Vec<(usize, EntryId)> = Vec::new();
     for (key, id) in &index.keys {
         let e = &index.entries[id];
         let len = (e.keys.iter().position(|k| k == key).expect("checked: entries list their keys") + 1) * BLOCK;
-        let usable_here = e.earliest_truncation <= len && (!ram_only || e.place == Place::Ram);
-        if e.scope == *scope && len <= usable && e.tokens[..len] == prompt[..len] && usable_here && best.is_none_or(|(_, l)| len > l) {
-            best = Some((*id, len));
+        if e.scope == *scope && len <= usable && e.tokens[..len] == prompt[..len] && (!ram_only || e.place == Place::Ram) {
+            held.push((len, *id));
         }
     }
-    best
+    held.sort_unstable_by(|a, b| b.cmp(a));
+    held.into_iter().find_map(|(len, id)| {
+        let e = &index.entries[&id];
+        let whole = e.tokens.len();
+        match e.earliest_truncation <= len {
+            true => Some((id, len)),
+            false => (e.earliest_truncation <= whole && whole <= usable && prompt.starts_with(&e.tokens)).then_some((id, whole)),
+        }
+    })
 }
 
 /// Moves entry `id` out of RAM as an eviction does: to the host tier, to
