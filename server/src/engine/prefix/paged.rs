@@ -132,6 +132,10 @@ impl Pages {
     /// `cache` stored as is: one segment of its buffers (spare room included).
     fn whole(&mut self, cache: KvCache) -> mlx::Result<Paged> {
         let (_, buffers) = cache.as_stored().ok_or_else(|| mlx::Error { op: "prefix_cache", message: "a layer of the cache holds nothing".into() })?;
+        // Detached (they are evaluated, or are evaluated now): a buffer
+        // otherwise holds the last step that wrote it, or the file and base
+        // it was read back from.
+        mlx::eval_detached(&buffers.iter().flat_map(|(k, v)| [*k, *v]).collect::<Vec<_>>())?;
         let layers = buffers.into_iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         let mut table = BlockTable::default();
         table.grow(&mut self.pool, cache.len());
@@ -296,15 +300,14 @@ fn copy_positions(cache: &KvCache, from: usize, to: usize) -> mlx::Result<Vec<(A
         if to > a.dim(2) {
             return Err(mlx::Error { op: "prefix_cache", message: format!("positions up to {to} of a buffer of {}", a.dim(2)) });
         }
-        let stop = [1, heads as i32, (to - from) as i32, width as i32];
-        // Into fresh zeros: a slice alone may stay a view of the whole buffer.
-        Array::zeros(&[1, heads, to - from, width], a.dtype())?.slice_update(
-            &a.slice(&[0, 0, from as i32, 0], &[1, heads as i32, to as i32, width as i32])?,
-            &[0; 4],
-            &stop,
-        )
+        // Times one: a new buffer of exactly these values (x * 1 is x, the
+        // sign of a zero included). A slice is a view of the whole buffer,
+        // and so are MLX's copies of it when they need none (`contiguous`
+        // of one kv head, a `slice_update` covering its whole target).
+        a.slice(&[0, 0, from as i32, 0], &[1, heads as i32, to as i32, width as i32])?.multiply(&Array::scalar(1.0, a.dtype())?)
     };
     let layers = buffers.iter().map(|(k, v)| Ok((copy(k)?, copy(v)?))).collect::<mlx::Result<Vec<_>>>()?;
-    mlx::eval(&layers.iter().flat_map(|(k, v)| [k, v]).collect::<Vec<_>>())?;
+    // Detached: evaluated arrays hold their inputs, here the row's whole buffers.
+    mlx::eval_detached(&layers.iter().flat_map(|(k, v)| [k, v]).collect::<Vec<_>>())?;
     Ok(layers)
 }
