@@ -24,11 +24,11 @@ One run on one `tether serve` (protocol v1 over WebSocket):
 With --cold-files DIR, the KV files under DIR are flushed and dropped from
 the operating system's page cache after building (posix_fadvise), so a
 `disk` turn reads the device, not RAM the kernel kept.
-Printed and written (one JSON line): build time, the server's RSS and
-KV bytes in RAM and on disk after building, next-turn TTFT p50/p99 per tier,
-per restored tier its restore time p50/p99 and TTFT in the run's first
-and second halves, cached tokens, and every turn (order, tier, TTFT,
-restore seconds).
+Printed and written (one JSON line): build time, the server's RSS before
+building (the shared prefix cached) and after, KV bytes in RAM and on
+disk after building, next-turn TTFT p50/p99 per tier, per restored tier
+its restore time p50/p99 and TTFT in the run's first and second halves,
+cached tokens, and every turn (order, tier, TTFT, restore seconds).
 
 usage (the peer venv's python: aiohttp):
   sessions.py --url http://127.0.0.1:PORT --server-pid PID --label L --setting S --out R.jsonl
@@ -130,6 +130,8 @@ async def run(args):
     async with aiohttp.ClientSession() as http:
         _, done, _ = await turn(http, ws_url, {"prompt": shared, "max_tokens": 0, "cache": "shared"})
         log(f"shared prefix: {done['usage']['prompt_tokens']} tokens")
+        await asyncio.sleep(2)  # idle: the engine returns freed pages to the system
+        rss_base = rss_bytes(args.server_pid) if args.server_pid else None
         started = time.perf_counter()
         sessions = []
         for i in range(args.sessions):
@@ -182,7 +184,8 @@ async def run(args):
         row = {
             "label": args.label, "setting": args.setting, "sessions": args.sessions,
             "history_tokens": statistics.median(s["history_tokens"] for s in sessions),
-            "build_s": build_s, "cold_files": bool(args.cold_files), "rss_bytes": rss, "kv_ram_bytes": ram_bytes, "kv_disk_bytes": disk_bytes,
+            "build_s": build_s, "cold_files": bool(args.cold_files), "rss_bytes": rss, "rss_base_bytes": rss_base,
+            "kv_ram_bytes": ram_bytes, "kv_disk_bytes": disk_bytes,
             "kv_host_bytes": host_bytes, "cached_tokens_p50": statistics.median(cached),
             "tiers": {t: {"turns": len(v), "ttft_p50_s": pct(v, 50), "ttft_p99_s": pct(v, 99)} for t, v in by_tier.items()},
         }
@@ -221,6 +224,10 @@ def report(path):
         rss = (r["rss_bytes"] or 0) / 2**30
         print(f"  {r['setting']}: {per_session / 2**20:.1f} MiB of KV a session (all tiers); "
               f"{r['sessions'] / rss if rss else 0:.0f} sessions per GiB of server RSS")
+        if r.get("rss_base_bytes") and r["rss_bytes"]:
+            grown = (r["rss_bytes"] - r["rss_base_bytes"]) / r["sessions"]
+            print(f"  {r['setting']}: RSS grew {grown / 2**20:.1f} MiB a session (from {r['rss_base_bytes'] / 2**30:.2f} GiB "
+                  f"with the shared prefix cached)")
         for t, v in sorted(r["tiers"].items()):
             if "restore_p50_s" in v:
                 first, second = v["ttft_p50_by_half_s"]

@@ -270,6 +270,15 @@ pub fn eval(arrays: &[&Array]) -> Result<()> {
     bridge::eval_list(&list).map_err(|e| Error::from_cxx("eval", e))
 }
 
+/// Evaluates `arrays`, then cuts each from the graph that computed it, so
+/// it keeps only its own data: an evaluated array otherwise holds its
+/// inputs while it lives (a copy of a slice would keep the whole buffer
+/// it was sliced from).
+pub fn eval_detached(arrays: &[&Array]) -> Result<()> {
+    eval(arrays)?;
+    arrays.iter().try_for_each(|a| bridge::detach(a.raw()).map_err(|e| Error::from_cxx("detach", e)))
+}
+
 /// Starts evaluating `arrays` without waiting; a later `eval` or readback waits.
 pub fn async_eval(arrays: &[&Array]) -> Result<()> {
     let list = make_list("async_eval", arrays)?;

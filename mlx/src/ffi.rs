@@ -41,6 +41,7 @@ pub(crate) mod bridge {
 
         fn eval_one(a: &Array) -> Result<()>;
         fn eval_list(list: &ArrayList) -> Result<()>;
+        fn detach(a: &Array) -> Result<()>;
         fn async_eval_list(list: &ArrayList) -> Result<()>;
         fn to_f32_vec(a: &Array) -> Result<Vec<f32>>;
         fn to_i32_vec(a: &Array) -> Result<Vec<i32>>;

@@ -23,8 +23,8 @@ mod safetensors;
 
 pub use array::{
     async_eval, concatenate, cpu_dequantize, cpu_five_bit_codes_fast, cpu_isa, cpu_pack_panels, cpu_panel_matmul, cpu_panels_supported, cpu_quantized_matmul,
-    cpu_quantized_matmul_fused, cpu_quantized_matmul_max_rows, dequantize, eval, pack_5bit_codes, quantize, quantized_matmul, stack, where_, Array, QmmFusion,
-    QuantizedWeights,
+    cpu_quantized_matmul_fused, cpu_quantized_matmul_max_rows, dequantize, eval, eval_detached, pack_5bit_codes, quantize, quantized_matmul, stack, where_,
+    Array, QmmFusion, QuantizedWeights,
 };
 pub use dtype::Dtype;
 pub use error::{Error, Result};

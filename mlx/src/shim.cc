@@ -133,6 +133,7 @@ std::unique_ptr<Array> astype(const Array& a, uint8_t dt) { return boxed(mx::ast
 
 void eval_one(const Array& a) { mx::eval({a}); }
 void eval_list(const ArrayList& l) { mx::eval(l.items); }
+void detach(const Array& a) { mx::array(a).detach(); }
 void async_eval_list(const ArrayList& l) { mx::async_eval(l.items); }
 rust::Vec<float> to_f32_vec(const Array& a) { return read_back<float>(a, mx::float32); }
 rust::Vec<int32_t> to_i32_vec(const Array& a) { return read_back<int32_t>(a, mx::int32); }

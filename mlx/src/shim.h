@@ -65,6 +65,9 @@ std::unique_ptr<Array> astype(const Array& a, uint8_t dtype);
 // ---- evaluation and readback
 void eval_one(const Array& a);
 void eval_list(const ArrayList& list);
+// Cuts an evaluated array from the graph that computed it: it keeps its
+// data only, and what it was computed from can be freed.
+void detach(const Array& a);
 void async_eval_list(const ArrayList& list);
 rust::Vec<float> to_f32_vec(const Array& a);
 rust::Vec<int32_t> to_i32_vec(const Array& a);

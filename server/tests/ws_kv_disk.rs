@@ -94,18 +94,19 @@ async fn idle_sessions_of_eight_bit_kv_go_to_disk_and_come_back_exactly() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_sessions_after_a_shared_system_prompt_file_only_their_own_part() {
-    // The shared prompt's entry and one session's history (~11.8 MB each,
-    // 256 positions of capacity) fit in 26 MB; the other sessions go to disk
-    // as their positions past the shared prompt's first 128 (whole key
-    // blocks): about half a history each.
-    sessions_go_to_disk_and_come_back_exactly(None, 26 << 20, Some(SYSTEM), 0).await;
+    // The shared prompt's entry (~11.8 MB, 256 positions of capacity) and
+    // one session's own blocks (it shares the prompt's first two: positions
+    // 128..256, ~5.9 MB) fit in 20 MiB, two sessions' do not; the other
+    // sessions go to disk as their positions past the shared prompt's first
+    // 128 (whole key blocks): about half a history each.
+    sessions_go_to_disk_and_come_back_exactly(None, 20 << 20, Some(SYSTEM), 0).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_sessions_in_the_host_tier_come_back_exactly() {
     // As above, with 8 MB of host tier: it keeps one session's file (about
     // 6 MB) in memory, and the others go on to disk.
-    sessions_go_to_disk_and_come_back_exactly(None, 26 << 20, Some(SYSTEM), 8 << 20).await;
+    sessions_go_to_disk_and_come_back_exactly(None, 20 << 20, Some(SYSTEM), 8 << 20).await;
 }
 
 /// Sessions of a server whose RAM holds `ram_bytes` of history (about one

@@ -4,7 +4,7 @@
 use tether_sched::{EngineEvent, Finish, FinishInfo, RequestId, RequestProgress, RowView, StopHandle, StopReason};
 
 use super::api::SubmitRequest;
-use super::prefix::{Hit, LentHistory};
+use super::prefix::{Hit, LentHistory, Origin};
 use super::speculate::{Drafter, Proposal};
 use crate::models::{Kv, KvCache, RowKv, Transformer};
 use crate::sample::Sampler;
@@ -26,6 +26,9 @@ pub(super) struct Row {
     /// entry, lent whole (it left the cache): a cancelled turn gives that
     /// history back.
     pub lent: Option<LentHistory>,
+    /// The prefix-cache entry its state was copied from, when it resumed
+    /// from one in RAM: its stored state shares that entry's blocks.
+    pub origin: Option<Origin>,
     /// Where a speculating row's drafts come from (its depth and counters
     /// are in its progress).
     pub drafter: Option<Drafter>,
@@ -62,7 +65,7 @@ impl Row {
             None => Drafter::new(&request.speculation, draft_model, progress.constraint.is_some()).unzip(),
         };
         progress.drafting = drafting;
-        Ok(Row { progress, request, events, stop, kv_bytes, kv: RowKv::Own(cache), sampler, lent: None, drafter })
+        Ok(Row { progress, request, events, stop, kv_bytes, kv: RowKv::Own(cache), sampler, lent: None, origin: None, drafter })
     }
 
     pub fn id(&self) -> RequestId {
@@ -88,10 +91,11 @@ impl Row {
 
     /// Starts this row from a prefix-cache hit of `len` prompt tokens.
     pub fn resume_from(&mut self, hit: Hit) {
-        let (cache, len, lent) = hit.into_parts();
+        let (cache, len, lent, origin) = hit.into_parts();
         self.kv = RowKv::Own(cache);
         self.progress.resume_from_cache(len);
         self.lent = lent;
+        self.origin = origin;
     }
 
     /// Hands the history a cancelled turn was lent back to its lease,
@@ -105,15 +109,15 @@ impl Row {
     }
 
     /// The tokens whose keys and values its own cache holds, with the
-    /// cache; `None` for a row whose KV is still a batch slot (see the
-    /// engine's `take_row`).
-    pub fn into_cached_state(self) -> Option<(Vec<u32>, KvCache)> {
+    /// cache and the entry it resumed from; `None` for a row whose KV is
+    /// still a batch slot (see the engine's `take_row`).
+    pub fn into_cached_state(self) -> Option<(Vec<u32>, KvCache, Option<Origin>)> {
         let len = self.progress.cached_len(self.kv.offset());
         let RowKv::Own(mut cache) = self.kv else { return None };
         let mut tokens = self.progress.tokens;
         tokens.truncate(len);
         cache.truncate(len);
-        Some((tokens, cache))
+        Some((tokens, cache, self.origin))
     }
 
     /// This decode step's drafts: as many as the source offers within the

@@ -369,8 +369,8 @@ impl Engine {
         let events = row.events.clone();
         match scope {
             Some(scope) => {
-                if let Some((tokens, cache)) = row.into_cached_state() {
-                    self.prefix.insert(scope, tokens, cache);
+                if let Some((tokens, cache, origin)) = row.into_cached_state() {
+                    self.prefix.insert_continuing(scope, tokens, cache, origin);
                 }
             }
             // Frees the KV cache before the consumer hears about it (a lent

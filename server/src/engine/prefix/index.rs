@@ -342,6 +342,19 @@ impl Index {
         self.entries.insert(id, entry);
     }
 
+    /// Entry `id`, in RAM, now takes `bytes` there (the buffers it is
+    /// booked for changed: another entry sharing them left).
+    pub fn reweigh(&mut self, id: EntryId, bytes: usize) {
+        let Some(mut entry) = self.entries.remove(&id) else { return };
+        if entry.place == Place::Ram {
+            self.book(&entry, false);
+            (entry.bytes, entry.kib) = (bytes, kib(bytes));
+            self.book(&entry, true);
+            self.policy.insert(id, entry.kib);
+        }
+        self.entries.insert(id, entry);
+    }
+
     /// The entry that has been in `place` longest.
     pub fn oldest(&self, place: Place) -> Option<EntryId> {
         self.entries.iter().filter(|(_, e)| e.place == place).min_by_key(|(_, e)| e.since).map(|(id, _)| *id)

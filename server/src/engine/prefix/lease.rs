@@ -20,23 +20,27 @@
 use std::sync::mpsc;
 
 use super::index::Scope;
+use super::Origin;
 use crate::models::KvCache;
 
 /// A prefix-cache hit: KV state holding the first `len` tokens of the prompt.
 pub enum Hit {
-    /// A snapshot: the entry stays cached, and the turn's first write to
-    /// each buffer copies it (copy-on-write).
-    Shared { cache: KvCache, len: usize },
+    /// A copy: the entry stays cached (a copy-on-write snapshot of a cache
+    /// stored as is, or its blocks copied out). `origin` names it while it
+    /// is in RAM, for the turn's own entry to share its blocks.
+    Shared { cache: KvCache, len: usize, origin: Option<Origin> },
     /// The session's own entry, handed over: it left the cache, and
     /// `lease` takes the history back if the turn is cancelled.
     Lent { cache: KvCache, len: usize, lease: LentHistory },
 }
 
 impl Hit {
-    pub fn into_parts(self) -> (KvCache, usize, Option<LentHistory>) {
+    /// The state, its length, the lease on a lent history, and where a
+    /// copy came from.
+    pub fn into_parts(self) -> (KvCache, usize, Option<LentHistory>, Option<Origin>) {
         match self {
-            Hit::Shared { cache, len } => (cache, len, None),
-            Hit::Lent { cache, len, lease } => (cache, len, Some(lease)),
+            Hit::Shared { cache, len, origin } => (cache, len, None, origin),
+            Hit::Lent { cache, len, lease } => (cache, len, Some(lease), None),
         }
     }
 }

@@ -10,8 +10,9 @@
 //! - [`index`]: pure bookkeeping (no MLX): block hash chains, scopes,
 //!   replacement, live/idle eviction order under moka's policy, and which
 //!   entry is in RAM, the host tier or on disk;
-//! - [`store`]: the entries' MLX state, copy-on-write snapshots and the
-//!   restores from files;
+//! - [`store`]: the entries' MLX state, kept in blocks shared by reference
+//!   between the entries that continue one another ([`paged`], over the
+//!   pure block pool of [`blocks`]), and the restores from files;
 //! - [`tiers`]: the host and disk tiers below RAM ([`disk_tier`] writes the
 //!   files), and whether restoring from them pays.
 //!
@@ -25,9 +26,11 @@
 //! index's entry ids. Everything runs on the engine thread: moka's eviction
 //! listener only queues ids, which [`PrefixCache::maintain`] (called on a
 //! fixed step cadence) acts on.
+mod blocks;
 mod disk_tier;
 mod index;
 mod lease;
+mod paged;
 mod stats;
 mod store;
 #[cfg(test)]
@@ -46,6 +49,15 @@ use store::Store;
 use tiers::Tiers;
 
 use crate::models::KvCache;
+
+/// Where a turn's state came from: the first `len` positions of entry
+/// `id` in RAM. A turn that stores its state names it, so its entry takes
+/// those positions' blocks by reference instead of a copy (see [`paged`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Origin {
+    id: EntryId,
+    len: usize,
+}
 
 pub struct PrefixCache {
     index: Index,
@@ -116,10 +128,10 @@ impl PrefixCache {
             };
             let lent = if lend { self.lend(id, len) } else { None };
             // A file that cannot serve is gone now: look again.
-            let (mut cache, lease) = match lent {
-                Some((cache, lease)) => (cache, Some(lease)),
-                None => match self.state_of(id) {
-                    Some(cache) => (cache, None),
+            let (mut cache, lease, origin) = match lent {
+                Some((cache, lease)) => (cache, Some(lease), None),
+                None => match self.state_of(id, len) {
+                    Some((cache, origin)) => (cache, None, origin),
                     None => continue,
                 },
             };
@@ -129,16 +141,17 @@ impl PrefixCache {
             self.stats.hit_tokens += len as u64;
             return Some(match lease {
                 Some(lease) => Hit::Lent { cache, len, lease },
-                None => Hit::Shared { cache, len },
+                None => Hit::Shared { cache, len, origin },
             });
         }
     }
 
     /// Entry `id`'s state taken out of the cache with a lease on its first
-    /// `len` tokens, when it is a session's own and in RAM; otherwise
-    /// `None` and nothing changes.
+    /// `len` tokens, when it is a session's own, in RAM and shares no block
+    /// with another entry (a cache stored as is); otherwise `None` and
+    /// nothing changes.
     fn lend(&mut self, id: EntryId, len: usize) -> Option<(KvCache, LentHistory)> {
-        let lendable = self.index.get(id).is_some_and(|e| e.scope != Scope::Shared && e.place == Place::Ram);
+        let lendable = self.index.get(id).is_some_and(|e| e.scope != Scope::Shared && e.place == Place::Ram) && self.store.lendable(id);
         if !lendable {
             return None;
         }
@@ -152,26 +165,46 @@ impl PrefixCache {
     /// replacing the entries of the same scope whose every whole block it
     /// holds (see [`index`]). Room is made from idle sessions' entries
     /// first; the policy evicts live ones only when they cannot free enough.
+    #[cfg(test)]
     pub fn insert(&mut self, scope: Scope, tokens: Vec<u32>, cache: KvCache) {
-        self.take_back();
-        self.insert_now(scope, tokens, cache);
+        self.insert_continuing(scope, tokens, cache, None);
     }
 
-    fn insert_now(&mut self, scope: Scope, tokens: Vec<u32>, cache: KvCache) {
+    /// [`insert`](Self::insert) for a turn that resumed from `origin` (its
+    /// hit's): the positions it resumed from are that entry's blocks,
+    /// taken by reference when the entry is still in RAM.
+    pub fn insert_continuing(&mut self, scope: Scope, tokens: Vec<u32>, cache: KvCache, origin: Option<Origin>) {
+        self.take_back();
+        self.insert_now(scope, tokens, cache, origin);
+    }
+
+    fn insert_now(&mut self, scope: Scope, tokens: Vec<u32>, cache: KvCache, origin: Option<Origin>) {
         debug_assert_eq!(tokens.len(), cache.len());
         let new = self.index.keyed(scope, tokens);
         if new.is_empty() {
             return;
         }
+        let earliest_truncation = cache.earliest_truncation();
+        // Paged first: the origin is often an entry the new one replaces.
+        let paged = match self.store.page(cache, origin) {
+            Ok(paged) => paged,
+            Err(e) => {
+                eprintln!("warning: a turn's KV state could not be stored ({e})");
+                return;
+            }
+        };
         for id in self.index.replaced_by(&new) {
             self.remove(id);
         }
-        let bytes = cache.nbytes();
-        for id in self.index.room_for(bytes) {
+        for id in self.index.room_for(self.store.unowned_bytes(&paged)) {
             self.evict(id);
         }
-        let id = self.index.insert(new, bytes, cache.earliest_truncation());
-        self.store.put(id, cache);
+        // What it adds to RAM: its own blocks' buffers, and those of the
+        // entries it shares that left meanwhile.
+        let bytes = self.store.unowned_bytes(&paged);
+        let id = self.index.insert(new, bytes, earliest_truncation);
+        self.store.put(id, paged);
+        debug_assert_eq!(self.store.owned_bytes(id), bytes);
         if self.index.booked(Place::Ram).1 > self.index.budget_bytes() {
             self.maintain_now();
         }
@@ -235,15 +268,24 @@ impl PrefixCache {
     /// Stores the histories lent and handed back since the last operation.
     fn take_back(&mut self) {
         while let Ok((scope, tokens, cache)) = self.returns.1.try_recv() {
-            self.insert_now(scope, tokens, cache);
+            self.insert_now(scope, tokens, cache, None);
         }
     }
 
     /// Entry `id` gone from the index, the store and its tier.
     fn remove(&mut self, id: EntryId) {
         if let Some(entry) = self.index.remove(id) {
-            self.store.remove(id);
+            let rebooked = self.store.remove(id);
+            self.rebook(rebooked);
             self.tiers.forget(id, entry.place);
+        }
+    }
+
+    /// `ids` are now booked for buffers an entry that left was: their
+    /// bytes in the index follow, so the budget counts every buffer once.
+    fn rebook(&mut self, ids: Vec<EntryId>) {
+        for id in ids {
+            self.index.reweigh(id, self.store.owned_bytes(id));
         }
     }
 }

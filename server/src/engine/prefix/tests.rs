@@ -4,6 +4,7 @@
 use mlx::{Array, Dtype};
 
 use super::*;
+use crate::models::{KvQuantization, LayerKv};
 
 /// A 2-layer cache of `tokens.len()` positions whose values are `salt`
 /// plus the position: 64 KiB of buffers (256 positions of capacity).
@@ -51,7 +52,7 @@ fn store(cache: &mut PrefixCache, n: u32, salt: f32) {
 
 /// A hit that must be a snapshot (the entry stays), as state and length.
 fn snapshot(hit: Hit) -> (KvCache, usize) {
-    let (cache, len, lent) = hit.into_parts();
+    let (cache, len, lent, _) = hit.into_parts();
     assert!(lent.is_none(), "a snapshot was asked for");
     (cache, len)
 }
@@ -353,4 +354,174 @@ fn a_closed_session_leaves_no_files() {
     // The removals are queued: a read of a removed file queues behind them.
     assert!(cache.tiers.disk.as_mut().unwrap().read(1).is_err());
     assert_eq!(std::fs::read_dir(folder).unwrap().count(), 0);
+}
+
+/// The KV layouts a paged entry must keep: floats with keys in position
+/// order (a GPU's), in blocks (the CPU's), and 8- and 4-bit codes.
+fn layouts() -> Vec<KvCache> {
+    let blocks = || KvCache::with_keys_in_blocks(2, 2, 8, Dtype::F32);
+    let codes = |bits| blocks().with_quantization(Some(KvQuantization { bits, group: 8, start: 0 })).unwrap();
+    vec![KvCache::new(2, 2, 8, Dtype::F32), blocks(), codes(8), codes(4)]
+}
+
+/// `layout` holding `tokens.len()` positions whose values are `salt` plus
+/// the position.
+fn state_in(layout: &KvCache, tokens: &[u32], salt: f32) -> KvCache {
+    let (heads, dim, len) = (2, 8, tokens.len());
+    let data: Vec<f32> = (0..heads * len * dim).map(|i| salt + ((i / dim) % len) as f32 / 64.0).collect();
+    let a = Array::from_f32(&data, &[1, heads, len, dim]).unwrap();
+    let mut cache = layout.emptied();
+    cache.fill(&[(a.clone(), a.clone()), (a.clone(), a)], len, 0).unwrap();
+    cache
+}
+
+/// A turn resumed from `hit`: positions up to `len` written after it as
+/// a step would (values `salt` plus the position).
+fn continued(mut cache: KvCache, len: usize, salt: f32) -> KvCache {
+    let (heads, dim, start) = (2, 8, cache.len());
+    let n = len - start;
+    let data: Vec<f32> = (0..n * heads * dim).map(|i| salt + (start + i / (heads * dim)) as f32 / 64.0).collect();
+    let a = Array::from_f32(&data, &[n, heads, 1, dim]).unwrap();
+    cache.reserve(n).unwrap();
+    for layer in 0..2 {
+        cache.write_step(layer, &a, &a, 0, n).unwrap();
+    }
+    cache.advance(n);
+    cache
+}
+
+fn values(cache: &KvCache) -> Vec<Vec<f32>> {
+    (0..2)
+        .flat_map(|l| {
+            let (k, v) = cache.positions(l).unwrap().unwrap();
+            [k.to_vec_f32().unwrap(), v.to_vec_f32().unwrap()]
+        })
+        .collect()
+}
+
+/// One turn of session `n` over `prompt`: its hit, then the turn writes
+/// up to the prompt's end and stores its state naming the hit's entry.
+/// Returns the hit's length and the state stored (its values).
+fn turn(cache: &mut PrefixCache, layout: &KvCache, n: u32, prompt: &[u32]) -> (usize, Vec<Vec<f32>>) {
+    let (kv, len, lent, origin) = cache.lookup(&session(n), prompt, None, true).expect("a hit").into_parts();
+    assert!(lent.is_none(), "an entry that shares blocks is not lent");
+    assert_eq!(kv.geometry(), layout.geometry());
+    let kv = continued(kv, prompt.len(), 10.0 * (n + 1) as f32);
+    let stored = values(&kv);
+    cache.insert_continuing(session(n), prompt.to_vec(), kv, origin);
+    (len, stored)
+}
+
+/// Sessions that resumed from a shared prompt hold it once: each entry
+/// takes the prompt's blocks by reference (the partial block its turn
+/// wrote into is its own copy) and copies only its own positions; every
+/// session reads back exactly what its turn held; the bytes booked are
+/// the buffers held, each once, also after the shared entry goes; and
+/// with every entry gone no block is left. In every KV layout.
+#[test]
+fn sessions_resumed_from_a_shared_prompt_hold_it_once() {
+    let _device = mlx::set_default_device(mlx::Device::Cpu);
+    for layout in layouts() {
+        let mut cache = PrefixCache::new(64 << 20, 16, 7);
+        // 216 tokens: a hit of 208, inside the prompt's fourth block.
+        let shared: Vec<u32> = (0..216).map(|t| 9000 + t).collect();
+        cache.insert(Scope::Shared, shared.clone(), state_in(&layout, &shared, 0.0));
+        let shared_bytes = cache.stats().bytes;
+        let per_position = shared_bytes / 256; // its room: 256 positions
+        let mut prompts = Vec::new();
+        let mut stored = Vec::new();
+        for n in 0..8 {
+            let prompt = [&shared[..], &(0..104).map(|t| n * 1000 + t).collect::<Vec<u32>>()].concat();
+            let (len, state) = turn(&mut cache, &layout, n, &prompt);
+            assert_eq!(len, 208);
+            prompts.push(prompt);
+            stored.push(state);
+        }
+        // Each session's own blocks: positions 192..320 (the copied
+        // partial block and its own), not the 320 it holds.
+        let s = cache.stats();
+        assert_eq!((s.entries, s.lent), (9, 0));
+        assert_eq!(s.bytes, shared_bytes + 8 * 128 * per_position, "{:?}", layout.codes());
+        assert_eq!(cache.store.held().1, s.bytes, "booked bytes are the buffers held");
+        // The next turn of each shares its last turn's blocks.
+        for n in 0..8u32 {
+            let mut prompt = prompts[n as usize].clone();
+            prompt.extend((0..48).map(|t| n * 1000 + 500 + t));
+            let (len, state) = turn(&mut cache, &layout, n, &prompt);
+            assert_eq!(len, 320);
+            prompts[n as usize] = prompt;
+            stored[n as usize] = state;
+        }
+        let check = |cache: &mut PrefixCache, prompts: &[Vec<u32>], stored: &[Vec<Vec<f32>>]| {
+            for (n, (prompt, state)) in prompts.iter().zip(stored).enumerate() {
+                let mut asked = prompt.clone();
+                asked.push(1);
+                let (kv, len, ..) = cache.lookup(&session(n as u32), &asked, None, false).expect("its entry").into_parts();
+                assert_eq!((len, &values(&kv)), (prompt.len(), state), "session {n}");
+            }
+            assert_eq!(cache.store.held().1, cache.stats().bytes);
+        };
+        check(&mut cache, &prompts, &stored);
+        assert_eq!(cache.stats().entries, 9, "each turn replaced the one before");
+        // The shared entry goes; the sessions keep its blocks, booked now to one of them.
+        cache.drop_scope(&Scope::Shared);
+        assert_eq!(cache.stats().entries, 8);
+        check(&mut cache, &prompts, &stored);
+        for n in 0..8 {
+            cache.drop_scope(&session(n));
+        }
+        assert_eq!(cache.store.held(), (0, 0), "every block freed");
+        assert_eq!(cache.stats().bytes, 0);
+    }
+}
+
+/// Entries that share blocks go to the tiers as whole files (a session's
+/// without the shared prompt) and come back whole; the budget counts a
+/// shared block once, so sixteen sessions fit where whole copies would not.
+#[test]
+fn shared_blocks_are_counted_once_and_tiers_still_serve() {
+    let _device = mlx::set_default_device(mlx::Device::Cpu);
+    let layout = KvCache::with_keys_in_blocks(2, 2, 8, Dtype::F32);
+    // Room for the shared prompt (64 KiB) and 16 sessions' own 32 KiB,
+    // not for 16 copies of the prompt.
+    let (_dir, cache) = tiered("paged", 1 << 10);
+    let mut cache = PrefixCache { index: index::Index::new((64 + 16 * 32 + 8) << 10, 16, 7), ..cache };
+    let shared: Vec<u32> = (0..216).map(|t| 9000 + t).collect();
+    cache.insert(Scope::Shared, shared.clone(), state_in(&layout, &shared, 0.0));
+    let mut stored = Vec::new();
+    for n in 0..16 {
+        let prompt = [&shared[..], &(0..104).map(|t| n * 1000 + t).collect::<Vec<u32>>()].concat();
+        stored.push((prompt.clone(), turn(&mut cache, &layout, n, &prompt).1));
+        cache.set_scope_live(&session(n), false);
+    }
+    cache.maintain();
+    let s = cache.stats();
+    assert_eq!((s.entries, s.evictions), (17, 0), "{s:?}");
+    // Two sessions go to disk and come back whole.
+    for n in [3, 11] {
+        let id = cache.index.ids_of(&session(n), None)[0];
+        cache.evict(id);
+    }
+    assert_eq!(cache.stats().disk.entries, 2);
+    assert_eq!(cache.store.held().1, cache.stats().bytes);
+    let shared_id = cache.index.ids_of(&Scope::Shared, None)[0];
+    for n in [3, 11, 5] {
+        let (prompt, state) = &stored[n as usize];
+        let mut asked = prompt.clone();
+        asked.push(1);
+        let (kv, len, _, origin) = cache.lookup(&session(n), &asked, None, false).expect("a hit").into_parts();
+        assert_eq!((len, &values(&kv)), (prompt.len(), state), "session {n}");
+        // Read back from disk on top of the shared entry's first 192
+        // positions, it names that entry, so its next state shares them.
+        let from_disk = n != 5;
+        assert_eq!(origin.map(|o| o.id) == Some(shared_id), from_disk, "session {n}: {origin:?}");
+    }
+    assert_eq!(cache.stats().disk.hits, 2);
+    let (kv, _, _, origin) = cache.lookup(&session(3), &[&stored[3].0[..], &[1]].concat(), None, false).unwrap().into_parts();
+    let before = cache.stats().bytes;
+    let longer = [&stored[3].0[..], &[7; 64]].concat();
+    cache.insert_continuing(session(3), longer.clone(), continued(kv, longer.len(), 5.0), origin);
+    // Blocks 3..6 of its own (positions 192..384), its file superseded.
+    assert_eq!(cache.stats().bytes - before, 192 * 256, "{:?}", cache.stats());
+    assert_eq!(cache.store.held().1, cache.stats().bytes);
 }

@@ -117,7 +117,10 @@ impl PrefixCache {
             Scope::Session(_) => self.index.longest_match(&Scope::Shared, &entry.tokens, false).map_or(0, |(_, len)| len),
         };
         let file = match self.store.send_away(id, &entry.tokens, base) {
-            Ok(file) => file,
+            Ok((file, rebooked)) => {
+                self.rebook(rebooked);
+                file
+            }
             Err(e) => {
                 eprintln!("warning: a prefix-cache entry could not be encoded ({e}); it is dropped");
                 return self.remove(id);

@@ -3,7 +3,7 @@
 //! invariants in the module doc and against brute force over the entries.
 //! The operations are the ones the cache composes: insert (replacement,
 //! room from idle sessions, the new entry), lookup, moves between RAM and
-//! the tiers, removal, a scope dropped, a session going idle or live, and
+//! the tiers, an entry reweighed (shared blocks rebooked), removal, a scope dropped, a session going idle or live, and
 //! moka's maintenance. The sequence is fixed by the seed; moka's own
 //! choices may vary between runs (its hasher is seeded at random), and the
 //! invariants must hold for any of them.
@@ -74,10 +74,19 @@ fn random_operations_keep_the_invariants() {
                     leave_ram(&mut rng, &mut index, id);
                 }
             }
-            65..70 => {
+            65..68 => {
                 if let Some(id) = rng.pick(&index.ids_in(None).into_iter().filter(|id| !index.in_ram(*id)).collect::<Vec<_>>()) {
                     let bytes = 1 + rng.below(5 << 10);
                     index.move_to(id, Place::Ram, bytes);
+                }
+            }
+            // Another entry sharing blocks left: one in RAM is booked for more (or less).
+            68..70 => {
+                if let Some(id) = rng.pick(&index.ids_in(None)) {
+                    let (place, bytes) = (index.get(id).unwrap().place, rng.below(5 << 10));
+                    index.reweigh(id, bytes);
+                    let expected = if place == Place::Ram { bytes } else { index.get(id).unwrap().bytes };
+                    assert_eq!(index.get(id).unwrap().bytes, expected, "op {op}: only an entry in RAM is reweighed");
                 }
             }
             70..75 => {
