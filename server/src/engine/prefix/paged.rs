@@ -23,7 +23,9 @@
 //!
 //! What does not share yet: caches with window layers (their window
 //! layers drop their first positions, so positions are not buffer rows)
-//! are stored whole and never shared. An entry that shares blocks is
+//! and caches holding a hybrid model's recurrent state (a state is of one
+//! length only, not of blocks: `models/state_rows.rs`) are stored whole
+//! and never shared. An entry that shares blocks is
 //! restored for a turn as one cache again (a copy of its history, as a
 //! copy-on-write snapshot costs): rows do not read through block tables
 //! yet (docs/architecture.md, "Paged KV").
@@ -62,8 +64,9 @@ pub(super) struct Paged {
     /// An empty cache of the state's form, restored into.
     shape: KvCache,
     codes: KvCodes,
-    /// Window layers: stored whole, never shared.
-    windows: bool,
+    /// Whether its blocks may be shared: not for window layers or
+    /// recurrent state (see the module's notes), which are stored whole.
+    shareable: bool,
 }
 
 impl Paged {
@@ -94,7 +97,7 @@ impl Pages {
     /// copied into a segment of its own; otherwise the cache is the
     /// segment. Held by no entry until [`hold`](Self::hold).
     pub fn page(&mut self, cache: KvCache, origin: Option<(&Paged, usize)>) -> mlx::Result<Paged> {
-        let origin = origin.filter(|(o, _)| !o.windows && !cache.has_windows() && o.codes == cache.codes() && o.shape.geometry() == cache.geometry());
+        let origin = origin.filter(|(o, _)| o.shareable && shareable(&cache) && o.codes == cache.codes() && o.shape.geometry() == cache.geometry());
         let Some((origin, resumed)) = origin else { return self.whole(cache) };
         let resumed = resumed.min(cache.len()).min(origin.len());
         if resumed < BLOCK {
@@ -121,36 +124,42 @@ impl Pages {
                     return Err(e);
                 }
             };
-            let id = self.add_segment(layers, None, &table.blocks()[first..]);
+            let bytes = layers.iter().map(|(k, v)| k.nbytes() + v.nbytes()).sum();
+            let id = self.add_segment(layers, None, bytes, &table.blocks()[first..]);
             segments.push(id);
         }
         segments.sort_unstable();
         segments.dedup();
-        Ok(Paged { table, segments, shape: cache.emptied(), codes: cache.codes(), windows: false })
+        Ok(Paged { table, segments, shape: cache.emptied(), codes: cache.codes(), shareable: true })
     }
 
-    /// `cache` stored as is: one segment of its buffers (spare room included).
+    /// `cache` stored as is: one segment of its buffers (spare room
+    /// included; a recurrent state's arrays too, though only its KV can
+    /// be gathered, and it never is: such a cache is not shareable).
     fn whole(&mut self, cache: KvCache) -> mlx::Result<Paged> {
-        let (_, buffers) = cache.as_stored().ok_or_else(|| mlx::Error { op: "prefix_cache", message: "a layer of the cache holds nothing".into() })?;
+        let layers: Vec<(Array, Array)> = match cache.as_stored() {
+            Some((_, buffers)) => buffers.into_iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            None if cache.recurrent().is_some() => Vec::new(),
+            None => return Err(mlx::Error { op: "prefix_cache", message: "a layer of the cache holds nothing".into() }),
+        };
         // Detached (they are evaluated, or are evaluated now): a buffer
         // otherwise holds the last step that wrote it, or the file and base
         // it was read back from.
-        mlx::eval_detached(&buffers.iter().flat_map(|(k, v)| [*k, *v]).collect::<Vec<_>>())?;
-        let layers = buffers.into_iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        mlx::eval_detached(&cache.buffers())?;
         let mut table = BlockTable::default();
         table.grow(&mut self.pool, cache.len());
-        let (shape, codes, windows) = (cache.emptied(), cache.codes(), cache.has_windows());
-        let id = self.add_segment(layers, Some(cache), table.blocks());
-        Ok(Paged { table, segments: vec![id], shape, codes, windows })
+        let (shape, codes, shareable) = (cache.emptied(), cache.codes(), shareable(&cache));
+        let bytes = cache.nbytes();
+        let id = self.add_segment(layers, Some(cache), bytes, table.blocks());
+        Ok(Paged { table, segments: vec![id], shape, codes, shareable })
     }
 
-    fn add_segment(&mut self, layers: Vec<(Array, Array)>, cache: Option<KvCache>, blocks: &[BlockId]) -> SegmentId {
+    fn add_segment(&mut self, layers: Vec<(Array, Array)>, cache: Option<KvCache>, bytes: usize, blocks: &[BlockId]) -> SegmentId {
         let id = self.next_segment;
         self.next_segment += 1;
         for (i, &b) in blocks.iter().enumerate() {
             self.blocks.insert(b, (id, i));
         }
-        let bytes = layers.iter().map(|(k, v)| k.nbytes() + v.nbytes()).sum();
         self.segments.insert(id, Segment { layers, cache, bytes, live_blocks: blocks.len(), holders: Vec::new() });
         id
     }
@@ -310,4 +319,10 @@ fn copy_positions(cache: &KvCache, from: usize, to: usize) -> mlx::Result<Vec<(A
     // Detached: evaluated arrays hold their inputs, here the row's whole buffers.
     mlx::eval_detached(&layers.iter().flat_map(|(k, v)| [k, v]).collect::<Vec<_>>())?;
     Ok(layers)
+}
+
+/// Whether a cache's positions are rows of its buffers and all of its
+/// state: no window layers, no recurrent state.
+fn shareable(cache: &KvCache) -> bool {
+    !cache.has_windows() && cache.recurrent().is_none()
 }
