@@ -173,24 +173,8 @@ impl BlockTable {
 mod tests {
     use std::collections::HashMap;
 
+    use super::super::test_rng::Rng;
     use super::*;
-
-    /// splitmix64: a failure replays exactly from the seed.
-    struct Rng(u64);
-
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^ (z >> 31)
-        }
-
-        fn below(&mut self, n: usize) -> usize {
-            (self.next() % n.max(1) as u64) as usize
-        }
-    }
 
     /// Block contents as the storage would hold them: block -> its
     /// positions' values (a value is written once per position).

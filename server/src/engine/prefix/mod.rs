@@ -34,6 +34,8 @@ mod paged;
 mod stats;
 mod store;
 #[cfg(test)]
+mod test_rng;
+#[cfg(test)]
 mod tests;
 mod tiers;
 

@@ -7,6 +7,7 @@
 //! moka's maintenance. The sequence is fixed by the seed; moka's own
 //! choices may vary between runs (its hasher is seeded at random), and the
 //! invariants must hold for any of them.
+use super::super::test_rng::Rng;
 use super::*;
 
 const SEED: u64 = 0x7e74_e2c0_ffee_0049;
@@ -19,26 +20,14 @@ const MAX_TOKENS: usize = 10;
 /// Room for a handful of entries of 1-5 KiB.
 const BUDGET_BYTES: usize = 16 << 10;
 
-/// splitmix64: a tiny seeded generator, so a failure replays exactly.
-struct Rng(u64);
+/// The index's draws on the tests' generator.
+trait Draws {
+    fn scope(&mut self) -> Scope;
+    fn tokens(&mut self, max: usize) -> Vec<u32>;
+    fn pick(&mut self, ids: &[EntryId]) -> Option<EntryId>;
+}
 
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-
-    fn one_in(&mut self, n: usize) -> bool {
-        self.below(n) == 0
-    }
-
+impl Draws for Rng {
     fn scope(&mut self) -> Scope {
         match self.below(4) {
             0 => Scope::Shared,
