@@ -145,6 +145,11 @@ impl Attention {
         }
     }
 
+    /// Its projections: q/k/v, attention out, and the output gate if any.
+    fn linears(&self) -> impl Iterator<Item = &Linear> {
+        [&self.qkv, &self.out].into_iter().chain(self.gate.as_ref())
+    }
+
     /// `h + out(..)` of this block: `attend` turns the projected
     /// `[1, T, (hq + 2 hkv) hd]` into the heads' outputs `[1, T, hq hd]`.
     pub(super) fn forward(&self, h: &Array, attend: impl FnOnce(&Attention, &Array) -> mlx::Result<Array>) -> mlx::Result<Array> {
@@ -250,7 +255,7 @@ impl Block {
     /// out; or the recurrent layer's in and out), then gate/up, down.
     pub fn linears(&self) -> Vec<&Linear> {
         let mut out: Vec<&Linear> = match &self.mixer {
-            Mixer::Attention(a) => [&a.qkv, &a.out].into_iter().chain(a.gate.as_ref()).collect(),
+            Mixer::Attention(a) => a.linears().collect(),
             Mixer::DeltaNet(d) => d.linears().into(),
         };
         out.extend([&self.mlp.gate_up, &self.mlp.down]);
@@ -273,7 +278,7 @@ impl Block {
         let mixer = match &self.mixer {
             Mixer::Attention(a) => {
                 let qk = a.qk_norm.as_ref().map_or(0, |n| n.q.nbytes() + n.k.nbytes());
-                let linears = [&a.qkv, &a.out].into_iter().chain(a.gate.as_ref()).map(Linear::nbytes).sum::<usize>();
+                let linears = a.linears().map(Linear::nbytes).sum::<usize>();
                 qk + a.post_norm.as_ref().map_or(0, Array::nbytes) + a.norm.nbytes() + linears
             }
             Mixer::DeltaNet(d) => d.nbytes(),
