@@ -74,11 +74,14 @@ for rows, (k, split), (norm, bias, res, glu, out) in itertools.product([1, 8], [
                      wrap(matvec, [("x", bf), ("w", bf), ("norm_w", bf), ("bias", bf), ("res", bf)], [("y", out)],
                           dict(MAX_ROWS=rows, K=k, KSPLIT=split, NORM=norm, BIAS=bias, RESIDUAL=res, GLU=glu, EPS_E12=1000000)))
 attention = compact(open(src + "attention.cu").read())
-for (hd, hq, hkv), trad, qk_norm in itertools.product([(64, 9, 3), (128, 12, 2), (256, 8, 4)], [False, True], [False, True]):
+# (bits, group): bfloat16 slots, then 8- and 4-bit codes.
+for (hd, hq, hkv), trad, qk_norm, (bits, group) in itertools.product([(64, 9, 3), (128, 12, 2), (256, 8, 4)], [False, True], [False, True],
+                                                                    [(0, 8), (8, 64), (8, 32), (4, 64)]):
     total += 1
-    ok += compile_ok(f"attention HD={hd} HQ={hq} HKV={hkv} TRAD={trad} QK_NORM={qk_norm}",
-                     wrap(attention, [("qkv", bf), ("k_cache", bf), ("v_cache", bf), ("rows", "int32_t"), ("inv_freq", "float"), ("q_norm", bf), ("k_norm", bf)],
-                          [("out", bf)], dict(HD=hd, HQ=hq, HKV=hkv, TRAD=trad, QK_NORM=qk_norm, EPS_E12=1000000)))
+    cache = bf if bits == 0 else "uint8_t"
+    ok += compile_ok(f"attention HD={hd} HQ={hq} HKV={hkv} TRAD={trad} QK_NORM={qk_norm} BITS={bits} CODE_GROUP={group}",
+                     wrap(attention, [("qkv", bf), ("k_cache", cache), ("v_cache", cache), ("rows", "int32_t"), ("inv_freq", "float"), ("q_norm", bf), ("k_norm", bf)],
+                          [("out", bf)], dict(HD=hd, HQ=hq, HKV=hkv, TRAD=trad, QK_NORM=qk_norm, EPS_E12=1000000, BITS=bits, CODE_GROUP=group)))
 print(f"{ok} of {total} kernel variants compile")
 sys.exit(0 if ok == total else 1)
 PY

@@ -56,6 +56,13 @@
 # which checks that outputs with drafts equal those without; each build of
 # TETHER_BINS ("old new") in turn, ROUNDS (2) times. Needs only the wheel's
 # halves and a Qwen tokenizer in $KEEP.
+# MODE=kvcodes: 8- and 4-bit KV in the batched slots (server/src/models/
+# kv_batch.rs) beside bfloat16 on the random Qwen2.5-1.5B-shaped checkpoint:
+# the fused attention's codes variant against MLX's ops on the same codes,
+# both against float32 (`--gpu-kernels` with `--kv-bits`); decode through
+# the engine at 1 and 8 streams after a HISTORY-token (3,900) prompt, each
+# build of TETHER_BINS in bfloat16 and the newest in 8 and 4 bits, ROUNDS
+# (2) rounds interleaved; and the quality bench (`--kv-quality`) in the slots.
 # MODE=kernels: the fused decode step (models/gpu) beside MLX's ops on
 # random checkpoints of MODELS' shapes (default: qwen2.5-1.5b qwen2.5-0.5b
 # qwen3-0.6b llama-135m): `tether bench --gpu-kernels 1,2,4,8` (logits'
@@ -144,10 +151,11 @@ MODELS=${MODELS:-qwen2.5-0.5b qwen2.5-1.5b}
 case "${MODE:-decode}" in admit|agent|serving|streams|graphs|builds) MODELS=qwen2.5-1.5b ;; esac
 [ "${MODE:-decode}" = structured ] && MODELS=qwen2.5-0.5b
 [ "${MODE:-decode}" = sessions ] && MODELS=qwen2.5-1.5b
+[ "${MODE:-decode}" = kvcodes ] && MODELS=qwen2.5-1.5b
 LOAD_ARGS=${LOAD_ARGS:-}
 for m in $MODELS; do
   [ -f /opt/models/$m-bf16/model.safetensors ] || "$PY" "$here/make_random_model.py" /opt/models/$m-bf16 $m "$KEEP"
-  case "${MODE:-decode}" in admit|agent|serving|graphs|structured|sessions|builds|kernels|peer) continue ;; esac
+  case "${MODE:-decode}" in admit|agent|serving|graphs|structured|sessions|builds|kernels|peer|kvcodes) continue ;; esac
   [ -f /opt/models/$m-4bit/config.json ] || "$PY" -m mlx_lm convert --hf-path /opt/models/$m-bf16 --mlx-path /opt/models/$m-4bit -q --q-bits 4 --q-group-size 64 >"$OUT/convert-$m.log" 2>&1
 done
 
@@ -189,6 +197,28 @@ if [ "${MODE:-decode}" = peer ]; then
   done
   "$PY" "$here/../load.py" --report "$OUT/results.jsonl"
   cat "$OUT/lookahead.txt" 2>/dev/null || true
+  exit 0
+fi
+if [ "${MODE:-decode}" = kvcodes ]; then
+  bins=(${TETHER_BINS:-$TETHER_BIN})
+  newest=${bins[${#bins[@]}-1]}
+  model=/opt/models/qwen2.5-1.5b-bf16
+  for bits in 8 4; do
+    "$newest" bench --model "$model" --device gpu --kv-bits $bits --gpu-kernels 1,8 --prompt-tokens "${CHECK_PROMPT:-1000}" --gen-tokens "${CHECK_STEPS:-24}" 2>>"$OUT/tether.log" \
+      | sed "s/^{/{\"check\":\"kernels\",\"kv_bits\":$bits,/" | tee -a "$OUT/results.jsonl" || echo "kernel check at $bits bits failed" >&2
+  done
+  runs=()
+  for bin in "${bins[@]}"; do runs+=("$bin|32"); done
+  runs+=("$newest|8" "$newest|4")
+  for round in $(seq "${ROUNDS:-2}"); do
+    for run in "${runs[@]}"; do
+      bin=${run%|*} bits=${run#*|}
+      "$bin" bench --model "$model" --device gpu --streams 8 --prompt-tokens "${HISTORY:-3900}" --gen-tokens 128 --kv-bits "$bits" 2>>"$OUT/tether.log" \
+        | sed "s/^{/{\"build\":\"$(basename "$bin")\",\"kv_bits\":$bits,\"round\":$round,/" | tee -a "$OUT/results.jsonl" || echo "$run failed" >&2
+    done
+  done
+  "$newest" bench --model "$model" --device gpu --kv-quality --kv-bits 8 --kv-text "$here/../../docs/architecture.md" --kv-text-tokens 1024 \
+    --kv-prompts "$here/../../tests/fixtures/greedy/smollm2.json" 2>>"$OUT/tether.log" | tee -a "$OUT/results.jsonl" || echo "quality failed" >&2
   exit 0
 fi
 if [ "${MODE:-decode}" = kernels ]; then

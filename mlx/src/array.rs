@@ -137,6 +137,12 @@ impl Array {
     pub fn astype(&self, dtype: Dtype) -> Result<Array> {
         wrap("astype", bridge::astype(self.raw(), dtype as u8))
     }
+    /// The same bytes read as `dtype`: the last axis scales by the ratio of
+    /// the sizes (four uint8 become one float32). A reinterpretation, not a
+    /// conversion (that is [`astype`](Self::astype)).
+    pub fn view_as(&self, dtype: Dtype) -> Result<Array> {
+        wrap("view_as", bridge::view_as(self.raw(), dtype as u8))
+    }
 
     // ---- evaluation and readback
     pub fn eval(&self) -> Result<()> {
@@ -180,7 +186,7 @@ impl Array {
     unary_ops! {
         exp => "exp", log => "log", negative => "negative", sqrt => "sqrt", rsqrt => "rsqrt",
         abs => "abs", sigmoid => "sigmoid", tanh => "tanh", square => "square",
-        logical_not => "logical_not",
+        logical_not => "logical_not", round => "round",
     }
     reductions! { sum => "sum", max => "max", min => "min", mean => "mean", logsumexp => "logsumexp" }
 

@@ -38,6 +38,7 @@ pub(crate) mod bridge {
         fn dtype(a: &Array) -> u8;
         fn nbytes(a: &Array) -> usize;
         fn astype(a: &Array, dtype: u8) -> Result<UniquePtr<Array>>;
+        fn view_as(a: &Array, dtype: u8) -> Result<UniquePtr<Array>>;
 
         fn eval_one(a: &Array) -> Result<()>;
         fn eval_list(list: &ArrayList) -> Result<()>;

@@ -130,6 +130,7 @@ rust::Vec<int32_t> shape(const Array& a) {
 uint8_t dtype(const Array& a) { return static_cast<uint8_t>(a.dtype().val()); }
 size_t nbytes(const Array& a) { return a.nbytes(); }
 std::unique_ptr<Array> astype(const Array& a, uint8_t dt) { return boxed(mx::astype(a, dtype_from_code(dt))); }
+std::unique_ptr<Array> view_as(const Array& a, uint8_t dt) { return boxed(mx::view(a, dtype_from_code(dt))); }
 
 void eval_one(const Array& a) { mx::eval({a}); }
 void eval_list(const ArrayList& l) { mx::eval(l.items); }
@@ -171,6 +172,7 @@ std::unique_ptr<Array> unary(const Array& a, rust::Str op_) {
   if (op == "tanh") return boxed(mx::tanh(a));
   if (op == "square") return boxed(mx::square(a));
   if (op == "logical_not") return boxed(mx::logical_not(a));
+  if (op == "round") return boxed(mx::round(a));
   if (op == "stop_gradient") return boxed(mx::stop_gradient(a));
   throw std::invalid_argument("unknown unary op " + op);
 }

@@ -61,6 +61,8 @@ rust::Vec<int32_t> shape(const Array& a);
 uint8_t dtype(const Array& a);
 size_t nbytes(const Array& a);
 std::unique_ptr<Array> astype(const Array& a, uint8_t dtype);
+// The same bytes read as `dtype` (the last axis rescaled by the size ratio).
+std::unique_ptr<Array> view_as(const Array& a, uint8_t dtype);
 
 // ---- evaluation and readback
 void eval_one(const Array& a);

@@ -3,8 +3,8 @@
 //! exactly the greedy tokens the plain loop gives taking the same steps with
 //! the same quantization (a position's codes depend on its own features
 //! only), and the cache keeps the codes at their size; a row that turns to
-//! codes mid-stream does too; admission counts a row's bytes in codes; and a
-//! server refuses quantized KV where nothing reads it.
+//! codes mid-stream does too; admission counts a row's bytes in codes; and
+//! batched slots hold codes too.
 //!
 //! Rows are compared with the same row counts, not beside other rows:
 //! products of 1-3 rows and of 4 or more differ in their last bits on the
@@ -78,17 +78,46 @@ async fn a_row_turns_to_codes_mid_stream_as_the_plain_loop_does() {
 }
 
 #[test]
-fn quantized_kv_needs_the_cpu_rows_that_read_it() {
-    let q = Some(KvQuantization { bits: 8, group: 64, start: 256 });
-    let batched = tether::engine::EngineHandle::start(EngineConfig { kv_quantization: q, kv_layout: KvLayout::Batched, ..Default::default() }, || {
-        mlx::set_default_device(mlx::Device::Cpu)?;
-        Ok(tether::loaded::LoadedModel::load_path("smollm2-135m", &model_path("smollm2-135m"), LoadOptions::for_device(mlx::Device::Cpu))?)
-    });
-    assert!(batched.is_err(), "codes in batched slots");
+fn codes_need_a_group_dividing_the_head_and_8_or_4_bits() {
     mlx::set_default_device(mlx::Device::Cpu).unwrap();
     let mut model = load_transformer(&model_path("smollm2-135m"), LoadOptions::for_device(mlx::Device::Cpu)).unwrap();
-    assert!(model.set_kv_quantization(Some(KvQuantization { bits: 8, group: 48, start: 0 })).is_err(), "a group that does not divide the head size (64)");
-    assert!(model.set_kv_quantization(Some(KvQuantization { bits: 3, group: 64, start: 0 })).is_err(), "3 bits");
+    for batched in [false, true] {
+        let mut set = |q| if batched { model.set_batched_kv_quantization(Some(q)) } else { model.set_kv_quantization(Some(q)) };
+        assert!(set(KvQuantization { bits: 8, group: 48, start: 0 }).is_err(), "a group that does not divide the head size (64)");
+        assert!(set(KvQuantization { bits: 3, group: 64, start: 0 }).is_err(), "3 bits");
+    }
+}
+
+/// Batched slots (the GPU's layout, here on the CPU through the same ops)
+/// hold codes from a slot's first position: a session's state reaches the
+/// prefix cache as codes, at their size, and its next turn resumes from
+/// them; 8-bit codes decode as full precision does, token for token, on
+/// all but near-ties.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_slots_keep_a_sessions_codes_and_decode_as_full_precision_does() {
+    let prompts = prompts();
+    let batched = |q| start_smollm2_engine(EngineConfig { kv_quantization: q, kv_layout: KvLayout::Batched, ..Default::default() });
+    let float = batched(None);
+    let (_, _, _, float_bytes) = two_turns(&float, &prompts).await;
+    let mut float_tokens = Vec::new();
+    for p in &prompts {
+        float_tokens.push(run(&float, SubmitRequest::new(p.clone(), 16)).await.0);
+    }
+    drop(float);
+    for bits in [8, 4] {
+        // The start is for rows of their own; a slot holds codes throughout.
+        let engine = batched(Some(KvQuantization { bits, group: 64, start: 256 }));
+        let (_, _, cached, code_bytes) = two_turns(&engine, &prompts).await;
+        assert_eq!(code_bytes * 256, float_bytes * (8 * bits as usize + 8), "the prefix cache holds the session's {bits}-bit state");
+        assert!(cached >= 16, "{bits} bits: the second turn resumed from the first's codes ({cached} tokens cached)");
+        if bits == 8 {
+            let mut same = 0;
+            for (p, want) in prompts.iter().zip(&float_tokens) {
+                same += usize::from(&run(&engine, SubmitRequest::new(p.clone(), 16)).await.0 == want);
+            }
+            assert!(same + 1 >= prompts.len(), "8 bits: {same} of {} prompts decode as full precision", prompts.len());
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

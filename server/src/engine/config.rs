@@ -78,7 +78,7 @@ pub enum KvLayout {
 }
 
 impl KvLayout {
-    pub(super) fn batched_on(self, device: mlx::Device) -> bool {
+    pub fn batched_on(self, device: mlx::Device) -> bool {
         match self {
             KvLayout::Auto => device == mlx::Device::Gpu,
             KvLayout::Rows => false,

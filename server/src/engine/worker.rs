@@ -15,7 +15,7 @@ use super::prefix::{PrefixCache, Scope};
 use super::row::{Admitted, Row};
 use super::speculate::DraftModel;
 use crate::loaded::LoadedModel;
-use crate::models::{Kv, RowKv, SharedKvBatch, SlotLease, Transformer};
+use crate::models::{Kv, KvQuantization, RowKv, SharedKvBatch, SlotLease, Transformer};
 
 /// How long the loop waits for a command while it has nothing it can do
 /// now but will have soon: every running row's consumer is full, or final
@@ -77,7 +77,7 @@ where
 impl Engine {
     /// Loads the model (and draft model), warms a GPU's kernels, and builds
     /// the engine's state.
-    fn load<F>(config: EngineConfig, load: F) -> anyhow::Result<(Engine, EngineModelInfo)>
+    fn load<F>(mut config: EngineConfig, load: F) -> anyhow::Result<(Engine, EngineModelInfo)>
     where
         F: FnOnce() -> anyhow::Result<LoadedModel>,
     {
@@ -89,13 +89,20 @@ impl Engine {
             .transpose()
             .map_err(|e| e.context("loading the draft model"))?;
         let batched = config.kv_layout.batched_on(mlx::default_device());
-        anyhow::ensure!(!batched || config.kv_quantization.is_none(), "quantized KV is for rows with caches of their own (--kv-layout rows, on the CPU)");
+        // Batched slots hold codes from a slot's first position (kv_batch.rs).
+        if batched {
+            config.kv_quantization = config.kv_quantization.map(|q| KvQuantization { start: 0, ..q });
+        }
         anyhow::ensure!(
             !batched || model.transformer.config.hybrid.is_none(),
             "{} keeps recurrent state per row, which batched KV slots do not hold yet: serve it with --kv-layout rows",
             model.transformer.config.arch.name()
         );
-        model.transformer.set_kv_quantization(config.kv_quantization).map_err(|e| anyhow::anyhow!("--kv-bits: {e}"))?;
+        match batched {
+            true => model.transformer.set_batched_kv_quantization(config.kv_quantization),
+            false => model.transformer.set_kv_quantization(config.kv_quantization),
+        }
+        .map_err(|e| anyhow::anyhow!("--kv-bits: {e}"))?;
         if mlx::default_device() == mlx::Device::Gpu {
             super::warmup::warm_up(&model.transformer, &config, batched).map_err(|e| anyhow::anyhow!("warming up the model's kernels failed: {e}"))?;
         }

@@ -29,10 +29,21 @@
 //! slot's visible positions to the front (one gather per window layer, only
 //! on such steps). Their writes and masks use those indices; RoPE still
 //! uses positions.
-use mlx::fast::KEY_BLOCK;
+//!
+//! With 8- or 4-bit KV (`--kv-bits`), the buffers hold each position as a
+//! row of affine codes (`kv_codes.rs`, the CPU's row layout): uint8
+//! `[slots, kv_heads, capacity, width]`. Every write above encodes its keys
+//! and values first, and the attention on MLX's ops reads the buffers
+//! decoded; the fused decode kernels read the codes themselves
+//! (`models/gpu`). A slot holds codes from its first position: the buffers
+//! have one form for every slot, where a row of its own turns to codes
+//! only once past `--kv-quantized-start` (`kv_cache.rs`); a slot turning on
+//! its own would need both forms' buffers for every slot.
+use mlx::fast::{KvCodes, KEY_BLOCK};
 use mlx::{Array, Dtype};
 
-use super::kv_cache::{window_first, zeros_keeping, KvCache, CAPACITY_STEP, WINDOW_ROOM};
+use super::kv_cache::{window_first, zeros_keeping, KvCache, KvQuantization, CAPACITY_STEP, WINDOW_ROOM};
+use super::kv_codes;
 
 /// The capacity a batch takes to hold `needed` positions: a multiple of
 /// [`CAPACITY_STEP`] up to four of them, then four sizes per doubling (1,280,
@@ -68,7 +79,10 @@ pub struct KvBatch {
     n_layers: usize,
     kv_heads: usize,
     head_dim: usize,
+    /// The features' dtype (the buffers' too, unless they hold codes).
     dtype: Dtype,
+    /// The codes the buffers hold (`None`: features in `dtype`).
+    quantization: Option<KvQuantization>,
     /// Whether kernels MLX does not know about may write the buffers in
     /// place (see [`may_write_in_place`](Self::may_write_in_place)): set
     /// once the buffers were found held by the batch alone, and cleared by
@@ -89,8 +103,40 @@ impl KvBatch {
             kv_heads,
             head_dim,
             dtype,
+            quantization: None,
             in_place: false,
         }
+    }
+
+    /// The same (empty) batch holding codes as `q` says, from every slot's
+    /// first position (see the module notes); `None`: features.
+    pub fn with_quantization(mut self, q: Option<KvQuantization>) -> KvBatch {
+        assert!(self.lens.is_empty(), "quantization is set on an empty batch");
+        self.quantization = q;
+        self
+    }
+
+    /// How the buffers hold features.
+    pub fn codes(&self) -> KvCodes {
+        self.quantization.map_or(KvCodes::Float, |q| q.codes())
+    }
+
+    /// The buffers' last dimension and dtype.
+    fn form(&self) -> (usize, Dtype) {
+        match self.codes() {
+            KvCodes::Float => (self.head_dim, self.dtype),
+            codes => (codes.width(self.head_dim), Dtype::U8),
+        }
+    }
+
+    /// Features `[.., head_dim]` as the buffers hold them.
+    fn encode(&self, x: &Array) -> mlx::Result<Array> {
+        kv_codes::encode(x, self.codes())
+    }
+
+    /// Buffer rows back as features in the batch's dtype.
+    fn decode(&self, rows: &Array) -> mlx::Result<Array> {
+        kv_codes::decode(rows, self.codes(), self.head_dim, self.dtype)
     }
 
     /// The same (empty) batch whose layers attend within `windows`, one per layer.
@@ -164,11 +210,12 @@ impl KvBatch {
         self.firsts[slot] = first;
         if len > 0 {
             self.in_place = false;
-            let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
+            let (h, d) = (self.kv_heads as i32, self.form().0 as i32);
             let s = slot as i32;
-            for (layer, (k, v)) in self.layers.iter_mut().enumerate() {
+            for layer in 0..self.n_layers {
                 let n = (len - cache.first(layer)) as i32;
-                let (ck, cv) = cache.positions(layer)?.ok_or_else(|| mlx::Error { op: "kv_batch", message: "admitting a cache with no buffers".into() })?;
+                let (ck, cv) = self.rows_of(cache, layer)?;
+                let (k, v) = &mut self.layers[layer];
                 *k = k.slice_update(&ck, &[s, 0, 0, 0], &[s + 1, h, n, d])?;
                 *v = v.slice_update(&cv, &[s, 0, 0, 0], &[s + 1, h, n, d])?;
             }
@@ -177,14 +224,27 @@ impl KvBatch {
         Ok(slot)
     }
 
+    /// A cache's positions of `layer` in the buffers' form: its rows as
+    /// they are when it holds the same codes (a slot's, handed back), else
+    /// its features, encoded.
+    fn rows_of(&self, cache: &KvCache, layer: usize) -> mlx::Result<(Array, Array)> {
+        let none = || mlx::Error { op: "kv_batch", message: "admitting a cache with no buffers".into() };
+        if cache.codes() == self.codes() && cache.key_layout() == mlx::fast::KeyLayout::Positions {
+            return cache.rows(layer)?.ok_or_else(none);
+        }
+        let (k, v) = cache.positions(layer)?.ok_or_else(none)?;
+        Ok((self.encode(&k)?, self.encode(&v)?))
+    }
+
     /// Frees `slot` and returns its contents as a row cache of their own
     /// (copied and evaluated now, so nothing keeps the shared buffers alive
     /// and the next step can still write them in place).
     pub fn release(&mut self, slot: usize) -> mlx::Result<KvCache> {
         let len = self.len(slot);
-        let mut cache = KvCache::new(self.n_layers, self.kv_heads, self.head_dim, self.dtype).with_windows(self.windows.clone());
+        let cache = KvCache::new(self.n_layers, self.kv_heads, self.head_dim, self.dtype).with_windows(self.windows.clone());
+        let mut cache = cache.with_quantization(self.quantization)?;
         if len > 0 {
-            let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
+            let (h, d) = (self.kv_heads as i32, self.form().0 as i32);
             let s = slot as i32;
             let layers = (0..self.n_layers)
                 .map(|layer| {
@@ -193,7 +253,7 @@ impl KvBatch {
                     Ok((k.slice(&[s, 0, 0, 0], &[s + 1, h, n, d])?, v.slice(&[s, 0, 0, 0], &[s + 1, h, n, d])?))
                 })
                 .collect::<mlx::Result<Vec<_>>>()?;
-            cache.fill(&layers, len, self.firsts[slot])?;
+            cache.fill_rows(&layers, len, self.firsts[slot], self.codes())?;
             mlx::eval(&cache.buffers())?;
         }
         self.forget(slot);
@@ -229,16 +289,18 @@ impl KvBatch {
     /// [`advance`](Self::advance) commits after the last layer.
     pub fn write(&mut self, layer: usize, keys: &Array, values: &Array, positions: &Array) -> mlx::Result<(Array, Array)> {
         self.in_place = false;
+        let (keys, values) = (self.encode(keys)?, self.encode(values)?);
         let (k, v) = self.layers.get_mut(layer).ok_or_else(|| mlx::Error { op: "kv_batch", message: "write to an empty batch".into() })?;
         // Replacing the held arrays leaves the graph as the only holder of
         // the old buffers, so MLX scatters into them in place.
-        *k = k.put_along_axis(positions, keys, 2)?;
-        *v = v.put_along_axis(positions, values, 2)?;
-        Ok((k.clone(), v.clone()))
+        *k = k.put_along_axis(positions, &keys, 2)?;
+        *v = v.put_along_axis(positions, &values, 2)?;
+        let (k, v) = (k.clone(), v.clone());
+        Ok((self.decode(&k)?, self.decode(&v)?))
     }
 
     /// Layer `layer`'s keys and values, `[slots, kv_heads, capacity,
-    /// head_dim]`: for kernels that write a step's positions into them in
+    /// head_dim]` (or rows of codes, see [`codes`](Self::codes)): for kernels that write a step's positions into them in
     /// place (`models/gpu`, after [`may_write_in_place`](Self::may_write_in_place)),
     /// which then [`advance`](Self::advance) as [`write`](Self::write)'s callers do.
     pub fn layer(&self, layer: usize) -> Option<(&Array, &Array)> {
@@ -303,18 +365,20 @@ impl KvBatch {
     fn put_slot(&mut self, layer: usize, slot: usize, at: usize, keys: &Array, values: &Array) -> mlx::Result<usize> {
         self.in_place = false;
         let at = at - self.first(layer, slot);
+        let (keys, values) = (self.encode(keys)?, self.encode(values)?);
+        let (h, d, s, end) = (self.kv_heads as i32, self.form().0 as i32, slot as i32, (at + keys.dim(2)) as i32);
         let (k, v) = self.layers.get_mut(layer).ok_or_else(|| mlx::Error { op: "kv_batch", message: "write to an empty batch".into() })?;
-        let (h, d, s, end) = (self.kv_heads as i32, self.head_dim as i32, slot as i32, (at + keys.dim(2)) as i32);
-        *k = k.slice_update(keys, &[s, 0, at as i32, 0], &[s + 1, h, end, d])?;
-        *v = v.slice_update(values, &[s, 0, at as i32, 0], &[s + 1, h, end, d])?;
+        *k = k.slice_update(&keys, &[s, 0, at as i32, 0], &[s + 1, h, end, d])?;
+        *v = v.slice_update(&values, &[s, 0, at as i32, 0], &[s + 1, h, end, d])?;
         Ok(end as usize)
     }
 
-    /// A slot's keys and values at indices `..end` of a layer.
+    /// A slot's keys and values at indices `..end` of a layer, as features.
     fn slot_view(&self, layer: usize, slot: usize, end: usize) -> mlx::Result<(Array, Array)> {
         let (k, v) = &self.layers[layer];
-        let (h, d, s, end) = (self.kv_heads as i32, self.head_dim as i32, slot as i32, end as i32);
-        Ok((k.slice(&[s, 0, 0, 0], &[s + 1, h, end, d])?, v.slice(&[s, 0, 0, 0], &[s + 1, h, end, d])?))
+        let (h, d, s, end) = (self.kv_heads as i32, self.form().0 as i32, slot as i32, end as i32);
+        let view = |a: &Array| self.decode(&a.slice(&[s, 0, 0, 0], &[s + 1, h, end, d])?);
+        Ok((view(k)?, view(v)?))
     }
 
     /// The additive mask of `queries` queries of one slot at positions
@@ -436,9 +500,10 @@ impl KvBatch {
         let old_slots = self.lens.len();
         self.in_place = false;
         let layers = std::mem::take(&mut self.layers);
+        let (width, dtype) = self.form();
         let grow = |old: Option<&Array>, window: bool| {
             let (cap, old_cap) = if window { (window_capacity, self.window_capacity) } else { (capacity, self.capacity) };
-            zeros_keeping(&[slots, self.kv_heads, cap, self.head_dim], self.dtype, old, [old_slots, self.kv_heads, old_cap, self.head_dim])
+            zeros_keeping(&[slots, self.kv_heads, cap, width], dtype, old, [old_slots, self.kv_heads, old_cap, width])
         };
         self.layers = (0..self.n_layers)
             .map(|l| {
@@ -500,6 +565,42 @@ mod tests {
             kv.forget(slot);
         }
         assert_eq!((kv.slots(), kv.nbytes()), (0, 0));
+    }
+
+    #[test]
+    fn slots_of_codes_take_features_and_hand_codes_back_unchanged() {
+        mlx::set_default_device(mlx::Device::Cpu).unwrap();
+        let q = KvQuantization { bits: 8, group: 8, start: 0 };
+        let (layers, heads, dim, len) = (2, 1, 16, 5);
+        let mut kv = KvBatch::new(layers, heads, dim, Dtype::F32).with_quantization(Some(q));
+        let features: Vec<f32> = (0..len * dim).map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0).collect();
+        let layer = Array::from_f32(&features, &[1, heads, len, dim]).unwrap();
+        let mut cache = KvCache::new(layers, heads, dim, Dtype::F32);
+        cache.fill(&[(layer.clone(), layer.clone()), (layer.clone(), layer)], len, 0).unwrap();
+
+        // Features in, codes out: the row comes back as codes of its features.
+        let slot = kv.admit(&cache, 0).unwrap();
+        let out = kv.release(slot).unwrap();
+        assert_eq!(out.codes(), q.codes());
+        let (rows, _) = out.rows(1).unwrap().unwrap();
+        assert_eq!(rows.shape(), vec![1, heads, len, q.codes().width(dim)]);
+        let back = out.positions(1).unwrap().unwrap().0.to_vec_f32().unwrap();
+        let worst = back.iter().zip(&features).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        // Half a level of the widest group (-11/7 .. 11/7).
+        assert!(worst <= 1.01 * 11.0 / 7.0 / 255.0, "decoded within half a level: {worst}");
+
+        // Codes in, the same codes out: a session's state is not re-rounded.
+        let slot = kv.admit(&out, 0).unwrap();
+        let again = kv.release(slot).unwrap();
+        assert_eq!(again.rows(0).unwrap().unwrap().1.to_bytes().unwrap(), out.rows(0).unwrap().unwrap().1.to_bytes().unwrap());
+
+        // What a step writes is encoded, and attention reads it decoded.
+        let slot = kv.admit(&out, 8).unwrap();
+        let new = Array::full(&[1, heads, 1, dim], 0.5, Dtype::F32).unwrap();
+        let (keys, _) = kv.write_slot(0, slot, len, &new, &new).unwrap();
+        assert_eq!((keys.shape(), keys.dtype()), (vec![1, heads, len + 1, dim], Dtype::F32));
+        let keys = keys.to_vec_f32().unwrap();
+        assert!(keys[len * dim..].iter().all(|&x| x == 0.5), "{keys:?}");
     }
 
     #[test]

@@ -35,6 +35,7 @@ use mlx::fast::{KeyLayout, KvCodes, KEY_BLOCK};
 use mlx::{Array, Dtype};
 
 use super::kv::{Kv, LayerKv};
+use super::kv_codes;
 use super::state_rows::RecurrentState;
 
 /// Capacity grows in multiples of this many tokens.
@@ -223,15 +224,17 @@ impl KvCache {
     }
 
     /// The same cache turning to codes as `q` says (`None`: never);
-    /// set before anything is stored. Only for float32 caches with keys in
-    /// blocks (the CPU's fused attention reads codes).
+    /// set before anything is stored. Keys in blocks: float32 only (the
+    /// CPU's fused attention writes and reads the codes). Keys in position
+    /// order: the cache only carries rows of codes to and from batched
+    /// slots, which write them (`kv_batch.rs`; [`fill_rows`](Self::fill_rows)).
     pub fn with_quantization(mut self, q: Option<KvQuantization>) -> mlx::Result<KvCache> {
         assert!(self.is_empty(), "quantization is set on an empty cache");
         if let Some(q) = q {
             let fits = q.group > 0 && self.head_dim.is_multiple_of(q.group) && (q.bits == 8 || (q.bits == 4 && self.head_dim.is_multiple_of(2)));
-            if self.keys != KeyLayout::Blocks || self.dtype != Dtype::F32 || !fits {
+            if (self.keys == KeyLayout::Blocks && self.dtype != Dtype::F32) || !fits {
                 let why = format!(
-                    "8- or 4-bit KV needs the CPU's fused attention (float32, keys in blocks), 8 or 4 bits and a group dividing the head size {}",
+                    "8- or 4-bit KV needs 8 or 4 bits, a group dividing the head size {}, and float32 where the CPU's fused attention reads it",
                     self.head_dim
                 );
                 return Err(mlx::Error { op: "kv_cache", message: why });
@@ -566,9 +569,14 @@ impl KvCache {
         if held == 0 {
             return Ok(None);
         }
-        if self.codes != KvCodes::Float {
+        if self.codes != KvCodes::Float && self.keys == KeyLayout::Blocks {
             let read = |a: &Array, layout| mlx::fast::cpu_kv_dequantize(a, held, layout, self.codes);
             return Ok(Some((read(k, self.keys)?, read(v, KeyLayout::Positions)?)));
+        }
+        if self.codes != KvCodes::Float {
+            let (rk, rv) = self.rows(layer)?.expect("held above");
+            let read = |a: &Array| kv_codes::decode(a, self.codes, self.head_dim, self.dtype);
+            return Ok(Some((read(&rk)?, read(&rv)?)));
         }
         let stop = [1, self.kv_heads as i32, held as i32, self.head_dim as i32];
         let keys = match self.keys {
@@ -603,6 +611,57 @@ impl KvCache {
             let (bk, bv) = self.layers[layer].take().expect("reserved above");
             let k = if keys_in_blocks { into_blocks(k, held)? } else { k.clone() };
             self.layers[layer] = Some((bk.slice_update(&k, &[0; 4], &key_stop)?, bv.slice_update(v, &[0; 4], &stop)?));
+        }
+        self.len = len;
+        Ok(())
+    }
+
+    /// Layer `layer`'s positions `first(layer) .. len` as the buffers hold
+    /// them, `[1, kv_heads, len - first, width]` (lazy views; codes stay
+    /// codes), for a cache with keys in position order; `None` when the
+    /// layer holds nothing.
+    pub fn rows(&self, layer: usize) -> mlx::Result<Option<(Array, Array)>> {
+        if self.keys != KeyLayout::Positions {
+            return Err(mlx::Error { op: "kv_cache", message: "rows are read from caches with keys in position order".into() });
+        }
+        let Some((k, v)) = self.layers.get(layer).and_then(Option::as_ref) else { return Ok(None) };
+        let held = self.len - self.first(layer);
+        if held == 0 {
+            return Ok(None);
+        }
+        let (width, _) = self.buffer_form(self.codes);
+        let stop = [1, self.kv_heads as i32, held as i32, width as i32];
+        Ok(Some((k.slice(&[0; 4], &stop)?, v.slice(&[0; 4], &stop)?)))
+    }
+
+    /// Replaces an empty cache's contents with copies of `layers` already in
+    /// the form `codes` (what [`rows`](Self::rows) gives), each `[1,
+    /// kv_heads, len - first, width]`, as [`fill`](Self::fill) does with
+    /// features: how batched slots hand a row's codes back without
+    /// decoding them. Keys in position order only; `codes` must be this
+    /// cache's quantization's (or full precision).
+    pub fn fill_rows(&mut self, layers: &[(Array, Array)], len: usize, window_first: usize, codes: KvCodes) -> mlx::Result<()> {
+        let form_fits = codes == KvCodes::Float || self.quantization.is_some_and(|q| q.codes() == codes);
+        if self.keys != KeyLayout::Positions || !form_fits {
+            return Err(mlx::Error { op: "kv_cache", message: format!("rows of {codes:?} do not fit this cache") });
+        }
+        if codes == KvCodes::Float {
+            return self.fill(layers, len, window_first);
+        }
+        if !self.is_empty() || layers.len() != self.layers.len() || !window_first.is_multiple_of(KEY_BLOCK) || window_first > len {
+            return Err(mlx::Error {
+                op: "kv_cache",
+                message: format!("fill of {} rows into a cache of {} holding {}", layers.len(), self.layers.len(), self.len),
+            });
+        }
+        self.codes = codes;
+        self.window_first = window_first;
+        self.reserve(len)?;
+        let width = codes.width(self.head_dim) as i32;
+        for (layer, (k, v)) in layers.iter().enumerate() {
+            let stop = [1, self.kv_heads as i32, (len - self.first(layer)) as i32, width];
+            let (bk, bv) = self.layers[layer].take().expect("reserved above");
+            self.layers[layer] = Some((bk.slice_update(k, &[0; 4], &stop)?, bv.slice_update(v, &[0; 4], &stop)?));
         }
         self.len = len;
         Ok(())

@@ -17,6 +17,7 @@ pub mod gpu;
 mod kv;
 mod kv_batch;
 mod kv_cache;
+mod kv_codes;
 pub mod kv_file;
 mod layers;
 mod linear;

@@ -164,6 +164,18 @@ impl Transformer {
         cache.with_quantization(self.kv_quantization).expect("checked by set_kv_quantization")
     }
 
+    /// Batched slots hold codes as `q` says, from every slot's first
+    /// position (`kv_batch.rs`), on any device: the batch encodes what it
+    /// writes and decodes what MLX's attention reads, and the fused decode
+    /// kernels read codes themselves. Rows' caches carry such codes to and
+    /// from the prefix cache without decoding them.
+    pub fn set_batched_kv_quantization(&mut self, q: Option<KvQuantization>) -> mlx::Result<()> {
+        let c = &self.config;
+        KvCache::new(c.kv_layers(), c.n_kv_heads, c.head_dim, self.dtype).with_quantization(q)?;
+        self.kv_quantization = q.map(|q| KvQuantization { start: 0, ..q });
+        Ok(())
+    }
+
     /// Rows' caches turn to codes as `q` says: only where the CPU's
     /// attention kernel reads them (float32 on the CPU).
     pub fn set_kv_quantization(&mut self, q: Option<KvQuantization>) -> mlx::Result<()> {
@@ -182,7 +194,9 @@ impl Transformer {
 
     /// An empty batch of KV slots for this model's running rows.
     pub fn new_kv_batch(&self) -> KvBatch {
-        KvBatch::new(self.config.kv_layers(), self.config.n_kv_heads, self.config.head_dim, self.dtype).with_windows(self.config.layer_windows())
+        KvBatch::new(self.config.kv_layers(), self.config.n_kv_heads, self.config.head_dim, self.dtype)
+            .with_windows(self.config.layer_windows())
+            .with_quantization(self.kv_quantization)
     }
 
     /// Bytes held by the weights.

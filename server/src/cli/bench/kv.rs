@@ -7,13 +7,19 @@
 //! of that text long enough to pass the quantization's start, compared
 //! token by token with full precision's. Speed: decode tokens/s after a
 //! long history, the variants alternating so a noisy machine slows both.
+//!
+//! Where the server keeps KV in batched slots (a GPU, or `--kv-layout
+//! batched`), quality is measured there: one slot of a batch holding codes
+//! from its first position (`kv_batch.rs`), read by MLX's ops or the fused
+//! decode kernels as the server's steps are; speed is then the engine's
+//! (`--streams`).
 use std::ops::ControlFlow;
 
 use serde::Serialize;
 
 use tether::generate::{generate, prefill, GenerateOptions};
 use tether::loaded::ModelWithTokenizer;
-use tether::models::{KvQuantization, Transformer};
+use tether::models::{BatchedRows, KvCache, KvQuantization, StepLogits, Transformer, SHARED_ATTENTION_SCORES};
 use tether::sample::SamplingParams;
 
 use super::throughput::prompt_tokens;
@@ -22,6 +28,10 @@ use super::BenchArgs;
 /// Quality rows, then speed rows, one JSON line each.
 pub(super) fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let mut model = args.model.load_here()?;
+    let holder = match args.kv_layout.layout().batched_on(mlx::default_device()) {
+        true => Holder::Slots,
+        false => Holder::Rows,
+    };
     let (group, start) = (args.kv.kv_group_size, args.kv.kv_quantized_start);
     // Both code widths unless --kv-bits names one.
     let bits = args.kv.quantization()?.map_or(vec![8, 4], |q| vec![q.bits]);
@@ -43,8 +53,11 @@ pub(super) fn run(args: &BenchArgs) -> anyhow::Result<()> {
     )?;
     // The windows pass the start, so their whole history turns to codes.
     let windows = text_windows(&text, 20, start + 64)?;
-    for row in quality(&mut model, &text, &[("reference", reference_prompts), ("text_windows", windows)], &variants)? {
+    for row in quality(&mut model, holder, &text, &[("reference", reference_prompts), ("text_windows", windows)], &variants)? {
         println!("{}", serde_json::to_string(&row)?);
+    }
+    if holder == Holder::Slots {
+        return Ok(()); // their speed is the engine's: --streams with --kv-bits
     }
     let history = prompt_tokens(&model.tokenizer, args.prompt_tokens)?;
     // At a long history the from-0 variants hold what the others do.
@@ -53,6 +66,71 @@ pub(super) fn run(args: &BenchArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string(&row)?);
     }
     Ok(())
+}
+
+/// Where a variant's KV lives: rows' own caches, or a batch's slots.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Holder {
+    Rows,
+    Slots,
+}
+
+impl Holder {
+    fn set(self, model: &mut Transformer, q: Option<KvQuantization>) -> mlx::Result<()> {
+        match self {
+            Holder::Rows => model.set_kv_quantization(q),
+            Holder::Slots => model.set_batched_kv_quantization(q),
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Holder::Rows => "rows",
+            Holder::Slots => "batched_slots",
+        }
+    }
+}
+
+/// One sequence's KV state in its holder, stepped as the server steps it.
+enum Sequence {
+    Row(KvCache),
+    Slot(tether::models::KvBatch),
+}
+
+impl Sequence {
+    fn new(model: &Transformer, holder: Holder) -> anyhow::Result<Sequence> {
+        Ok(match holder {
+            Holder::Rows => Sequence::Row(model.new_cache()),
+            Holder::Slots => {
+                let mut batch = model.new_kv_batch();
+                batch.admit(&model.new_cache(), 0)?;
+                Sequence::Slot(batch)
+            }
+        })
+    }
+
+    /// Logits of the last `wanted` of `tokens`, read in as one step.
+    fn forward(&mut self, model: &Transformer, tokens: &[u32], wanted: usize) -> anyhow::Result<mlx::Array> {
+        match self {
+            Sequence::Row(cache) => Ok(model.forward(tokens, cache, wanted)?),
+            Sequence::Slot(kv) => {
+                kv.ensure_capacity(kv.len(0) + tokens.len() + 1)?;
+                let tokens = vec![tokens.iter().map(|&t| t as i32).collect()];
+                let rows = BatchedRows { kv, tokens, fed: None, logits: vec![wanted], shared_scores: SHARED_ATTENTION_SCORES };
+                let StepLogits { batched, .. } = model.forward_step(Some(rows), &mut [])?;
+                batched.into_iter().next().flatten().ok_or_else(|| anyhow::anyhow!("the slot's step gave no logits"))
+            }
+        }
+    }
+
+    /// `prompt` in chunks of `chunk`; the last token's logits.
+    fn prefill(&mut self, model: &Transformer, prompt: &[u32], chunk: usize) -> anyhow::Result<mlx::Array> {
+        let mut last = None;
+        for part in prompt.chunks(chunk) {
+            last = Some(self.forward(model, part, 1)?);
+        }
+        last.ok_or_else(|| anyhow::anyhow!("an empty prompt"))
+    }
 }
 
 /// One way of holding KV state.
@@ -79,6 +157,8 @@ fn variants(bits: &[u8], group: usize, start: usize) -> Vec<KvVariant> {
 struct Quality {
     kind: &'static str,
     kv: &'static str,
+    /// Rows' own caches or batched slots (see [`Holder`]).
+    kv_holder: &'static str,
     /// The codes' group (`None`: full precision).
     kv_group: Option<usize>,
     model: String,
@@ -113,12 +193,12 @@ struct Speed {
 
 /// Mean negative log-likelihood per predicted token of `tokens`, read in
 /// chunks of `chunk` into one cache.
-fn mean_nll(model: &Transformer, tokens: &[u32], chunk: usize) -> anyhow::Result<f64> {
-    let mut cache = model.new_cache();
+fn mean_nll(model: &Transformer, holder: Holder, tokens: &[u32], chunk: usize) -> anyhow::Result<f64> {
+    let mut sequence = Sequence::new(model, holder)?;
     let mut total = 0.0;
     let mut next = 1; // the token the next logits row predicts
     for part in tokens.chunks(chunk) {
-        let logits = model.forward(part, &mut cache, part.len())?;
+        let logits = sequence.forward(model, part, part.len())?;
         let vocab = *logits.shape().last().expect("logits have a vocab axis");
         let rows = logits.to_vec_f32()?;
         for row in rows.chunks(vocab) {
@@ -139,9 +219,9 @@ type GreedyPath = Vec<(u32, f32)>;
 
 /// `n` greedy tokens of `prompt`, each with the margin between the best
 /// and the second-best logit it was chosen by.
-fn greedy_with_margins(model: &Transformer, prompt: &[u32], n: usize) -> anyhow::Result<GreedyPath> {
-    let mut cache = model.new_cache();
-    let mut logits = prefill(model, &mut cache, prompt, 512)?;
+fn greedy_with_margins(model: &Transformer, holder: Holder, prompt: &[u32], n: usize) -> anyhow::Result<GreedyPath> {
+    let mut sequence = Sequence::new(model, holder)?;
+    let mut logits = sequence.prefill(model, prompt, 512)?;
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
         let row = logits.to_vec_f32()?;
@@ -155,7 +235,7 @@ fn greedy_with_margins(model: &Transformer, prompt: &[u32], n: usize) -> anyhow:
             }
         }
         out.push((best.0 as u32, best.1 - second));
-        logits = model.forward(&[best.0 as u32], &mut cache, 1)?;
+        logits = sequence.forward(model, &[best.0 as u32], 1)?;
     }
     Ok(out)
 }
@@ -165,6 +245,7 @@ fn greedy_with_margins(model: &Transformer, prompt: &[u32], n: usize) -> anyhow:
 /// prompts, windows of the text) greedy agreement of 64 tokens after each.
 fn quality(
     model: &mut ModelWithTokenizer,
+    holder: Holder,
     text: &[u32],
     prompt_sets: &[(&'static str, Vec<Vec<u32>>)],
     variants: &[KvVariant],
@@ -173,11 +254,15 @@ fn quality(
     let mut out: Vec<Quality> = Vec::new();
     let mut reference: Option<(f64, Vec<Vec<GreedyPath>>)> = None;
     for v in variants {
-        model.transformer.set_kv_quantization(v.quantization)?;
-        let perplexity = mean_nll(&model.transformer, text, 128)?.exp();
+        // Slots hold codes from the first position: their "past start" variants are the from-0 ones.
+        if holder == Holder::Slots && v.quantization.is_some_and(|q| q.start > 0) {
+            continue;
+        }
+        holder.set(&mut model.transformer, v.quantization)?;
+        let perplexity = mean_nll(&model.transformer, holder, text, 128)?.exp();
         let greedy = prompt_sets
             .iter()
-            .map(|(_, prompts)| prompts.iter().map(|p| greedy_with_margins(&model.transformer, p, GREEDY)).collect::<anyhow::Result<Vec<_>>>())
+            .map(|(_, prompts)| prompts.iter().map(|p| greedy_with_margins(&model.transformer, holder, p, GREEDY)).collect::<anyhow::Result<Vec<_>>>())
             .collect::<anyhow::Result<Vec<_>>>()?;
         let (base_ppl, base_greedy) = reference.get_or_insert_with(|| (perplexity, greedy.clone()));
         for (((set, prompts), greedy), base_greedy) in prompt_sets.iter().zip(&greedy).zip(base_greedy.iter()) {
@@ -188,6 +273,7 @@ fn quality(
             out.push(Quality {
                 kind: "kv_quality",
                 kv: v.name,
+                kv_holder: holder.name(),
                 kv_group: v.quantization.map(|q| q.group),
                 model: model.name.clone(),
                 prompt_set: set,
@@ -201,7 +287,7 @@ fn quality(
             });
         }
     }
-    model.transformer.set_kv_quantization(None)?;
+    holder.set(&mut model.transformer, None)?;
     Ok(out)
 }
 

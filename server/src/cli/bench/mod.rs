@@ -97,6 +97,8 @@ pub(super) fn run(args: BenchArgs) -> anyhow::Result<()> {
         spec::run_all(&engine, &tokenizer, fim.as_ref(), &args.speculation_streams, &sources, args.max_draft)
     } else if !args.gpu_kernels.is_empty() {
         let mut model = args.model.load_here()?;
+        // The fused path beside MLX's ops on slots of --kv-bits codes; the reference keeps float32.
+        model.transformer.set_batched_kv_quantization(args.kv.quantization()?)?;
         let reference = args.model.load_here_in(mlx::Dtype::F32)?;
         for check in gpu_kernels::run(&mut model.transformer, &reference.transformer, &args.gpu_kernels, args.prompt_tokens, args.gen_tokens)? {
             println!("{}", serde_json::to_string(&check)?);

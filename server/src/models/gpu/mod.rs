@@ -31,7 +31,13 @@
 //!
 //! A step's token ids may be an unread array (`BatchedRows::fed`, the
 //! previous step's draws): the embedding gathers them on the device.
+//!
+//! Slots of 8- or 4-bit codes (`--kv-bits`, `kv_batch.rs`) take the same
+//! attention kernel in a variant that encodes the new position and decodes
+//! what it reads; groups of codes must be whole multiples of a lane's 8
+//! features ([`codes_fit`]), or the step runs on MLX's ops.
 use mlx::cuda::{sole_holder, CudaKernel, Launch, TemplateArg};
+use mlx::fast::KvCodes;
 use mlx::{Array, Dtype};
 
 use super::batch_step::BatchedRows;
@@ -139,6 +145,10 @@ impl GpuDecode {
     /// it on MLX's ops (nothing was changed but the batch's capacity).
     pub fn step(&self, m: &Transformer, b: &mut BatchedRows<'_>) -> mlx::Result<Option<StepLogits>> {
         let Some(live) = decode_slots(&b.tokens, &b.logits, |s| b.kv.len(s)) else { return Ok(None) };
+        let codes = b.kv.codes();
+        if !codes_fit(codes, m.config.head_dim) {
+            return Ok(None);
+        }
         let needed = live.iter().map(|&s| b.kv.len(s) + 1).max().unwrap_or(0);
         b.kv.ensure_capacity(needed)?;
         if !b.kv.may_write_in_place(sole_holder) {
@@ -158,7 +168,7 @@ impl GpuDecode {
         let mut h = m.embedding.rows(&ids, m.dtype)?.reshape(&[rows as i32, d as i32])?;
         for (layer, block) in m.layers.iter().enumerate() {
             let (keys, values) = b.kv.layer(layer).expect("checked above");
-            h = self.layer(block, &h, (keys, values), &places)?;
+            h = self.layer(block, &h, (keys, values), &places, codes)?;
         }
         let logits = self.head(m, &h)?;
         let real: Vec<usize> = b.tokens.iter().map(Vec::len).collect();
@@ -179,23 +189,30 @@ impl GpuDecode {
     /// and the head's, which every other layer shares.
     pub fn warm_up(&self, m: &Transformer, rows: usize) -> mlx::Result<()> {
         let c = &m.config;
-        let cache = || Array::zeros(&[rows, c.n_kv_heads, 2, c.head_dim], Dtype::BF16);
+        // In the form the model's batches hold (see `Transformer::new_kv_batch`).
+        let codes = m.kv_quantization.map_or(KvCodes::Float, |q| q.codes());
+        if !codes_fit(codes, c.head_dim) {
+            return Ok(());
+        }
+        let (width, dtype) = if codes == KvCodes::Float { (c.head_dim, Dtype::BF16) } else { (codes.width(c.head_dim), Dtype::U8) };
+        let cache = || Array::zeros(&[rows, c.n_kv_heads, 2, width], dtype);
         let (keys, values) = (cache()?, cache()?);
         let h = Array::zeros(&[rows, c.d_model], Dtype::BF16)?;
         mlx::eval(&[&keys, &values, &h])?;
         let places: Vec<i32> = (0..rows as i32).flat_map(|r| [r, 0]).collect();
         let places = Array::from_i32(&places, &[rows, 2])?;
-        let h = self.layer(&m.layers[0], &h, (&keys, &values), &places)?;
+        let h = self.layer(&m.layers[0], &h, (&keys, &values), &places, codes)?;
         mlx::eval(&[&self.head(m, &h)?])
     }
 
     /// One layer for the rows of the residual stream `h` (the module
     /// notes' five kernels); `cache`: the layer's slot buffers, which the
-    /// attention writes at `places` (`[rows, 2]` int32: slot, position).
-    fn layer(&self, block: &Block, h: &Array, cache: (&Array, &Array), places: &Array) -> mlx::Result<Array> {
+    /// attention writes at `places` (`[rows, 2]` int32: slot, position),
+    /// holding features as `codes` says.
+    fn layer(&self, block: &Block, h: &Array, cache: (&Array, &Array), places: &Array, codes: KvCodes) -> mlx::Result<Array> {
         let (a, mlp) = (block.attention().expect("checked by fits"), &block.mlp);
         let qkv = self.project(h, &a.qkv, Some(&a.norm), None, 0, Dtype::BF16)?;
-        let heads = self.attend(&qkv, cache.0, cache.1, places, a.qk_norm.as_ref().map(|n| (&n.q, &n.k)))?;
+        let heads = self.attend(&qkv, cache.0, cache.1, places, a.qk_norm.as_ref().map(|n| (&n.q, &n.k)), codes)?;
         let h = self.project(&heads, &a.out, None, Some(h), 0, Dtype::BF16)?;
         let gated = self.project(&h, &mlp.gate_up, Some(&mlp.norm), None, self.glu, Dtype::BF16)?;
         self.project(&gated, &mlp.down, None, Some(&h), 0, Dtype::BF16)
@@ -238,8 +255,12 @@ impl GpuDecode {
     /// One layer's attention for the step's rows (see attention.cu):
     /// returns `[rows, heads * head_dim]`; writes each row's key and value
     /// into its slot.
-    fn attend(&self, qkv: &Array, keys: &Array, values: &Array, places: &Array, qk_norm: Option<(&Array, &Array)>) -> mlx::Result<Array> {
+    fn attend(&self, qkv: &Array, keys: &Array, values: &Array, places: &Array, qk_norm: Option<(&Array, &Array)>, codes: KvCodes) -> mlx::Result<Array> {
         let (Heads { q, kv, dim }, rows) = (self.heads, qkv.dim(0));
+        let (bits, group) = match codes {
+            KvCodes::Float => (0, 8),
+            KvCodes::Affine { bits, group } => (bits as i32, group as i32),
+        };
         let p = &self.placeholder;
         let (q_norm, k_norm) = qk_norm.unwrap_or((p, p));
         let inputs = [qkv, keys, values, places, &self.inv_freq, q_norm, k_norm];
@@ -250,6 +271,8 @@ impl GpuDecode {
             ("TRAD", TemplateArg::Bool(self.traditional)),
             ("QK_NORM", TemplateArg::Bool(qk_norm.is_some())),
             ("EPS_E12", TemplateArg::Int(self.eps_e12)),
+            ("BITS", TemplateArg::Int(bits)),
+            ("CODE_GROUP", TemplateArg::Int(group)),
         ];
         let launch = Launch::blocks(rows * q as usize, BLOCK_THREADS);
         let mut out = self.attention.launch(&inputs, &[(&[rows, (q * dim) as usize], Dtype::BF16)], launch, &template)?;
@@ -266,6 +289,18 @@ fn decode_slots(tokens: &[Vec<i32>], logits: &[usize], len: impl Fn(usize) -> us
     let live: Vec<usize> = (0..tokens.len()).filter(|&s| !tokens[s].is_empty()).collect();
     let fits = decode_only && (1..=MAX_ROWS).contains(&live.len()) && live.iter().all(|&s| len(s) < MAX_HISTORY);
     fits.then_some(live)
+}
+
+/// Whether the attention kernel reads slots holding `codes`: features in
+/// bfloat16, or 8- or 4-bit codes in groups a lane's 8 features never
+/// straddle (4 bits: half a head whole lanes too).
+fn codes_fit(codes: KvCodes, head_dim: usize) -> bool {
+    match codes {
+        KvCodes::Float => true,
+        KvCodes::Affine { bits, group } => {
+            group.is_multiple_of(8) && head_dim.is_multiple_of(group) && (bits == 8 || (bits == 4 && head_dim.is_multiple_of(16)))
+        }
+    }
 }
 
 /// Warps splitting one output's inputs (1, 2, 4 or 8): enough that a long
