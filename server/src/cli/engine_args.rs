@@ -116,8 +116,9 @@ impl KvLayoutArg {
 #[derive(Args)]
 pub(super) struct KvArgs {
     /// Bits per KV feature: 32 (full precision), 8 or 4 (affine codes in
-    /// groups: a little over a quarter, or an eighth, of the bytes; the CPU
-    /// only). A row turns to codes once past --kv-quantized-start tokens.
+    /// groups: a little over a quarter, or an eighth, of float32's bytes). A
+    /// row turns to codes once past --kv-quantized-start tokens; batched
+    /// slots (a GPU's) hold codes from the first token.
     #[arg(long, default_value_t = 32)]
     kv_bits: u32,
     /// Features per group of codes (one scale and bias each); divides the head size.
