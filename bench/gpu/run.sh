@@ -61,8 +61,10 @@
 # the fused attention's codes variant against MLX's ops on the same codes,
 # both against float32 (`--gpu-kernels` with `--kv-bits`); decode through
 # the engine at 1 and 8 streams after a HISTORY-token (3,900) prompt, each
-# build of TETHER_BINS in bfloat16 and the newest in 8 and 4 bits, ROUNDS
-# (2) rounds interleaved; and the quality bench (`--kv-quality`) in the slots.
+# build of TETHER_BINS in bfloat16 and the newest in 8 bits, ROUNDS (2)
+# rounds interleaved (the first also 4 bits, and bfloat16 and 8 bits at 32
+# streams, past the fused kernels' 8 rows); and the quality bench
+# (`--kv-quality`) in the slots.
 # MODE=kernels: the fused decode step (models/gpu) beside MLX's ops on
 # random checkpoints of MODELS' shapes (default: qwen2.5-1.5b qwen2.5-0.5b
 # qwen3-0.6b llama-135m): `tether bench --gpu-kernels 1,2,4,8` (logits'
@@ -207,13 +209,16 @@ if [ "${MODE:-decode}" = kvcodes ]; then
     "$newest" bench --model "$model" --device gpu --kv-bits $bits --gpu-kernels 1,8 --prompt-tokens "${CHECK_PROMPT:-1000}" --gen-tokens "${CHECK_STEPS:-24}" 2>>"$OUT/tether.log" \
       | sed "s/^{/{\"check\":\"kernels\",\"kv_bits\":$bits,/" | tee -a "$OUT/results.jsonl" || echo "kernel check at $bits bits failed" >&2
   done
+  # (build, bits, streams): 8 streams take the fused kernels, 32 MLX's ops.
   runs=()
-  for bin in "${bins[@]}"; do runs+=("$bin|32"); done
-  runs+=("$newest|8" "$newest|4")
+  for bin in "${bins[@]}"; do runs+=("$bin|32|8"); done
+  runs+=("$newest|8|8")
   for round in $(seq "${ROUNDS:-2}"); do
-    for run in "${runs[@]}"; do
-      bin=${run%|*} bits=${run#*|}
-      "$bin" bench --model "$model" --device gpu --streams 8 --prompt-tokens "${HISTORY:-3900}" --gen-tokens 128 --kv-bits "$bits" 2>>"$OUT/tether.log" \
+    extra=()
+    [ "$round" = 1 ] && extra=("$newest|4|8" "$newest|32|32" "$newest|8|32")
+    for run in "${runs[@]}" "${extra[@]}"; do
+      IFS='|' read -r bin bits streams <<< "$run"
+      "$bin" bench --model "$model" --device gpu --streams "$streams" --prompt-tokens "${HISTORY:-3900}" --gen-tokens 128 --kv-bits "$bits" 2>>"$OUT/tether.log" \
         | sed "s/^{/{\"build\":\"$(basename "$bin")\",\"kv_bits\":$bits,\"round\":$round,/" | tee -a "$OUT/results.jsonl" || echo "$run failed" >&2
     done
   done
