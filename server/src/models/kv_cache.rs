@@ -207,6 +207,18 @@ impl KvCache {
         self.recurrent.as_mut()
     }
 
+    /// The same cache holding `state` as its recurrent layers' (read back
+    /// from a file); an error when it has none or other layers.
+    pub fn with_recurrent_state(mut self, state: RecurrentState) -> mlx::Result<KvCache> {
+        match &self.recurrent {
+            Some(s) if s.num_layers() == state.num_layers() => {
+                self.recurrent = Some(state);
+                Ok(self)
+            }
+            _ => Err(mlx::Error { op: "kv_cache", message: "a recurrent state that does not fit this cache's layers".into() }),
+        }
+    }
+
     /// An empty cache storing keys in blocks, for the CPU's fused attention
     /// (written by [`write_step`](Self::write_step) or, through
     /// [`take_for_write`](Self::take_for_write), the CPU's layer attention node).
@@ -284,13 +296,9 @@ impl KvCache {
 
     /// Its bookkeeping and every layer's whole buffers (spare room
     /// included, keys in the cache's own layout): what storing the cache
-    /// elsewhere as is takes. `None` for a cache with an empty layer, and
-    /// for one holding recurrent state (not written to files yet: such an
-    /// entry is dropped rather than spilled).
+    /// elsewhere as is takes, besides its [`recurrent`](Self::recurrent)
+    /// state if it has one. `None` for a cache with an empty layer.
     pub fn as_stored(&self) -> Option<(StoredCache, Vec<(&Array, &Array)>)> {
-        if self.recurrent.is_some() {
-            return None;
-        }
         let layers = self.layers.iter().map(|l| l.as_ref().map(|(k, v)| (k, v))).collect::<Option<Vec<_>>>()?;
         let codes = match self.codes {
             KvCodes::Float => None,
@@ -397,7 +405,8 @@ impl KvCache {
 
     /// The shortest length this cache can be truncated to and still go on:
     /// the next query must find its whole window in the window layers, and
-    /// recurrent state holds its own length only (none, once rolled back).
+    /// recurrent state holds its own length only (none, once rolled back),
+    /// besides its [`checkpoint_lens`](Self::checkpoint_lens).
     pub fn earliest_truncation(&self) -> usize {
         match &self.recurrent {
             Some(state) if state.is_rolled_back() => return usize::MAX,
@@ -410,15 +419,23 @@ impl KvCache {
         }
     }
 
+    /// The lengths below [`earliest_truncation`](Self::earliest_truncation)
+    /// it can also be truncated to: a hybrid model's state checkpoints
+    /// (see `state_rows.rs`).
+    pub fn checkpoint_lens(&self) -> Vec<usize> {
+        self.recurrent.as_ref().map_or_else(Vec::new, |s| s.checkpoint_lens(self.len))
+    }
+
     /// Forgets everything after the first `len` tokens. Not below
     /// [`earliest_truncation`](Self::earliest_truncation), which the engine's
     /// rollbacks never reach (they stay at or after the last step's start)
     /// and the prefix cache checks.
-    /// A cache with recurrent state cut back below its length is rolled
-    /// back (see `state_rows.rs`): it cannot run on nor serve.
+    /// A cache with recurrent state cut back below its length goes back to
+    /// its checkpoint there, or without one is rolled back (see
+    /// `state_rows.rs`): it cannot run on nor serve.
     pub fn truncate(&mut self, len: usize) {
         if let Some(state) = self.recurrent.as_mut().filter(|_| len < self.len) {
-            state.roll_back();
+            state.rewind(len);
         } else {
             debug_assert!(len >= self.earliest_truncation().min(self.len), "truncating to {len} drops keys the window still needs");
         }
@@ -427,7 +444,7 @@ impl KvCache {
 
     /// Bytes reserved on the device.
     pub fn nbytes(&self) -> usize {
-        let state = self.recurrent.as_ref().map_or(0, RecurrentState::nbytes);
+        let state = self.recurrent.as_ref().map_or(0, |s| s.nbytes(self.len));
         state + self.layers.iter().flatten().map(|(k, v)| k.nbytes() + v.nbytes()).sum::<usize>()
     }
 
@@ -692,6 +709,9 @@ impl LayerKv for KvCache {
 
     fn advance(&mut self, n: usize) {
         self.len += n;
+        if let Some(state) = self.recurrent.as_mut() {
+            state.thin(self.len);
+        }
     }
 }
 
