@@ -459,6 +459,65 @@ mod tests {
         assert_eq!(base_of(&bytes).unwrap(), 0);
     }
 
+    /// A hybrid model's cache of `len` tokens: [`filled`]'s KV and a
+    /// 3-layer recurrent state whose arrays hold `len` (and the layer),
+    /// with checkpoints at the block boundaries below it.
+    fn hybrid(len: usize) -> KvCache {
+        use crate::models::LayerState;
+        let layer = |at: usize, l: usize| {
+            let conv = Array::from_f32(&[at as f32 + l as f32 / 8.0; 6], &[3, 2]).unwrap();
+            LayerState { conv: conv.clone(), delta: Array::from_f32(&[-(at as f32); 8], &[2, 2, 2]).unwrap() }
+        };
+        let kv = filled(len, true, None);
+        let layers = (0..2).map(|l| kv.positions(l).unwrap().unwrap()).collect::<Vec<_>>();
+        let mut cache = KvCache::with_keys_in_blocks(2, 2, 8, Dtype::F32).with_recurrent_layers(3);
+        cache.fill(&layers, len, 0).unwrap();
+        let state = cache.recurrent_mut().unwrap();
+        for t in state.capture_points(0, len) {
+            (0..3).for_each(|l| state.record(l, t, layer(t, l)));
+        }
+        (0..3).for_each(|l| state.set_layer(l, layer(len, l)));
+        state.thin(len);
+        cache
+    }
+
+    fn state_values(cache: &KvCache) -> Vec<Vec<f32>> {
+        let state = cache.recurrent().unwrap();
+        (0..3).flat_map(|l| state.layer(l).unwrap().map(|s| [s.conv.to_vec_f32().unwrap(), s.delta.to_vec_f32().unwrap()])).flatten().collect()
+    }
+
+    /// A hybrid model's state and its checkpoints come back as they were
+    /// (the restored cache rewinds to a checkpoint as the stored one does);
+    /// a cache without such state, or with other layers, refuses the file,
+    /// and one with such state refuses a file without it.
+    #[test]
+    fn a_recurrent_state_and_its_checkpoints_round_trip() {
+        let cache = hybrid(200);
+        let tokens: Vec<u32> = (0..200).collect();
+        assert_eq!(cache.checkpoint_lens(), [128, 192]);
+        for base in [0, 100] {
+            let bytes = file_past(&cache, 7, &tokens, base);
+            check(&bytes).unwrap();
+            let prompt = filled(100, true, None);
+            let back = decode(&bytes, &cache.emptied(), 7, &tokens, Some(&prompt)).unwrap();
+            assert_eq!((back.len(), back.nbytes(), back.checkpoint_lens()), (200, cache.nbytes(), vec![128, 192]));
+            assert_eq!((contents(&back), state_values(&back)), (contents(&cache), state_values(&cache)));
+            for at in [192, 128] {
+                let (mut a, mut b) = (cache.clone(), back.clone());
+                a.truncate(at);
+                b.truncate(at);
+                assert_eq!(state_values(&b), state_values(&a), "rewound to {at}");
+            }
+        }
+        let bytes = file(&cache, 7, &tokens);
+        let plain = KvCache::with_keys_in_blocks(2, 2, 8, Dtype::F32);
+        assert!(matches!(decode(&bytes, &plain, 7, &tokens, None), Err(KvFileError::Mismatch("recurrent state"))));
+        let fewer = plain.clone().with_recurrent_layers(2);
+        assert!(matches!(decode(&bytes, &fewer, 7, &tokens, None), Err(KvFileError::Mismatch("recurrent layers"))));
+        let kv_only = file(&filled(200, true, None), 7, &tokens);
+        assert!(matches!(decode(&kv_only, &cache.emptied(), 7, &tokens, None), Err(KvFileError::Mismatch("recurrent state"))));
+    }
+
     #[test]
     fn damaged_or_foreign_files_are_errors() {
         let cache = filled(40, true, None);
