@@ -51,6 +51,9 @@ pub struct LayerState {
     pub delta: Array,
 }
 
+/// Per recurrent layer, its state (`None` before its first token).
+pub type Layers = [Option<LayerState>];
+
 /// Every recurrent layer's state after the first `len` tokens.
 #[derive(Clone)]
 struct Checkpoint {
@@ -204,7 +207,7 @@ impl RecurrentState {
 
     /// Its parts for a file: per layer its state (`None` before its first
     /// token), then each checkpoint's length and layers.
-    pub fn parts(&self) -> (&[Option<LayerState>], Vec<(usize, &[Option<LayerState>])>) {
+    pub fn parts(&self) -> (&[Option<LayerState>], Vec<(usize, &Layers)>) {
         (&self.layers, self.checkpoints.iter().map(|c| (c.len, &c.layers[..])).collect())
     }
 
