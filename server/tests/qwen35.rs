@@ -236,9 +236,9 @@ async fn a_chat_turn_over_http_equals_a_fresh_request() {
 
 /// Through the engine: concurrent rows each keep their own state, a
 /// session's next turn gives what a fresh request with the whole history
-/// gives (resuming only when the stored state is exactly at the matched
-/// length, else reading the prompt again), and a request asking for drafts
-/// decodes without them.
+/// gives (resuming where a state is kept exactly: the stored turn's whole
+/// length, or a checkpoint below the fork), and a request asking for
+/// drafts drafts and gives the same tokens.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sessions_and_concurrent_rows_through_the_engine() {
     let model = load();
@@ -272,20 +272,44 @@ async fn sessions_and_concurrent_rows_through_the_engine() {
     assert_eq!(f4.cached_tokens, 47, "the whole stored state resumes");
     assert_eq!(resumed3, greedy_tokens(&model, &turn3, 8).unwrap());
 
-    // A fork inside what turn 3 stored (its state is past the match, and
-    // 47 tokens pass no 64-token block boundary, so it has no checkpoint):
-    // no exact state, so the prompt is read again, same tokens.
+    // A fork inside what turn 3 stored, past turn 2's prompt: turn 2's
+    // state where its prompt ended (36 tokens) was kept for just this (a
+    // checkpoint off the 64-token blocks), so it resumes there.
     let mut fork: Vec<u32> = turn3[..40].to_vec();
     fork.extend([11, 12, 13]);
     let (forked, f5) = run_request(&engine, request(&fork, 8, Some("s"))).await;
-    assert_eq!(f5.cached_tokens, 0, "no state at 32: the entry's state is at its own length");
+    assert_eq!(f5.cached_tokens, 36, "the state where turn 2's prompt ended");
     assert_eq!(forked, greedy_tokens(&model, &fork, 8).unwrap());
 
-    // Drafts asked for: none run, the tokens are plain decoding's.
+    // Drafts asked for: they run, and the tokens are plain decoding's.
     let echo = SubmitRequest { speculation: Speculation { kind: DraftKind::Echo, ..Default::default() }, ..request(&fork, 8, None) };
     let (echoed, f6) = run_request(&engine, echo).await;
     assert_eq!(echoed, forked);
-    assert!(f6.speculative.is_none(), "a row with recurrent state never drafts");
+    assert!(f6.speculative.is_some(), "a row with recurrent state drafts");
+}
+
+/// Prompt-lookup drafts on a hybrid model give plain decoding's tokens:
+/// each verification keeps the state after every position, and a rejected
+/// draft rewinds to the state after the last accepted token. A prompt
+/// that repeats itself, so drafts are offered, accepted and rejected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drafts_on_a_hybrid_model_give_plain_decodings_tokens() {
+    let model = load();
+    let engine = start_engine_on(generated().0.clone());
+    let base = ids(&generated().1["prompt_ids"]);
+    let prompt: Vec<u32> = base.iter().chain(&base).chain(&base[..12]).copied().collect();
+    let plain = greedy_tokens(&model, &prompt, 40).unwrap();
+    // Its own output repeated, too: the second request drafts from it.
+    let echo = |prompt: &[u32]| SubmitRequest { speculation: Speculation { kind: DraftKind::Echo, ..Default::default() }, ..request(prompt, 40, None) };
+    let (got, f) = run_request(&engine, echo(&prompt)).await;
+    assert_eq!(got, plain, "drafts must not change the tokens");
+    let again: Vec<u32> = prompt.iter().chain(&plain).chain(&prompt).copied().collect();
+    let (got2, f2) = run_request(&engine, echo(&again)).await;
+    assert_eq!(got2, greedy_tokens(&model, &again, 40).unwrap());
+    let (a, b) = (f.speculative.unwrap(), f2.speculative.unwrap());
+    let (drafted, accepted) = (a.drafted + b.drafted, a.accepted + b.accepted);
+    eprintln!("qwen35 drafts: {drafted} drafted, {accepted} accepted");
+    assert!(drafted > accepted && accepted > 0, "drafts were both accepted and rejected: {drafted} drafted, {accepted} accepted");
 }
 
 /// A prompt of `n` tokens of no pattern the model knows (ids of its

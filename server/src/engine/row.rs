@@ -56,14 +56,10 @@ impl Row {
             Some(spec) => Some(spec.start().map_err(|message| mlx::Error { op: "constraint", message })?),
             None => None,
         };
-        // A row with recurrent state (a hybrid model's) cannot roll back a
-        // rejected draft: its state holds one position only, and no
-        // snapshots per draft position are kept yet. So it never drafts
-        // (grammar-forced drafts included: they are drafts too).
-        let (drafter, drafting) = match cache.recurrent() {
-            Some(_) => (None, None),
-            None => Drafter::new(&request.speculation, draft_model, progress.constraint.is_some()).unzip(),
-        };
+        // A row with recurrent state (a hybrid model's) drafts too: its
+        // state keeps a snapshot per draft position through verification,
+        // which a rejected draft rewinds to (see `models/state_rows.rs`).
+        let (drafter, drafting) = Drafter::new(&request.speculation, draft_model, progress.constraint.is_some()).unzip();
         progress.drafting = drafting;
         let cache = anchored(cache, request.prompt.len());
         Ok(Row { progress, request, events, stop, kv_bytes, kv: RowKv::Own(cache), sampler, lent: None, origin: None, drafter })

@@ -207,7 +207,7 @@ impl<'s, 'r, 'c> StepAttention<'s, 'r, 'c> {
                 .ok_or_else(|| mlx::Error { op: "recurrent_state", message: "a recurrent layer's row has a cache without recurrent state".into() })?;
             let mine = if single { x.clone() } else { x.slice(&[0, s, 0], &[1, s + n, width])? };
             let offset = rows.offsets[r] as usize;
-            let capture = state.capture_points(offset, n as usize);
+            let capture = state.capture_points(offset, n as usize, row.n_logits);
             let (out, next, captured) = run(&mine, state.layer(layer)?, &capture)?;
             state.set_layer(layer, next);
             for (t, at) in captured.into_iter().zip(&capture) {

@@ -165,8 +165,9 @@ pub struct KvCache {
     /// How the buffers hold features now, and when they turn to codes.
     codes: KvCodes,
     quantization: Option<KvQuantization>,
-    /// A hybrid model's recurrent layers' state at `len` (see `state_rows.rs`).
-    recurrent: Option<RecurrentState>,
+    /// A hybrid model's recurrent layers' state at `len` (see `state_rows.rs`;
+    /// boxed: most caches have none).
+    recurrent: Option<Box<RecurrentState>>,
 }
 
 impl KvCache {
@@ -193,18 +194,18 @@ impl KvCache {
     /// (a hybrid model's); set before anything is stored.
     pub fn with_recurrent_layers(mut self, layers: usize) -> KvCache {
         assert!(self.is_empty(), "recurrent layers are set on an empty cache");
-        self.recurrent = (layers > 0).then(|| RecurrentState::new(layers));
+        self.recurrent = (layers > 0).then(|| Box::new(RecurrentState::new(layers)));
         self
     }
 
     /// The recurrent layers' state, if the model has such layers.
     pub fn recurrent(&self) -> Option<&RecurrentState> {
-        self.recurrent.as_ref()
+        self.recurrent.as_deref()
     }
 
     /// The recurrent layers' state, to read and replace within a step.
     pub fn recurrent_mut(&mut self) -> Option<&mut RecurrentState> {
-        self.recurrent.as_mut()
+        self.recurrent.as_deref_mut()
     }
 
     /// The same cache holding `state` as its recurrent layers' (read back
@@ -212,7 +213,7 @@ impl KvCache {
     pub fn with_recurrent_state(mut self, state: RecurrentState) -> mlx::Result<KvCache> {
         match &self.recurrent {
             Some(s) if s.num_layers() == state.num_layers() => {
-                self.recurrent = Some(state);
+                self.recurrent = Some(Box::new(state));
                 Ok(self)
             }
             _ => Err(mlx::Error { op: "kv_cache", message: "a recurrent state that does not fit this cache's layers".into() }),
@@ -258,7 +259,7 @@ impl KvCache {
     /// what [`fill`](Self::fill) restores a stored copy into.
     pub fn emptied(&self) -> KvCache {
         let empty = KvCache::new(self.layers.len(), self.kv_heads, self.head_dim, self.dtype);
-        let recurrent = self.recurrent.as_ref().map(RecurrentState::emptied);
+        let recurrent = self.recurrent.as_ref().map(|s| Box::new(s.emptied()));
         KvCache { keys: self.keys, quantization: self.quantization, recurrent, ..empty }.with_windows(self.windows.clone())
     }
 
@@ -645,7 +646,7 @@ impl KvCache {
 
     /// The stored buffers, for evaluating them along with a step's outputs.
     pub fn buffers(&self) -> Vec<&Array> {
-        let state = self.recurrent.iter().flat_map(RecurrentState::buffers);
+        let state = self.recurrent.iter().flat_map(|s| s.buffers());
         self.layers.iter().flatten().flat_map(|(k, v)| [k, v]).chain(state).collect()
     }
 }

@@ -473,7 +473,7 @@ mod tests {
         let mut cache = KvCache::with_keys_in_blocks(2, 2, 8, Dtype::F32).with_recurrent_layers(3);
         cache.fill(&layers, len, 0).unwrap();
         let state = cache.recurrent_mut().unwrap();
-        for t in state.capture_points(0, len) {
+        for t in state.capture_points(0, len, 1) {
             (0..3).for_each(|l| state.record(l, t, layer(t, l)));
         }
         (0..3).for_each(|l| state.set_layer(l, layer(len, l)));

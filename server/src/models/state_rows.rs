@@ -20,17 +20,23 @@
 //! state *rolled back*: it refuses to run on (its row fails rather than
 //! continue from wrong state), and the prefix cache never serves it.
 //!
+//! Drafts use the same mechanism: a step that verifies drafts wants logits
+//! at each of its positions, and the state is captured after each of them
+//! too (*snapshots*, kept for that step only), so a rejected draft rewinds
+//! to the state after the last accepted token.
+//!
 //! Which checkpoints a row keeps ([`RecurrentState::thin`]): a state costs
 //! as much as many blocks of KV (Qwen3.5-0.8B: 18 recurrent layers of 1 MiB
 //! in float32, the KV of ~750 positions), so not every boundary. Kept: the
 //! newest [`RECENT_CHECKPOINTS`] (an agent's next prompt carries the last
 //! reply re-rendered or re-tokenized, so its match ends a few tokens short
 //! of the stored turn: the boundary below that is one of the last two),
-//! and the last boundary at or below the turn's prompt end, its *anchor*
-//! (a reply the next prompt renders differently from its first token on,
-//! such as one whose reasoning the chat template drops, diverges right
-//! after the prompt, however long the reply was). So an entry holds at
-//! most four states: its own and three checkpoints.
+//! and one more, off the boundaries, exactly where the turn's prompt ends,
+//! its *anchor*: a reply the next prompt renders or tokenizes differently
+//! from its first token on (one whose reasoning the chat template drops,
+//! a text reply whose tokens re-encode otherwise) diverges right there,
+//! however long the reply was, and resumes with nothing to read again.
+//! So an entry holds at most four states: its own and three checkpoints.
 use mlx::Array;
 
 /// Positions between two checkpoints: the paged KV's block
@@ -58,6 +64,9 @@ pub type Layers = [Option<LayerState>];
 #[derive(Clone)]
 struct Checkpoint {
     len: usize,
+    /// A draft position's snapshot (off the block boundaries), kept only
+    /// until the step after the one that took it.
+    snapshot: bool,
     /// Per recurrent layer; a layer's is filled when its step passes `len`.
     layers: Vec<Option<LayerState>>,
 }
@@ -80,14 +89,17 @@ pub struct RecurrentState {
     /// Earlier states, by length, oldest first.
     checkpoints: Vec<Checkpoint>,
     /// Where the prompt of the turn being computed ends (0: not set): the
-    /// checkpoint at the last boundary at or below it is kept.
+    /// state there is captured and kept.
     anchor: usize,
+    /// The length the last step started from: snapshots at or below it are
+    /// of earlier steps.
+    step_start: usize,
 }
 
 impl RecurrentState {
     /// The state of `layers` recurrent layers before any token.
     pub fn new(layers: usize) -> RecurrentState {
-        RecurrentState { layers: vec![None; layers], rolled_back: false, checkpoints: Vec::new(), anchor: 0 }
+        RecurrentState { layers: vec![None; layers], rolled_back: false, checkpoints: Vec::new(), anchor: 0, step_start: 0 }
     }
 
     /// The same layers before any token.
@@ -118,11 +130,21 @@ impl RecurrentState {
     }
 
     /// The counts of a step's tokens (1-based) after which the state is to
-    /// be captured, for a step of `n` tokens after the first `len`: where
-    /// the step passes a block boundary.
-    pub fn capture_points(&self, len: usize, n: usize) -> Vec<usize> {
+    /// be captured, for a step of `n` tokens after the first `len` that
+    /// wants logits at its last `n_logits`: where the step passes a block
+    /// boundary or the anchor and, when it verifies drafts (logits at more
+    /// than its last token), after each token whose logits it wants (where
+    /// a rejected draft can cut it back to). Ascending.
+    pub fn capture_points(&mut self, len: usize, n: usize, n_logits: usize) -> Vec<usize> {
+        self.step_start = len;
         let first = (len / CHECKPOINT_INTERVAL + 1) * CHECKPOINT_INTERVAL;
-        (first..=len + n).step_by(CHECKPOINT_INTERVAL).map(|at| at - len).collect()
+        let boundaries = (first..=len + n).step_by(CHECKPOINT_INTERVAL).map(|at| at - len);
+        let anchor = (len < self.anchor && self.anchor <= len + n).then(|| self.anchor - len);
+        let drafts = if n_logits > 1 { n + 1 - n_logits.min(n)..n + 1 } else { 0..0 };
+        let mut points: Vec<usize> = boundaries.chain(anchor).chain(drafts).collect();
+        points.sort_unstable();
+        points.dedup();
+        points
     }
 
     /// Layer `layer`'s state after the first `len` tokens, as a step
@@ -135,7 +157,8 @@ impl RecurrentState {
                 // past it is of another continuation.
                 let at = at.unwrap_or(self.checkpoints.len());
                 self.checkpoints.truncate(at);
-                self.checkpoints.push(Checkpoint { len, layers: vec![None; self.layers.len()] });
+                let snapshot = !len.is_multiple_of(CHECKPOINT_INTERVAL) && len != self.anchor;
+                self.checkpoints.push(Checkpoint { len, snapshot, layers: vec![None; self.layers.len()] });
                 at
             }
         };
@@ -143,33 +166,39 @@ impl RecurrentState {
     }
 
     /// Sets where the prompt of the turn this state is computed for ends:
-    /// the checkpoint at the last boundary at or below it is kept.
+    /// the state there is captured and kept.
     pub fn set_anchor(&mut self, prompt_len: usize) {
         self.anchor = prompt_len;
     }
 
     /// Keeps the checkpoints the module notes name, of a state at `len`:
-    /// the newest [`RECENT_CHECKPOINTS`] and the anchor's; the others go.
+    /// the newest [`RECENT_CHECKPOINTS`] and the anchor's, and the last
+    /// step's snapshots; the others go (an earlier turn's anchor ages like
+    /// any checkpoint).
     pub fn thin(&mut self, len: usize) {
-        self.checkpoints.retain(|c| c.len <= len);
-        let anchor = self.anchor / CHECKPOINT_INTERVAL * CHECKPOINT_INTERVAL;
-        let recent_from = self.checkpoints.len().saturating_sub(RECENT_CHECKPOINTS);
+        let (step_start, anchor) = (self.step_start, self.anchor);
+        self.checkpoints.retain(|c| c.len <= len && !(c.snapshot && c.len <= step_start));
+        let is_anchor = |c: &Checkpoint| anchor > 0 && c.len == anchor;
+        let others = self.checkpoints.iter().filter(|c| !c.snapshot && !is_anchor(c)).count();
+        let recent_from = others.saturating_sub(RECENT_CHECKPOINTS);
         let mut i = 0;
         self.checkpoints.retain(|c| {
-            i += 1;
-            i > recent_from || (anchor > 0 && c.len == anchor)
+            let other = !c.snapshot && !is_anchor(c);
+            i += usize::from(other);
+            !other || i > recent_from
         });
     }
 
-    /// Back to the state after the first `len` tokens: a checkpoint's
-    /// (those after it go, as they are of the continuation cut off).
-    /// Whether there was one; if not, the state is rolled back.
+    /// Back to the state after the first `len` tokens: a checkpoint's or
+    /// a snapshot's (those after it go, as they are of the continuation cut
+    /// off, and so do the snapshots: the state is past them). Whether there
+    /// was one; if not, the state is rolled back.
     pub fn rewind(&mut self, len: usize) -> bool {
         let found = self.checkpoints.iter().find(|c| c.len == len && c.is_complete()).map(|c| c.layers.clone());
         match found {
             Some(layers) if !self.rolled_back => {
                 self.layers = layers;
-                self.checkpoints.retain(|c| c.len <= len);
+                self.checkpoints.retain(|c| c.len <= len && !c.snapshot);
                 true
             }
             _ => {
@@ -183,11 +212,13 @@ impl RecurrentState {
         self.rolled_back
     }
 
-    /// The lengths below `len` (the cache's) the state can be rewound to.
+    /// The lengths below `len` (the cache's) the state can be rewound to
+    /// for a prefix-cache hit: its checkpoints (not the snapshots of a
+    /// step's drafts).
     pub fn checkpoint_lens(&self, len: usize) -> Vec<usize> {
         match self.rolled_back {
             true => Vec::new(),
-            false => self.checkpoints.iter().filter(|c| c.len < len && c.is_complete()).map(|c| c.len).collect(),
+            false => self.checkpoints.iter().filter(|c| c.len < len && !c.snapshot && c.is_complete()).map(|c| c.len).collect(),
         }
     }
 
@@ -206,9 +237,9 @@ impl RecurrentState {
     }
 
     /// Its parts for a file: per layer its state (`None` before its first
-    /// token), then each checkpoint's length and layers.
+    /// token), then each checkpoint's length and layers (not snapshots).
     pub fn parts(&self) -> (&[Option<LayerState>], Vec<(usize, &Layers)>) {
-        (&self.layers, self.checkpoints.iter().map(|c| (c.len, &c.layers[..])).collect())
+        (&self.layers, self.checkpoints.iter().filter(|c| !c.snapshot).map(|c| (c.len, &c.layers[..])).collect())
     }
 
     /// A state of the same layers made of `parts` read back from a file;
@@ -216,8 +247,8 @@ impl RecurrentState {
     pub fn from_parts(&self, layers: Vec<Option<LayerState>>, checkpoints: Vec<(usize, Vec<Option<LayerState>>)>) -> Option<RecurrentState> {
         let n = self.layers.len();
         let fits = layers.len() == n && checkpoints.iter().all(|(_, l)| l.len() == n) && checkpoints.windows(2).all(|w| w[0].0 < w[1].0);
-        let checkpoints = checkpoints.into_iter().map(|(len, layers)| Checkpoint { len, layers }).collect();
-        fits.then_some(RecurrentState { layers, rolled_back: false, checkpoints, anchor: 0 })
+        let checkpoints = checkpoints.into_iter().map(|(len, layers)| Checkpoint { len, snapshot: false, layers }).collect();
+        fits.then_some(RecurrentState { layers, rolled_back: false, checkpoints, anchor: 0, step_start: 0 })
     }
 }
 
@@ -242,7 +273,7 @@ mod tests {
         let mut at = 0;
         while at < len {
             let n = step.min(len - at);
-            for t in s.capture_points(at, n) {
+            for t in s.capture_points(at, n, 1) {
                 s.record(0, at + t, layer((at + t) as f32));
             }
             s.set_layer(0, layer((at + n) as f32));
@@ -253,29 +284,56 @@ mod tests {
     }
 
     #[test]
-    fn capture_points_are_where_a_step_passes_a_boundary() {
-        let s = RecurrentState::new(1);
-        assert_eq!(s.capture_points(0, 200), [64, 128, 192]);
-        assert_eq!(s.capture_points(60, 4), [4]);
-        assert_eq!(s.capture_points(64, 63), Vec::<usize>::new());
-        assert_eq!(s.capture_points(127, 1), [1]);
+    fn capture_points_are_where_a_step_passes_a_boundary_or_verifies_a_draft() {
+        let mut s = RecurrentState::new(1);
+        assert_eq!(s.capture_points(0, 200, 1), [64, 128, 192]);
+        assert_eq!(s.capture_points(60, 4, 1), [4]);
+        assert_eq!(s.capture_points(64, 63, 1), Vec::<usize>::new());
+        assert_eq!(s.capture_points(127, 1, 1), [1]);
+        assert_eq!(s.capture_points(62, 4, 4), [1, 2, 3, 4], "a token and 3 drafts");
+        assert_eq!(s.capture_points(62, 10, 3), [2, 8, 9, 10]);
+    }
+
+    /// A step verifying drafts keeps a snapshot per position: a rejected
+    /// draft rewinds to the last accepted one, and the snapshots go then
+    /// or at the next step, never crowding out a checkpoint.
+    #[test]
+    fn a_rejected_draft_rewinds_to_the_last_accepted_position() {
+        let mut s = run(300, 300, 0); // checkpoints at 256 and 192
+        let step = |s: &mut RecurrentState, at: usize, n: usize| {
+            for t in s.capture_points(at, n, n) {
+                s.record(0, at + t, layer((at + t) as f32));
+            }
+            s.set_layer(0, layer((at + n) as f32));
+            s.thin(at + n);
+        };
+        step(&mut s, 300, 5);
+        assert_eq!(s.checkpoint_lens(305), [192, 256], "snapshots are not checkpoints");
+        assert!(s.rewind(302), "two of four drafts accepted");
+        assert_eq!((value(&s), s.checkpoint_lens(302)), (302.0, vec![192, 256]));
+        step(&mut s, 302, 1);
+        step(&mut s, 303, 4); // all accepted: the snapshots stay until the next step
+        assert!(s.checkpoints.iter().any(|c| c.snapshot));
+        step(&mut s, 307, 1);
+        assert!(!s.checkpoints.iter().any(|c| c.snapshot), "the last step's only");
+        assert_eq!((value(&s), s.checkpoint_lens(308)), (308.0, vec![192, 256]));
     }
 
     #[test]
     fn keeps_the_newest_checkpoints_and_the_anchor() {
         for step in [1, 7, 64, 500] {
             let s = run(700, step, 300);
-            assert_eq!(s.checkpoint_lens(700), [256, 576, 640], "step {step}");
+            assert_eq!(s.checkpoint_lens(700), [300, 576, 640], "step {step}");
         }
         // A state rewound to a checkpoint is that checkpoint's; the later ones go.
         let mut s = run(700, 9, 300);
         assert!(s.rewind(576));
-        assert_eq!((value(&s), s.checkpoint_lens(576)), (576.0, vec![256]));
-        assert!(s.rewind(256));
-        assert_eq!(value(&s), 256.0);
+        assert_eq!((value(&s), s.checkpoint_lens(576)), (576.0, vec![300]));
+        assert!(s.rewind(300));
+        assert_eq!(value(&s), 300.0);
         // Anywhere else: rolled back, for good.
         assert!(!s.rewind(200));
-        assert!(s.layer(0).is_err() && s.checkpoint_lens(256).is_empty() && !s.rewind(256));
+        assert!(s.layer(0).is_err() && s.checkpoint_lens(300).is_empty() && !s.rewind(300));
     }
 
     #[test]

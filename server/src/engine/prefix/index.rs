@@ -77,7 +77,8 @@ pub(super) struct Entry {
     /// `KvCache::earliest_truncation`).
     pub earliest_truncation: usize,
     /// Shorter prefixes it can serve too: a hybrid model's state
-    /// checkpoints (`KvCache::checkpoint_lens`), ascending.
+    /// checkpoints (`KvCache::checkpoint_lens`; at block boundaries, and
+    /// where a turn's prompt ended), ascending.
     pub checkpoints: Vec<usize>,
     /// Its weight in the policy (KiB of its buffers when stored, rounded up).
     kib: u32,
@@ -205,9 +206,11 @@ impl Index {
     /// block-aligned length serves instead at its own whole length when the
     /// prompt holds all of its tokens (a hybrid model's recurrent state is
     /// at its entry's length: a session's next turn, whose prompt carries
-    /// the whole last turn, resumes there), else at the length if it is one
-    /// of its checkpoints (the state at a block boundary); else a shorter
-    /// block serves, down to the deepest checkpoint below the match.
+    /// the whole last turn, resumes there), else at its longest checkpoint
+    /// at or past the block that the prompt holds (a state kept at a block
+    /// boundary or where a turn's prompt ended, which may be off the
+    /// blocks); else a shorter block serves, down to the deepest checkpoint
+    /// below the match.
     pub fn longest_match(&self, scope: &Scope, prompt: &[u32], ram_only: bool) -> Option<(EntryId, usize)> {
         let usable = prompt.len().saturating_sub(1);
         let keys = self.block_keys(scope, &prompt[..usable]);
@@ -226,8 +229,11 @@ impl Index {
                 return Some((id, len));
             }
             let whole = entry.tokens.len();
-            let all_of_it = entry.earliest_truncation <= whole && whole <= usable && prompt[len..whole] == entry.tokens[len..];
-            (all_of_it || entry.checkpoints.binary_search(&len).is_ok()).then_some((id, if all_of_it { whole } else { len }))
+            let holds = |end: usize| end <= usable && prompt[len..end] == entry.tokens[len..end];
+            if entry.earliest_truncation <= whole && holds(whole) {
+                return Some((id, whole));
+            }
+            entry.checkpoints.iter().rev().find(|&&c| c >= len && holds(c)).map(|&c| (id, c))
         })
     }
 

@@ -542,7 +542,7 @@ fn hybrid(tokens: &[u32], salt: f32) -> KvCache {
     let layers = (0..2).map(|l| kv.positions(l).unwrap().unwrap()).collect::<Vec<_>>();
     cache.fill(&layers, len, 0).unwrap();
     let state = cache.recurrent_mut().unwrap();
-    for t in state.capture_points(0, len) {
+    for t in state.capture_points(0, len, 1) {
         (0..2).for_each(|l| state.record(l, t, at(t)));
     }
     (0..2).for_each(|l| state.set_layer(l, at(len)));
