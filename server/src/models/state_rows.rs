@@ -48,6 +48,12 @@ pub const CHECKPOINT_INTERVAL: usize = 64;
 /// module notes).
 pub const RECENT_CHECKPOINTS: usize = 2;
 
+/// The most states a row holds between steps: its own and its checkpoints
+/// (the newest [`RECENT_CHECKPOINTS`] and the anchor's), what admission
+/// reserves. A step verifying drafts holds one more per draft until the
+/// next step.
+pub const MAX_STATES: usize = 1 + RECENT_CHECKPOINTS + 1;
+
 /// One recurrent layer's state of one row.
 #[derive(Clone)]
 pub struct LayerState {
