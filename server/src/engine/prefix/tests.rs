@@ -582,6 +582,12 @@ fn a_hybrid_entry_serves_from_its_checkpoints_in_every_tier() {
             }
         }
         let s = cache.stats();
+        if tier == "ram" {
+            // Its state and both checkpoints (at 64 and 128) count in the
+            // byte weighing: 3 states of 2 layers of 2 arrays of 16 bytes.
+            let (kv_only, whole) = (state(&tokens, salt).nbytes(), hybrid(&tokens, salt).nbytes());
+            assert_eq!((s.bytes, whole), (whole, kv_only + 3 * 2 * 2 * 16), "{s:?}");
+        }
         let away = if tier == "host" { s.host.entries } else { s.disk.entries };
         assert!(tier == "ram" || away == 2, "{tier}: {s:?}");
         for (prompt, want) in &asks {
