@@ -795,7 +795,8 @@ async def run(args):
 
 def report_agent(rows):
     """The agent workload per turn: TTFT of tether with its session cache, tether
-    with a fresh session per turn, and mlx-lm with its prompt cache (medians
+    with a fresh session per turn, and mlx-lm's or llama.cpp's server with its
+    prompt cache (the peer: llama.cpp where its rows are there; medians
     over repeated runs), then the last turn's ratios; one table per model and
     "build" (a label of the code measured, when the rows carry one). Rows of
     `tether bench --turns` (in-process, no "workload" field) are summarized on
@@ -821,19 +822,21 @@ def report_agent(rows):
             return {**c[-1], "ttft_ms": med([x["ttft_ms"] for x in c]), "runs": len(c)}
 
         turns = sorted({r["turn"] for r in rs})
+        peer = "llama.cpp" if any(r["engine"] == "llama.cpp" for r in rs) else "mlx-lm"
         runs = max(len(v) for v in by.values())
         built = f" [{build}]" if build else ""
         print(f"\n{m}{built}: agent conversation, time to first token per turn (s){f', median of {runs} runs' if runs > 1 else ''}")
         print("  tether cache: one session (session-scoped prefix cache); tether no-cache: a fresh session per turn;")
-        print("  mlx-lm: mlx_lm.server /v1/completions with its prompt cache; raw prompts, the same texts")
+        print({"mlx-lm": "  mlx-lm: mlx_lm.server /v1/completions with its prompt cache; raw prompts, the same texts",
+               "llama.cpp": "  llama.cpp: its server's /completion with its prompt cache (its defaults); raw prompts, the same texts"}[peer])
         has_prev = any(r["engine"] == "tether-prev" for r in rs)
         if has_prev:
             print("  prev: the previous build of Tether, with its session cache")
         prev_head = f" {'prev':>7} {'new/prev':>8} |" if has_prev else ""
-        print(f"{'turn':>4} {'history':>7} | {'cached':>6} {'cache':>7} {'no-cache':>8} {'off/on':>7} |{prev_head} {'cached':>6} {'mlx-lm':>7} | {'tether/mlx':>10}")
+        print(f"{'turn':>4} {'history':>7} | {'cached':>6} {'cache':>7} {'no-cache':>8} {'off/on':>7} |{prev_head} {'cached':>6} {peer:>9} | {'tether/' + peer:>16}")
         same, first_diff, count_diff = 0, None, []
         for t in turns:
-            tc, tn, p = get("tether", "cache", t), get("tether", "nocache", t), get("mlx-lm", "prompt-cache", t)
+            tc, tn, p = get("tether", "cache", t), get("tether", "nocache", t), get(peer, "prompt-cache", t)
             pc = get("tether-prev", "cache", t)
             prev_cols = ""
             if has_prev:
@@ -853,10 +856,10 @@ def report_agent(rows):
             print(
                 f"{t:>4} {hist if hist is not None else '-':>7} | {tc['cached_tokens'] if tc else '-':>6} "
                 f"{s_(tc and tc['ttft_ms']):>7} {s_(tn and tn['ttft_ms']):>8} {off_on:>7} |{prev_cols} "
-                f"{p['cached_tokens'] if p and p.get('cached_tokens') is not None else '-':>6} {s_(p and p['ttft_ms']):>7} | {vs:>10}"
+                f"{p['cached_tokens'] if p and p.get('cached_tokens') is not None else '-':>6} {s_(p and p['ttft_ms']):>9} | {vs:>16}"
             )
         last = turns[-1]
-        tc, tn, p = get("tether", "cache", last), get("tether", "nocache", last), get("mlx-lm", "prompt-cache", last)
+        tc, tn, p = get("tether", "cache", last), get("tether", "nocache", last), get(peer, "prompt-cache", last)
         pc = get("tether-prev", "cache", last)
         if tc and pc:
             total = lambda e: sum(x["ttft_ms"] for x in (get(e, "cache", t) for t in turns) if x)
@@ -867,7 +870,8 @@ def report_agent(rows):
             print(f"turn {last}: tether cache vs no-cache: {x:.1f}x faster (issue target >= 20x: {'met' if x >= 20 else 'not met'})")
         if tc and p:
             x = tc["ttft_ms"] / p["ttft_ms"]
-            print(f"turn {last}: tether / mlx-lm TTFT: {x:.2f}x (issue target <= 0.20x: {'met' if x <= 0.2 else 'not met'})")
+            target = " (issue target <= 0.20x: " + ("met" if x <= 0.2 else "not met") + ")" if peer == "mlx-lm" else ""
+            print(f"turn {last}: tether / {peer} TTFT: {x:.2f}x{target}")
             if first_diff is None:
                 print(f"histories: the same text on both engines at every turn ({same} of {len(turns)})")
             else:

@@ -33,7 +33,10 @@
 # usage: bench/load.sh
 #        WORKLOAD=agent bench/load.sh
 # env:   WORKLOAD=serving           serving (decode + admit) or agent
-#        MODELS="smollm2-135m"      known model names (space-separated)
+#        MODELS="smollm2-135m"      known model names (space-separated), or .gguf files
+#                                   (e.g. a random one of tests/reference/qwen35.py
+#                                   --size 0.8b): then TOKENIZER_DIR names the HF folder
+#                                   of its tokenizer (prompt sizing), and mlx-lm is skipped
 #        TETHER_WEIGHTS=dense       dense (float32 on CPU, mlx-lm's precision) or quantized
 #        TETHER_DEVICE=cpu          --device for tether serve
 #        TETHER_ARGS="..."          extra `tether serve` flags (e.g. "--min-prefill-chunk 8")
@@ -44,7 +47,7 @@
 #        OUT=DIR                    where results.jsonl and the server logs go (default: a temp dir)
 #        RESULTS=FILE               append the JSON lines here instead of $OUT/results.jsonl
 #        WITH_MLX_LM=0              skip mlx-lm (e.g. a rerun of this build beside PREV_BIN)
-#        WITH_LLAMACPP=0            skip llama.cpp's server (serving workload only; its
+#        WITH_LLAMACPP=0            skip llama.cpp's server (its
 #                                   first build takes ~7 minutes, then it is cached)
 #        PREV_BIN=PATH              a previous build's `tether` binary, run right after
 #                                   this build with the same flags and script; the tables
@@ -87,7 +90,9 @@ fi
 BUILD="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD -- 2>/dev/null || echo +wt)"
 # A given binary is labelled by its file name (name it after its commit).
 [ "$TETHER_BIN" = "${CARGO_TARGET_DIR:-target}/release/tether" ] || BUILD="$(basename "$TETHER_BIN")"
-bench/peer/setup.sh $MODELS >&2
+# Known names get their peer folders; .gguf files bring their own (TOKENIZER_DIR).
+read -r -a NAMED <<<"$(printf '%s\n' $MODELS | grep -v '\.gguf$' | xargs)"
+[ "${#NAMED[@]}" = 0 ] || bench/peer/setup.sh "${NAMED[@]}" >&2
 
 echo "# load benchmark ($WORKLOAD) $(date -u +%FT%TZ): $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores; load average at start: $(cut -d' ' -f1-3 /proc/loadavg)" >"$OUT/header.txt"
 [ -n "${PREV_BIN:-}" ] && echo "# previous build (prev): $PREV_BIN ($(git -C "$(dirname "$PREV_BIN")" rev-parse --short HEAD 2>/dev/null || echo unknown))" >>"$OUT/header.txt"
@@ -95,15 +100,16 @@ echo "# load benchmark ($WORKLOAD) $(date -u +%FT%TZ): $(grep -m1 'model name' /
 for m in $MODELS; do
  for rep in $(seq "$REPS"); do
   log "$m: run $rep of $REPS"
-  dir="$PEER/models/$m-f32"
-  common=(--model-dir "$dir" --label "$m" --out "$RESULTS" --build "$BUILD" "${EXTRA[@]}")
+  dir="$PEER/models/$m-f32" label="$m"
+  case "$m" in *.gguf) dir="${TOKENIZER_DIR:?a .gguf model needs TOKENIZER_DIR}" label=$(basename "$m" .gguf) ;; esac
+  common=(--model-dir "$dir" --label "$label" --out "$RESULTS" --build "$BUILD" "${EXTRA[@]}")
 
   # Tether: this build, then the previous one when PREV_BIN names it.
   engines=("tether:$TETHER_BIN")
   [ -n "${PREV_BIN:-}" ] && engines+=("tether-prev:$PREV_BIN")
   for engine_bin in "${engines[@]}"; do
     engine="${engine_bin%%:*}" bin="${engine_bin#*:}"
-    tlog="$OUT/$engine-$m.log"
+    tlog="$OUT/$engine-$label.log"
     start_tether "$bin" "$tlog" --model "$m" --device "$TETHER_DEVICE" --weights "$TETHER_WEIGHTS" "${SERVE_EXTRA[@]}"
     log "$engine ($m, $TETHER_WEIGHTS weights) on :$port"
     timeout "$RUN_LIMIT" "$PY" bench/load.py --engine "$engine" --url "http://127.0.0.1:$port" --workloads "$TETHER_WORK" \
@@ -111,18 +117,22 @@ for m in $MODELS; do
     stop_server
   done
 
-  # llama.cpp's server on the GGUF Tether serves: decode + admission.
-  if [ "${WITH_LLAMACPP:-1}" != 0 ] && [ "$WORKLOAD" = serving ]; then
+  # llama.cpp's server on the GGUF Tether serves: decode + admission, or the agent.
+  if [ "${WITH_LLAMACPP:-1}" != 0 ]; then
     llama_server=$(bench/peer/llamacpp.sh)
-    gguf=$("$TETHER_BIN" fetch-model "$m" 2>/dev/null | tail -1)
-    llog="$OUT/llamacpp-$m.log"
+    case "$m" in *.gguf) gguf="$m" ;; *) gguf=$("$TETHER_BIN" fetch-model "$m" 2>/dev/null | tail -1) ;; esac
+    llog="$OUT/llamacpp-$label.log"
     port=$(free_port)
-    # 32 slots of 4,608 tokens: the 32-stream decode and the 2,000-token admission fit.
-    "$llama_server" -m "$gguf" --host 127.0.0.1 --port "$port" -t "$(nproc)" -tb "$(nproc)" -np 32 -c 147456 --no-webui >"$llog" 2>&1 &
+    # Serving: 32 slots of 4,608 tokens (the 32-stream decode and the
+    # 2,000-token admission fit). The agent: one slot of 8,192 (its prompt
+    # cache as llama.cpp's defaults keep it).
+    slots=(-np 32 -c 147456) work=decode,admit
+    [ "$WORKLOAD" = agent ] && slots=(-np 1 -c 8192) work=agent
+    "$llama_server" -m "$gguf" --host 127.0.0.1 --port "$port" -t "$(nproc)" -tb "$(nproc)" "${slots[@]}" --no-webui >"$llog" 2>&1 &
     SERVER_PID=$!
     wait_http "http://127.0.0.1:$port/health" "$llog" 180
     log "llama.cpp ($m, $(basename "$gguf")) on :$port"
-    timeout "$RUN_LIMIT" "$PY" bench/load.py --engine llama.cpp --url "http://127.0.0.1:$port" --workloads decode,admit \
+    timeout "$RUN_LIMIT" "$PY" bench/load.py --engine llama.cpp --url "http://127.0.0.1:$port" --workloads "$work" \
       "${common[@]}" || log "llama.cpp run failed (rc $?)"
     stop_server
   fi
@@ -131,8 +141,9 @@ for m in $MODELS; do
   steps=(2048)
   [ -n "$MLX_CHUNK" ] && steps+=("$MLX_CHUNK")
   [ "${WITH_MLX_LM:-1}" = 0 ] && steps=()
+  case "$m" in *.gguf) steps=() ;; esac
   for step in "${steps[@]}"; do
-    mlog="$OUT/mlx-lm-$m-step$step.log"
+    mlog="$OUT/mlx-lm-$label-step$step.log"
     port=$(free_port)
     "$PEER/venv/bin/mlx_lm.server" --model "$dir" --host 127.0.0.1 --port "$port" --prefill-step-size "$step" >"$mlog" 2>&1 &
     SERVER_PID=$!

@@ -30,7 +30,10 @@ description of Qwen3-Next / Qwen3.5 and the GGUF layout llama.cpp reads:
     out = W_ssm_out (rmsnorm(o per head) * ssm_norm * silu(z))
 
 usage:
-  qwen35.py write OUT.gguf [--seed N]
+  qwen35.py write OUT.gguf [--seed N] [--size small|0.8b]
+                                          (0.8b: the 0.8B model's shape, its
+                                           matrices in float16, ~1.4 GB: for
+                                           benchmarks, never committed)
   qwen35.py expect MODEL.gguf OUT.json   (logits of the first positions and of
                                            the prompt's last, greedy tokens)
 The tokenizer (vocabulary, merges, chat template) is Qwen2.5's, copied from
@@ -63,6 +66,22 @@ CONFIG = {
     # linear attention: 2 key heads, 4 value heads, 32 features each, conv width 4
     "ssm_conv_kernel": 4, "ssm_state_size": 32, "ssm_group_count": 2, "ssm_time_step_rank": 4,
 }
+# Qwen3.5-0.8B's shape (as published for the family's smallest dense model:
+# 24 layers, every 4th full attention; 16 key and 16 value heads of 128 in
+# the DeltaNet layers), with Qwen2.5's vocabulary: for benchmarks. Its
+# matrices are written in float16 (the file is ~1.4 GB).
+SIZES = {
+    "small": CONFIG,
+    "0.8b": {
+        "n_layer": 24, "full_attention_interval": 4,
+        "n_embd": 1024, "n_ff": 3584,
+        "n_head": 8, "n_head_kv": 2, "head_dim": 256, "n_rot": 64, "rope_sections": [11, 11, 10, 0],
+        "rope_base": 10_000_000.0, "rms_eps": 1e-6, "context_length": 32768,
+        "ssm_conv_kernel": 4, "ssm_state_size": 128, "ssm_group_count": 16, "ssm_time_step_rank": 16,
+        "matrix_dtype": "float16",
+    },
+}
+
 # A rendered chat turn of Qwen's template: "<|im_start|>user\nWrite a haiku
 # about the sea.<|im_end|>\n<|im_start|>assistant\n" is not needed; ids are
 # enough for the logits check. 24 ids from across the vocabulary.
@@ -90,8 +109,12 @@ def random_weights(c: dict, vocab: int, seed: int) -> dict[str, np.ndarray]:
     key_dim, value_dim = dk * hk, dk * hv
     conv_dim = 2 * key_dim + value_dim
 
+    matrix_dtype = np.dtype(c.get("matrix_dtype", "float32"))
+
     def mat(out, inp, gain=1.0):
-        return (rng.standard_normal((out, inp)) * gain / np.sqrt(inp)).astype(np.float32)
+        if matrix_dtype == np.float32:  # the tests' draws, unchanged
+            return (rng.standard_normal((out, inp)) * gain / np.sqrt(inp)).astype(np.float32)
+        return (rng.standard_normal((out, inp), dtype=np.float32) * (gain / np.sqrt(inp))).astype(matrix_dtype)
 
     def norm(n):
         return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
@@ -130,13 +153,13 @@ def random_weights(c: dict, vocab: int, seed: int) -> dict[str, np.ndarray]:
     return w
 
 
-def write(path: str, seed: int) -> None:
-    c = CONFIG
+def write(path: str, seed: int, size: str = "small") -> None:
+    c = SIZES[size]
     src = gguf.GGUFReader(os.path.join(models_dir(), TOKENIZER_GGUF))
     vocab = len(src.fields["tokenizer.ggml.tokens"].data)
     out = gguf.GGUFWriter(path, ARCH)
     k = f"{ARCH}."
-    out.add_string("general.name", f"qwen35-random-seed{seed}")
+    out.add_string("general.name", f"qwen35-random-seed{seed}" + ("" if size == "small" else f"-{size}"))
     u32 = {
         "block_count": c["n_layer"], "context_length": c["context_length"], "embedding_length": c["n_embd"],
         "feed_forward_length": c["n_ff"], "attention.head_count": c["n_head"], "attention.head_count_kv": c["n_head_kv"],
@@ -323,7 +346,8 @@ def expect(path: str, out_path: str) -> None:
 if __name__ == "__main__":
     if len(sys.argv) >= 3 and sys.argv[1] == "write":
         seed = int(sys.argv[sys.argv.index("--seed") + 1]) if "--seed" in sys.argv else 0
-        write(sys.argv[2], seed)
+        size = sys.argv[sys.argv.index("--size") + 1] if "--size" in sys.argv else "small"
+        write(sys.argv[2], seed, size)
     elif len(sys.argv) == 4 and sys.argv[1] == "expect":
         expect(sys.argv[2], sys.argv[3])
     else:

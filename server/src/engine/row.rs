@@ -56,15 +56,12 @@ impl Row {
             Some(spec) => Some(spec.start().map_err(|message| mlx::Error { op: "constraint", message })?),
             None => None,
         };
-        // A row with recurrent state (a hybrid model's) cannot roll back a
-        // rejected draft: its state holds one position only, and no
-        // snapshots per draft position are kept yet. So it never drafts
-        // (grammar-forced drafts included: they are drafts too).
-        let (drafter, drafting) = match cache.recurrent() {
-            Some(_) => (None, None),
-            None => Drafter::new(&request.speculation, draft_model, progress.constraint.is_some()).unzip(),
-        };
+        // A row with recurrent state (a hybrid model's) drafts too: its
+        // state keeps a snapshot per draft position through verification,
+        // which a rejected draft rewinds to (see `models/state_rows.rs`).
+        let (drafter, drafting) = Drafter::new(&request.speculation, draft_model, progress.constraint.is_some()).unzip();
         progress.drafting = drafting;
+        let cache = anchored(cache, request.prompt.len());
         Ok(Row { progress, request, events, stop, kv_bytes, kv: RowKv::Own(cache), sampler, lent: None, origin: None, drafter })
     }
 
@@ -92,7 +89,7 @@ impl Row {
     /// Starts this row from a prefix-cache hit of `len` prompt tokens.
     pub fn resume_from(&mut self, hit: Hit) {
         let (cache, len, lent, origin) = hit.into_parts();
-        self.kv = RowKv::Own(cache);
+        self.kv = RowKv::Own(anchored(cache, self.request.prompt.len()));
         self.progress.resume_from_cache(len);
         self.lent = lent;
         self.origin = origin;
@@ -161,4 +158,14 @@ pub(super) struct Admitted {
     pub events: tokio::sync::mpsc::Sender<EngineEvent>,
     pub stop: StopHandle,
     pub kv_bytes: usize,
+}
+
+/// `cache` keeping, of a hybrid model's state checkpoints, the one where
+/// this turn's prompt of `prompt_len` tokens ends (see `state_rows.rs`):
+/// the next turn's prompt may diverge right after it.
+fn anchored(mut cache: KvCache, prompt_len: usize) -> KvCache {
+    if let Some(state) = cache.recurrent_mut() {
+        state.set_anchor(prompt_len);
+    }
+    cache
 }

@@ -251,11 +251,12 @@ impl Engine {
 
     /// KV bytes a request can grow to (prompt + max_tokens, in cache blocks),
     /// in the form its cache ends in: codes once it passes the quantization's start;
-    /// plus a hybrid model's recurrent state, the same at any length.
+    /// plus a hybrid model's recurrent state, the same at any length, and
+    /// its checkpoints (`models/state_rows.rs`).
     /// (The conversion itself briefly holds both forms; a row converts once.)
     fn reserved_bytes(&self, r: &SubmitRequest) -> usize {
         let tokens = (r.prompt.len() + r.max_tokens).next_multiple_of(crate::models::KV_CAPACITY_STEP);
-        let state = self.model.config.state_bytes_per_row(self.model.dtype.size());
+        let state = crate::models::MAX_STATES * self.model.config.state_bytes_per_row(self.model.dtype.size());
         state
             + match self.config.kv_quantization {
                 Some(q) if tokens > q.start => tokens * q.bytes_per_token(&self.model.config),

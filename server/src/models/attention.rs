@@ -24,6 +24,10 @@ use super::kv::{Kv, LayerKv};
 use super::kv_batch::KvBatch;
 use super::layers::{Attention, Heads, RopeTables};
 use super::state_rows::LayerState;
+
+/// A recurrent layer's run of one row: its outputs, its state after them,
+/// and the states captured on the way (see [`StepAttention::recur`]).
+pub type RecurOut = (Array, LayerState, Vec<LayerState>);
 use super::transformer::RowInput;
 
 /// How rows with caches of their own attend.
@@ -178,12 +182,14 @@ impl<'s, 'r, 'c> StepAttention<'s, 'r, 'c> {
     }
 
     /// Recurrent layer `layer` for the whole step: `x` is the step's
-    /// `[1, T, width]` projected input; `run` takes a row's share of it and
-    /// that row's state (`None` before its first token) and returns the
-    /// row's outputs and its state after them, which replaces the old one.
+    /// `[1, T, width]` projected input; `run` takes a row's share of it,
+    /// that row's state (`None` before its first token) and the counts of
+    /// its tokens after which to capture the state (the state's checkpoints,
+    /// see `state_rows.rs`), and returns the row's outputs, its state after
+    /// them, which replaces the old one, and the captured states.
     /// Only rows with caches of their own hold state: a batched slot does
     /// not (a hybrid model's server refuses that layout).
-    pub fn recur(&mut self, layer: usize, x: &Array, run: impl Fn(&Array, Option<&LayerState>) -> mlx::Result<(Array, LayerState)>) -> mlx::Result<Array> {
+    pub fn recur(&mut self, layer: usize, x: &Array, run: impl Fn(&Array, Option<&LayerState>, &[usize]) -> mlx::Result<RecurOut>) -> mlx::Result<Array> {
         if self.slots.is_some() {
             return Err(mlx::Error {
                 op: "recurrent_state",
@@ -200,8 +206,13 @@ impl<'s, 'r, 'c> StepAttention<'s, 'r, 'c> {
                 .recurrent_mut()
                 .ok_or_else(|| mlx::Error { op: "recurrent_state", message: "a recurrent layer's row has a cache without recurrent state".into() })?;
             let mine = if single { x.clone() } else { x.slice(&[0, s, 0], &[1, s + n, width])? };
-            let (out, next) = run(&mine, state.layer(layer)?)?;
+            let offset = rows.offsets[r] as usize;
+            let capture = state.capture_points(offset, n as usize, row.n_logits);
+            let (out, next, captured) = run(&mine, state.layer(layer)?, &capture)?;
             state.set_layer(layer, next);
+            for (t, at) in captured.into_iter().zip(&capture) {
+                state.record(layer, offset + at, t);
+            }
             parts.push(out);
         }
         match parts.len() {

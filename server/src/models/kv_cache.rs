@@ -166,8 +166,9 @@ pub struct KvCache {
     /// How the buffers hold features now, and when they turn to codes.
     codes: KvCodes,
     quantization: Option<KvQuantization>,
-    /// A hybrid model's recurrent layers' state at `len` (see `state_rows.rs`).
-    recurrent: Option<RecurrentState>,
+    /// A hybrid model's recurrent layers' state at `len` (see `state_rows.rs`;
+    /// boxed: most caches have none).
+    recurrent: Option<Box<RecurrentState>>,
 }
 
 impl KvCache {
@@ -194,18 +195,30 @@ impl KvCache {
     /// (a hybrid model's); set before anything is stored.
     pub fn with_recurrent_layers(mut self, layers: usize) -> KvCache {
         assert!(self.is_empty(), "recurrent layers are set on an empty cache");
-        self.recurrent = (layers > 0).then(|| RecurrentState::new(layers));
+        self.recurrent = (layers > 0).then(|| Box::new(RecurrentState::new(layers)));
         self
     }
 
     /// The recurrent layers' state, if the model has such layers.
     pub fn recurrent(&self) -> Option<&RecurrentState> {
-        self.recurrent.as_ref()
+        self.recurrent.as_deref()
     }
 
     /// The recurrent layers' state, to read and replace within a step.
     pub fn recurrent_mut(&mut self) -> Option<&mut RecurrentState> {
-        self.recurrent.as_mut()
+        self.recurrent.as_deref_mut()
+    }
+
+    /// The same cache holding `state` as its recurrent layers' (read back
+    /// from a file); an error when it has none or other layers.
+    pub fn with_recurrent_state(mut self, state: RecurrentState) -> mlx::Result<KvCache> {
+        match &self.recurrent {
+            Some(s) if s.num_layers() == state.num_layers() => {
+                self.recurrent = Some(Box::new(state));
+                Ok(self)
+            }
+            _ => Err(mlx::Error { op: "kv_cache", message: "a recurrent state that does not fit this cache's layers".into() }),
+        }
     }
 
     /// An empty cache storing keys in blocks, for the CPU's fused attention
@@ -249,7 +262,7 @@ impl KvCache {
     /// what [`fill`](Self::fill) restores a stored copy into.
     pub fn emptied(&self) -> KvCache {
         let empty = KvCache::new(self.layers.len(), self.kv_heads, self.head_dim, self.dtype);
-        let recurrent = self.recurrent.as_ref().map(RecurrentState::emptied);
+        let recurrent = self.recurrent.as_ref().map(|s| Box::new(s.emptied()));
         KvCache { keys: self.keys, quantization: self.quantization, recurrent, ..empty }.with_windows(self.windows.clone())
     }
 
@@ -287,13 +300,9 @@ impl KvCache {
 
     /// Its bookkeeping and every layer's whole buffers (spare room
     /// included, keys in the cache's own layout): what storing the cache
-    /// elsewhere as is takes. `None` for a cache with an empty layer, and
-    /// for one holding recurrent state (not written to files yet: such an
-    /// entry is dropped rather than spilled).
+    /// elsewhere as is takes, besides its [`recurrent`](Self::recurrent)
+    /// state if it has one. `None` for a cache with an empty layer.
     pub fn as_stored(&self) -> Option<(StoredCache, Vec<(&Array, &Array)>)> {
-        if self.recurrent.is_some() {
-            return None;
-        }
         let layers = self.layers.iter().map(|l| l.as_ref().map(|(k, v)| (k, v))).collect::<Option<Vec<_>>>()?;
         let codes = match self.codes {
             KvCodes::Float => None,
@@ -400,7 +409,8 @@ impl KvCache {
 
     /// The shortest length this cache can be truncated to and still go on:
     /// the next query must find its whole window in the window layers, and
-    /// recurrent state holds its own length only (none, once rolled back).
+    /// recurrent state holds its own length only (none, once rolled back),
+    /// besides its [`checkpoint_lens`](Self::checkpoint_lens).
     pub fn earliest_truncation(&self) -> usize {
         match &self.recurrent {
             Some(state) if state.is_rolled_back() => return usize::MAX,
@@ -413,15 +423,23 @@ impl KvCache {
         }
     }
 
+    /// The lengths below [`earliest_truncation`](Self::earliest_truncation)
+    /// it can also be truncated to: a hybrid model's state checkpoints
+    /// (see `state_rows.rs`).
+    pub fn checkpoint_lens(&self) -> Vec<usize> {
+        self.recurrent.as_ref().map_or_else(Vec::new, |s| s.checkpoint_lens(self.len))
+    }
+
     /// Forgets everything after the first `len` tokens. Not below
     /// [`earliest_truncation`](Self::earliest_truncation), which the engine's
     /// rollbacks never reach (they stay at or after the last step's start)
     /// and the prefix cache checks.
-    /// A cache with recurrent state cut back below its length is rolled
-    /// back (see `state_rows.rs`): it cannot run on nor serve.
+    /// A cache with recurrent state cut back below its length goes back to
+    /// its checkpoint there, or without one is rolled back (see
+    /// `state_rows.rs`): it cannot run on nor serve.
     pub fn truncate(&mut self, len: usize) {
         if let Some(state) = self.recurrent.as_mut().filter(|_| len < self.len) {
-            state.roll_back();
+            state.rewind(len);
         } else {
             debug_assert!(len >= self.earliest_truncation().min(self.len), "truncating to {len} drops keys the window still needs");
         }
@@ -430,7 +448,7 @@ impl KvCache {
 
     /// Bytes reserved on the device.
     pub fn nbytes(&self) -> usize {
-        let state = self.recurrent.as_ref().map_or(0, RecurrentState::nbytes);
+        let state = self.recurrent.as_ref().map_or(0, |s| s.nbytes(self.len));
         state + self.layers.iter().flatten().map(|(k, v)| k.nbytes() + v.nbytes()).sum::<usize>()
     }
 
@@ -687,7 +705,7 @@ impl KvCache {
 
     /// The stored buffers, for evaluating them along with a step's outputs.
     pub fn buffers(&self) -> Vec<&Array> {
-        let state = self.recurrent.iter().flat_map(RecurrentState::buffers);
+        let state = self.recurrent.iter().flat_map(|s| s.buffers());
         self.layers.iter().flatten().flat_map(|(k, v)| [k, v]).chain(state).collect()
     }
 }
@@ -751,6 +769,9 @@ impl LayerKv for KvCache {
 
     fn advance(&mut self, n: usize) {
         self.len += n;
+        if let Some(state) = self.recurrent.as_mut() {
+            state.thin(self.len);
+        }
     }
 }
 

@@ -5,6 +5,9 @@
 //! Layout (integers little-endian):
 //!   `TETHERKV` | version u32 | header length u32 | header (JSON) |
 //!   each layer's key buffer then value buffer (raw bytes) |
+//!   a hybrid model's recurrent state, if it has one: its own, then each
+//!   checkpoint's (lengths in the header), each as every recurrent layer's
+//!   convolution inputs then delta-rule matrices (raw bytes) |
 //!   CRC-32 of everything before it, u32
 //!
 //! The buffers are stored as the cache holds them (spare room and the key
@@ -31,10 +34,11 @@ use mlx::fast::KEY_BLOCK;
 use mlx::Array;
 use serde::{Deserialize, Serialize};
 
-use super::{KvCache, StoredCache};
+use super::{KvCache, LayerState, RecurrentState, StoredCache};
 
 const MAGIC: &[u8; 8] = b"TETHERKV";
-const VERSION: u32 = 2;
+/// 3: the recurrent state.
+const VERSION: u32 = 3;
 /// Magic, version and header length.
 const PREAMBLE: usize = MAGIC.len() + 8;
 
@@ -50,6 +54,18 @@ struct Header {
     rooms: Vec<usize>,
     /// Leading positions left out of every buffer: the base's.
     base: usize,
+    /// A hybrid model's recurrent state, after the KV buffers.
+    state: Option<StateHeader>,
+}
+
+/// The shapes of a recurrent state's arrays (every layer's are alike, in
+/// the KV's dtype), and the lengths of its checkpoints, ascending.
+#[derive(Serialize, Deserialize)]
+struct StateHeader {
+    layers: usize,
+    conv: Vec<usize>,
+    delta: Vec<usize>,
+    checkpoints: Vec<usize>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -109,10 +125,11 @@ impl Encoded {
 /// the cache.
 pub fn encode(cache: &KvCache, namespace: u64, tokens: &[u32], base: usize) -> Result<Encoded, KvFileError> {
     let (layers, heads, dim, dtype) = cache.geometry();
-    if cache.recurrent().is_some() {
-        return Err(KvFileError::Mismatch("recurrent state is not written to files yet"));
-    }
     let (stored, buffers) = cache.as_stored().ok_or(KvFileError::Mismatch("a layer holds nothing"))?;
+    let (state, state_arrays) = match cache.recurrent() {
+        Some(s) => state_parts(s, cache.len(), dtype).map(|(h, a)| (Some(h), a)).ok_or(KvFileError::Mismatch("a recurrent state this file cannot hold"))?,
+        None => (None, Vec::new()),
+    };
     let base = if cache.has_windows() { 0 } else { base.min(stored.len) / KEY_BLOCK * KEY_BLOCK };
     let header = Header {
         namespace,
@@ -122,9 +139,11 @@ pub fn encode(cache: &KvCache, namespace: u64, tokens: &[u32], base: usize) -> R
         stored,
         rooms: buffers.iter().map(|(k, _)| k.dim(2)).collect(),
         base,
+        state,
     };
     let header = serde_json::to_vec(&header)?;
-    let parts = buffers.iter().flat_map(|(k, v)| [past_base(k, base), past_base(v, base)]).collect::<mlx::Result<Vec<_>>>()?;
+    let mut parts = buffers.iter().flat_map(|(k, v)| [past_base(k, base), past_base(v, base)]).collect::<mlx::Result<Vec<_>>>()?;
+    parts.extend(state_arrays);
     let mut bytes = Vec::with_capacity(PREAMBLE + header.len() + parts.iter().map(Array::nbytes).sum::<usize>() + 4);
     bytes.extend_from_slice(MAGIC);
     bytes.extend_from_slice(&VERSION.to_le_bytes());
@@ -138,6 +157,59 @@ pub fn encode(cache: &KvCache, namespace: u64, tokens: &[u32], base: usize) -> R
     let crc = crc32fast::hash(&bytes);
     bytes.extend_from_slice(&crc.to_le_bytes());
     Ok(Encoded { bytes, base })
+}
+
+/// A recurrent state's header and arrays, in the file's order: its own
+/// state, then each complete checkpoint's below `len`; `None` when a layer
+/// has no state yet or an array is not in `dtype` or of its layer's shape.
+fn state_parts(state: &RecurrentState, len: usize, dtype: mlx::Dtype) -> Option<(StateHeader, Vec<Array>)> {
+    let (own, checkpoints) = state.parts();
+    let checkpoints: Vec<_> = checkpoints.into_iter().filter(|(at, l)| *at < len && l.iter().all(Option::is_some)).collect();
+    let first = own.first()?.as_ref()?;
+    let (conv, delta) = (first.conv.shape(), first.delta.shape());
+    let mut arrays = Vec::new();
+    for layers in std::iter::once(own).chain(checkpoints.iter().map(|(_, l)| *l)) {
+        for s in layers {
+            let s = s.as_ref()?;
+            let fits = s.conv.shape() == conv && s.delta.shape() == delta && s.conv.dtype() == dtype && s.delta.dtype() == dtype;
+            if !fits {
+                return None;
+            }
+            arrays.extend([s.conv.clone(), s.delta.clone()]);
+        }
+    }
+    let header = StateHeader { layers: own.len(), conv, delta, checkpoints: checkpoints.iter().map(|(at, _)| *at).collect() };
+    Some((header, arrays))
+}
+
+/// The recurrent state a file's `header` describes (of a cache of `len`),
+/// read from `body` at `at` into a state shaped like `template`'s; with
+/// where it ends.
+fn read_state(
+    body: &[u8],
+    mut at: usize,
+    header: &StateHeader,
+    len: usize,
+    template: &RecurrentState,
+    dtype: mlx::Dtype,
+) -> Result<(RecurrentState, usize), KvFileError> {
+    let mut array = |shape: &[usize]| -> Result<Array, KvFileError> {
+        let n = shape.iter().try_fold(dtype.size(), |n, &d| n.checked_mul(d)).ok_or(KvFileError::Format)?;
+        let end = at.checked_add(n).filter(|&e| e <= body.len()).ok_or(KvFileError::Format)?;
+        let a = Array::from_bytes(&body[at..end], shape, dtype)?;
+        at = end;
+        Ok(a)
+    };
+    let mut layers = |_| -> Result<Vec<Option<LayerState>>, KvFileError> {
+        (0..header.layers).map(|_| Ok(Some(LayerState { conv: array(&header.conv)?, delta: array(&header.delta)? }))).collect()
+    };
+    if header.checkpoints.iter().any(|&c| c >= len) {
+        return Err(KvFileError::Format);
+    }
+    let own = layers(0)?;
+    let checkpoints = header.checkpoints.iter().map(|&len| Ok((len, layers(len)?))).collect::<Result<Vec<_>, KvFileError>>()?;
+    let state = template.from_parts(own, checkpoints).ok_or(KvFileError::Mismatch("recurrent layers"))?;
+    Ok((state, at))
 }
 
 /// A `[1, heads, room, width]` buffer's positions from `base` on.
@@ -221,10 +293,23 @@ pub fn decode(bytes: &[u8], template: &KvCache, namespace: u64, tokens: &[u32], 
         });
         at = end;
     }
+    let state = match (&header.state, template.recurrent()) {
+        (None, None) => None,
+        (Some(h), Some(t)) => {
+            let (state, end) = read_state(body, at, h, header.stored.len, t, dtype)?;
+            at = end;
+            Some(state)
+        }
+        _ => return Err(KvFileError::Mismatch("recurrent state")),
+    };
     if at != body.len() {
         return Err(KvFileError::Format);
     }
-    Ok(template.emptied().from_stored(&header.stored, buffers)?)
+    let cache = template.emptied().from_stored(&header.stored, buffers)?;
+    Ok(match state {
+        Some(state) => cache.with_recurrent_state(state)?,
+        None => cache,
+    })
 }
 
 /// Each layer's first `len` positions of `base`, when it can be the base
@@ -372,6 +457,65 @@ mod tests {
         let windowed = filled(300, true, Some(40));
         let bytes = file_past(&windowed, 7, &(0..300).collect::<Vec<u32>>(), 190);
         assert_eq!(base_of(&bytes).unwrap(), 0);
+    }
+
+    /// A hybrid model's cache of `len` tokens: [`filled`]'s KV and a
+    /// 3-layer recurrent state whose arrays hold `len` (and the layer),
+    /// with checkpoints at the block boundaries below it.
+    fn hybrid(len: usize) -> KvCache {
+        use crate::models::LayerState;
+        let layer = |at: usize, l: usize| {
+            let conv = Array::from_f32(&[at as f32 + l as f32 / 8.0; 6], &[3, 2]).unwrap();
+            LayerState { conv: conv.clone(), delta: Array::from_f32(&[-(at as f32); 8], &[2, 2, 2]).unwrap() }
+        };
+        let kv = filled(len, true, None);
+        let layers = (0..2).map(|l| kv.positions(l).unwrap().unwrap()).collect::<Vec<_>>();
+        let mut cache = KvCache::with_keys_in_blocks(2, 2, 8, Dtype::F32).with_recurrent_layers(3);
+        cache.fill(&layers, len, 0).unwrap();
+        let state = cache.recurrent_mut().unwrap();
+        for t in state.capture_points(0, len, 1) {
+            (0..3).for_each(|l| state.record(l, t, layer(t, l)));
+        }
+        (0..3).for_each(|l| state.set_layer(l, layer(len, l)));
+        state.thin(len);
+        cache
+    }
+
+    fn state_values(cache: &KvCache) -> Vec<Vec<f32>> {
+        let state = cache.recurrent().unwrap();
+        (0..3).flat_map(|l| state.layer(l).unwrap().map(|s| [s.conv.to_vec_f32().unwrap(), s.delta.to_vec_f32().unwrap()])).flatten().collect()
+    }
+
+    /// A hybrid model's state and its checkpoints come back as they were
+    /// (the restored cache rewinds to a checkpoint as the stored one does);
+    /// a cache without such state, or with other layers, refuses the file,
+    /// and one with such state refuses a file without it.
+    #[test]
+    fn a_recurrent_state_and_its_checkpoints_round_trip() {
+        let cache = hybrid(200);
+        let tokens: Vec<u32> = (0..200).collect();
+        assert_eq!(cache.checkpoint_lens(), [128, 192]);
+        for base in [0, 100] {
+            let bytes = file_past(&cache, 7, &tokens, base);
+            check(&bytes).unwrap();
+            let prompt = filled(100, true, None);
+            let back = decode(&bytes, &cache.emptied(), 7, &tokens, Some(&prompt)).unwrap();
+            assert_eq!((back.len(), back.nbytes(), back.checkpoint_lens()), (200, cache.nbytes(), vec![128, 192]));
+            assert_eq!((contents(&back), state_values(&back)), (contents(&cache), state_values(&cache)));
+            for at in [192, 128] {
+                let (mut a, mut b) = (cache.clone(), back.clone());
+                a.truncate(at);
+                b.truncate(at);
+                assert_eq!(state_values(&b), state_values(&a), "rewound to {at}");
+            }
+        }
+        let bytes = file(&cache, 7, &tokens);
+        let plain = KvCache::with_keys_in_blocks(2, 2, 8, Dtype::F32);
+        assert!(matches!(decode(&bytes, &plain, 7, &tokens, None), Err(KvFileError::Mismatch("recurrent state"))));
+        let fewer = plain.clone().with_recurrent_layers(2);
+        assert!(matches!(decode(&bytes, &fewer, 7, &tokens, None), Err(KvFileError::Mismatch("recurrent layers"))));
+        let kv_only = file(&filled(200, true, None), 7, &tokens);
+        assert!(matches!(decode(&kv_only, &cache.emptied(), 7, &tokens, None), Err(KvFileError::Mismatch("recurrent state"))));
     }
 
     #[test]

@@ -47,7 +47,7 @@ pub use linear::{Linear, Weight};
 pub use qwen3::QkNorm;
 pub use qwen35::{DeltaNet, Hybrid};
 pub use slot_lease::{SharedKvBatch, SlotLease};
-pub use state_rows::{LayerState, RecurrentState};
+pub use state_rows::{LayerState, RecurrentState, CHECKPOINT_INTERVAL, MAX_STATES};
 pub use transformer::{RowInput, StepLogits, Transformer};
 pub use weights::WeightFormat;
 

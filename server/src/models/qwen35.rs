@@ -184,8 +184,10 @@ impl DeltaNet {
 
     /// One row's `[1, n, width]` projected input after `state` (`None`:
     /// the row's first tokens): the gated, normed outputs `[1, n, value
-    /// width]` and the state after its last token.
-    pub(super) fn run(&self, x: &Array, state: Option<&LayerState>) -> mlx::Result<(Array, LayerState)> {
+    /// width]`, the state after its last token, and the states after each
+    /// count of its tokens in `capture` (ascending, within `1..=n`: a
+    /// prompt's block boundaries, for the prefix cache's checkpoints).
+    pub(super) fn run(&self, x: &Array, state: Option<&LayerState>, capture: &[usize]) -> mlx::Result<(Array, LayerState, Vec<LayerState>)> {
         let Hybrid { conv_kernel, key_heads, value_heads, key_dim, value_dim, .. } = self.dims;
         let (n, ch, vw) = (x.dim(1) as i32, self.dims.conv_channels() as i32, self.dims.value_width() as i32);
         let (hk, hv, dk, dv, kernel) = (key_heads as i32, value_heads as i32, key_dim as i32, value_dim as i32, conv_kernel as i32);
@@ -201,7 +203,11 @@ impl DeltaNet {
             None => Array::zeros(&[conv_kernel - 1, ch as usize], self.dtype)?,
         };
         let inputs = mlx::concatenate(&[&past, &mixed], 0)?; // [kernel - 1 + n, ch]
-        let conv_state = inputs.slice(&[n, 0], &[n + kernel - 1, ch])?;
+                                                             // The convolution's last inputs after `t` tokens, as a buffer of its
+                                                             // own (times one): a slice is a view that would keep every input of
+                                                             // the step alive as long as the state is kept.
+        let one = Array::scalar(1.0, self.dtype)?;
+        let conv_after = |t: i32| inputs.slice(&[t, 0], &[t + kernel - 1, ch])?.multiply(&one);
         let mut conv = inputs.slice(&[0, 0], &[n, ch])?.multiply(&self.conv.slice(&[0, 0], &[1, ch])?)?;
         for j in 1..kernel {
             conv = conv.add(&inputs.slice(&[j, 0], &[j + n, ch])?.multiply(&self.conv.slice(&[j, 0], &[j + 1, ch])?)?)?;
@@ -227,6 +233,7 @@ impl DeltaNet {
             None => Array::zeros(&[value_heads, key_dim, value_dim], self.dtype)?,
         };
         let mut outs = Vec::with_capacity(n as usize);
+        let mut captured = Vec::with_capacity(capture.len());
         for t in 0..n {
             let at = |a: &Array, w: i32| a.slice(&[t, 0, 0], &[t + 1, hv, w])?.reshape(&[hv, 1, w]); // [hv, 1, w]
             let per_head = |a: &Array| a.slice(&[t, 0], &[t + 1, hv])?.reshape(&[hv, 1, 1]);
@@ -236,6 +243,9 @@ impl DeltaNet {
             let delta = vt.subtract(&recalled)?.multiply(&per_head(&beta)?)?;
             s = s.add(&kt.transpose(&[0, 2, 1])?.matmul(&delta)?)?; // += k d^T
             outs.push(qt.matmul(&s)?); // S^T q: [hv, 1, dv]
+            if capture.contains(&(t as usize + 1)) {
+                captured.push(LayerState { conv: conv_after(t + 1)?, delta: s.clone() });
+            }
         }
         let o = match outs.len() {
             1 => outs.pop().expect("one token"),
@@ -244,7 +254,7 @@ impl DeltaNet {
         .transpose(&[1, 0, 2])?; // [n, hv, dv]
         let gate = z.reshape(&[n, hv, dv])?.silu()?;
         let o = fast::rms_norm(&o, &self.out_norm, self.eps)?.multiply(&gate)?;
-        Ok((o.reshape(&[1, n, vw])?, LayerState { conv: conv_state, delta: s }))
+        Ok((o.reshape(&[1, n, vw])?, LayerState { conv: conv_after(n)?, delta: s }, captured))
     }
 
     pub fn linears(&self) -> [&Linear; 2] {

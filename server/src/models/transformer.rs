@@ -302,7 +302,7 @@ impl Transformer {
                 }
                 Mixer::DeltaNet(d) => {
                     state_layer += 1;
-                    d.forward(&h, |x| attention.recur(state_layer - 1, x, |x, state| d.run(x, state)))?
+                    d.forward(&h, |x| attention.recur(state_layer - 1, x, |x, state, capture| d.run(x, state, capture)))?
                 }
             };
             h = layer.mlp.forward(&h)?;

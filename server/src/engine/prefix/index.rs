@@ -76,6 +76,10 @@ pub(super) struct Entry {
     /// The shortest prefix of `tokens` its state can serve (see
     /// `KvCache::earliest_truncation`).
     pub earliest_truncation: usize,
+    /// Shorter prefixes it can serve too: a hybrid model's state
+    /// checkpoints (`KvCache::checkpoint_lens`; at block boundaries, and
+    /// where a turn's prompt ended), ascending.
+    pub checkpoints: Vec<usize>,
     /// Its weight in the policy (KiB of its buffers when stored, rounded up).
     kib: u32,
     /// When it was last stored or served (a tick of the index's own):
@@ -200,9 +204,13 @@ impl Index {
     /// start generation) in `scope` (in RAM only, when `ram_only`), and
     /// that prefix's length. An entry that cannot be cut back to the
     /// block-aligned length serves instead at its own whole length when the
-    /// prompt holds all of its tokens: a hybrid model's recurrent state is
-    /// only ever at its entry's length, so a session's next turn, whose
-    /// prompt carries the whole last turn, resumes there.
+    /// prompt holds all of its tokens (a hybrid model's recurrent state is
+    /// at its entry's length: a session's next turn, whose prompt carries
+    /// the whole last turn, resumes there), else at its longest checkpoint
+    /// at or past the block that the prompt holds (a state kept at a block
+    /// boundary or where a turn's prompt ended, which may be off the
+    /// blocks); else a shorter block serves, down to the deepest checkpoint
+    /// below the match.
     pub fn longest_match(&self, scope: &Scope, prompt: &[u32], ram_only: bool) -> Option<(EntryId, usize)> {
         let usable = prompt.len().saturating_sub(1);
         let keys = self.block_keys(scope, &prompt[..usable]);
@@ -221,7 +229,11 @@ impl Index {
                 return Some((id, len));
             }
             let whole = entry.tokens.len();
-            (entry.earliest_truncation <= whole && whole <= usable && prompt[len..whole] == entry.tokens[len..]).then_some((id, whole))
+            let holds = |end: usize| end <= usable && prompt[len..end] == entry.tokens[len..end];
+            if entry.earliest_truncation <= whole && holds(whole) {
+                return Some((id, whole));
+            }
+            entry.checkpoints.iter().rev().find(|&&c| c >= len && holds(c)).map(|&c| (id, c))
         })
     }
 
@@ -298,9 +310,10 @@ impl Index {
         order.into_iter().map(|(_, _, id, e)| (id, e)).collect()
     }
 
-    /// Adds `new` in RAM, its state `bytes` long, after its replaced entries
-    /// went and room was made: its keys now point at it.
-    pub fn insert(&mut self, new: Keyed, bytes: usize, earliest_truncation: usize) -> EntryId {
+    /// Adds `new` in RAM, its state `bytes` long and servable from
+    /// `earliest_truncation` on and at `checkpoints` (ascending), after its
+    /// replaced entries went and room was made: its keys now point at it.
+    pub fn insert(&mut self, new: Keyed, bytes: usize, earliest_truncation: usize, checkpoints: Vec<usize>) -> EntryId {
         let id = self.next_id;
         self.next_id += 1;
         for k in &new.keys {
@@ -309,7 +322,7 @@ impl Index {
         self.ticks += 1;
         let kib = kib(bytes);
         let Keyed { scope, tokens, keys } = new;
-        let entry = Entry { scope, tokens, place: Place::Ram, bytes, earliest_truncation, kib, used: self.ticks, since: self.ticks, keys };
+        let entry = Entry { scope, tokens, place: Place::Ram, bytes, earliest_truncation, checkpoints, kib, used: self.ticks, since: self.ticks, keys };
         self.book(&entry, true);
         self.entries.insert(id, entry);
         self.policy.insert(id, kib);

@@ -68,10 +68,11 @@ impl LentHistory {
     /// Gives the history back from a cancelled turn's `tokens` and `cache`
     /// (the history and what the turn added to it, which is freed). Nothing
     /// goes back when a sliding-window cache has already dropped positions
-    /// a continuation of that history needs.
+    /// a continuation of that history needs, or a recurrent state moved on
+    /// with no checkpoint at the history's length.
     pub fn give_back(mut self, mut tokens: Vec<u32>, mut cache: KvCache) {
         let len = self.len;
-        if cache.len() >= len && cache.earliest_truncation() <= len {
+        if cache.len() >= len && (cache.earliest_truncation() <= len || cache.checkpoint_lens().contains(&len)) {
             tokens.truncate(len);
             cache.truncate(len);
             self.history = Some(Box::new((tokens, cache)));

@@ -186,7 +186,7 @@ impl PrefixCache {
         if new.is_empty() {
             return;
         }
-        let earliest_truncation = cache.earliest_truncation();
+        let (earliest_truncation, checkpoints) = (cache.earliest_truncation(), cache.checkpoint_lens());
         // Paged first: the origin is often an entry the new one replaces.
         let paged = match self.store.page(cache, origin) {
             Ok(paged) => paged,
@@ -204,7 +204,7 @@ impl PrefixCache {
         // What it adds to RAM: its own blocks' buffers, and those of the
         // entries it shares that left meanwhile.
         let bytes = self.store.unowned_bytes(&paged);
-        let id = self.index.insert(new, bytes, earliest_truncation);
+        let id = self.index.insert(new, bytes, earliest_truncation, checkpoints);
         self.store.put(id, paged);
         debug_assert_eq!(self.store.owned_bytes(id), bytes);
         if self.index.booked(Place::Ram).1 > self.index.budget_bytes() {

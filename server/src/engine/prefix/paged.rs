@@ -24,8 +24,8 @@
 //! What does not share yet: caches with window layers (their window
 //! layers drop their first positions, so positions are not buffer rows)
 //! and caches holding a hybrid model's recurrent state (a state is of one
-//! length only, not of blocks: `models/state_rows.rs`) are stored whole
-//! and never shared. An entry that shares blocks is
+//! length, with checkpoints at a few block boundaries, not of every block:
+//! `models/state_rows.rs`) are stored whole and never shared. An entry that shares blocks is
 //! restored for a turn as one cache again (a copy of its history, as a
 //! copy-on-write snapshot costs): rows do not read through block tables
 //! yet (docs/architecture.md, "Paged KV").
@@ -39,6 +39,7 @@ use super::index::EntryId;
 use crate::models::{KvCache, StoredCache, KV_CAPACITY_STEP};
 
 const _: () = assert!(BLOCK == KEY_BLOCK, "a block of keys stored in blocks is one whole key block");
+const _: () = assert!(BLOCK == crate::models::CHECKPOINT_INTERVAL, "a recurrent state's checkpoints are where blocks end");
 const _: () = assert!(KV_CAPACITY_STEP.is_multiple_of(BLOCK), "a cache's room is whole blocks");
 
 type SegmentId = u64;
@@ -134,12 +135,11 @@ impl Pages {
     }
 
     /// `cache` stored as is: one segment of its buffers (spare room
-    /// included; a recurrent state's arrays too, though only its KV can
-    /// be gathered, and it never is: such a cache is not shareable).
+    /// included; a recurrent state's arrays and checkpoints too, which only
+    /// the cache itself holds: such a cache is not shareable).
     fn whole(&mut self, cache: KvCache) -> mlx::Result<Paged> {
         let layers: Vec<(Array, Array)> = match cache.as_stored() {
             Some((_, buffers)) => buffers.into_iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-            None if cache.recurrent().is_some() => Vec::new(),
             None => return Err(mlx::Error { op: "prefix_cache", message: "a layer of the cache holds nothing".into() }),
         };
         // Detached (they are evaluated, or are evaluated now): a buffer

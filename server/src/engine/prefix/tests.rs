@@ -525,3 +525,99 @@ fn shared_blocks_are_counted_once_and_tiers_still_serve() {
     assert_eq!(cache.stats().bytes - before, 192 * 256, "{:?}", cache.stats());
     assert_eq!(cache.store.held().1, cache.stats().bytes);
 }
+
+/// A hybrid model's cache of `tokens`: [`state`]'s KV beside a 2-layer
+/// recurrent state whose every array holds `salt` plus the length it is
+/// of, with checkpoints captured at the block boundaries it passed (a
+/// prompt run in one step, as `state_rows.rs` keeps them).
+fn hybrid(tokens: &[u32], salt: f32) -> KvCache {
+    use crate::models::LayerState;
+    let len = tokens.len();
+    let at = |len: usize| {
+        let a = Array::from_f32(&[salt + len as f32; 4], &[2, 2]).unwrap();
+        LayerState { conv: a.clone(), delta: a }
+    };
+    let mut cache = KvCache::new(2, 2, 8, Dtype::F32).with_recurrent_layers(2);
+    let kv = state(tokens, salt);
+    let layers = (0..2).map(|l| kv.positions(l).unwrap().unwrap()).collect::<Vec<_>>();
+    cache.fill(&layers, len, 0).unwrap();
+    let state = cache.recurrent_mut().unwrap();
+    for t in state.capture_points(0, len, 1) {
+        (0..2).for_each(|l| state.record(l, t, at(t)));
+    }
+    (0..2).for_each(|l| state.set_layer(l, at(len)));
+    state.thin(len);
+    cache
+}
+
+/// What length a hybrid cache's state is of (see [`hybrid`]), less `salt`.
+fn state_len(cache: &KvCache, salt: f32) -> usize {
+    let s = cache.recurrent().unwrap().layer(1).unwrap().unwrap();
+    (s.delta.to_vec_f32().unwrap()[0] - salt) as usize
+}
+
+/// A hybrid entry serves a prompt that forks inside it from its deepest
+/// checkpoint at or below the fork (a match ending mid-block resumes from
+/// the boundary below), all of it when the prompt holds all of it, and
+/// nothing below its first checkpoint; in RAM, from the host tier and from
+/// disk alike; a damaged file is a miss, never wrong state.
+#[test]
+fn a_hybrid_entry_serves_from_its_checkpoints_in_every_tier() {
+    let tokens: Vec<u32> = (0..150).collect();
+    let fork = |at: usize| tokens[..at].iter().copied().chain([9999, 9998]).collect::<Vec<u32>>();
+    // (prompt, resumed length): 64 and 128 are its checkpoints.
+    let asks = [(fork(150), 150), (fork(140), 128), (fork(100), 64), (fork(128), 128), (fork(63), 0)];
+    for tier in ["ram", "host", "disk"] {
+        let (_dir, mut cache) = tiered(&format!("hybrid-{tier}"), 1 << 10);
+        if tier == "host" {
+            cache = cache.with_host_tier(1 << 20);
+        }
+        let salt = 0.5;
+        cache.insert(session(0), tokens.clone(), hybrid(&tokens, salt));
+        cache.set_scope_live(&session(0), false);
+        if tier != "ram" {
+            // Two more sessions push it out of RAM's one entry.
+            for n in 1..3 {
+                cache.insert(session(n), history(n), hybrid(&history(n), 0.0));
+            }
+        }
+        let s = cache.stats();
+        if tier == "ram" {
+            // Its state and both checkpoints (at 64 and 128) count in the
+            // byte weighing: 3 states of 2 layers of 2 arrays of 16 bytes.
+            let (kv_only, whole) = (state(&tokens, salt).nbytes(), hybrid(&tokens, salt).nbytes());
+            assert_eq!((s.bytes, whole), (whole, kv_only + 3 * 2 * 2 * 16), "{s:?}");
+        }
+        let away = if tier == "host" { s.host.entries } else { s.disk.entries };
+        assert!(tier == "ram" || away == 2, "{tier}: {s:?}");
+        for (prompt, want) in &asks {
+            let hit = cache.lookup(&session(0), prompt, None, false).map(snapshot);
+            match (hit, want) {
+                (None, 0) => {}
+                (Some((kv, len)), _) => {
+                    assert_eq!((len, kv.len(), state_len(&kv, salt)), (*want, *want, *want), "{tier}: a fork at {}", prompt.len() - 2);
+                    assert!(!kv.recurrent().unwrap().is_rolled_back());
+                }
+                (None, _) => panic!("{tier}: a fork at {} missed", prompt.len() - 2),
+            }
+        }
+        let s = cache.stats();
+        assert_eq!((s.host.hits, s.disk.hits), [(0, 0), (4, 0), (0, 4)][["ram", "host", "disk"].iter().position(|t| *t == tier).unwrap()], "{tier}: {s:?}");
+    }
+    // A damaged file: a miss, and the entry is gone.
+    let (_dir, mut cache) = tiered("hybrid-damaged", 1 << 10);
+    cache.insert(session(0), tokens.clone(), hybrid(&tokens, 0.5));
+    cache.set_scope_live(&session(0), false);
+    for n in 1..3 {
+        cache.insert(session(n), history(n), hybrid(&history(n), 0.0));
+    }
+    let folder = cache.tiers.disk.as_mut().unwrap().dir().to_path_buf();
+    cache.tiers.disk.as_mut().unwrap().read(1).unwrap();
+    let damaged = folder.join("1.kv");
+    let mut bytes = std::fs::read(&damaged).unwrap();
+    let last_state_byte = bytes.len() - 5;
+    bytes[last_state_byte] ^= 0x40;
+    std::fs::write(&damaged, bytes).unwrap();
+    assert!(cache.lookup(&session(0), &fork(140), None, false).is_none(), "damaged: a miss");
+    assert_eq!(cache.stats().disk.failed_reads, 1);
+}

@@ -124,6 +124,9 @@ fn random_operations_keep_the_invariants() {
 fn insert(rng: &mut Rng, index: &mut Index, scope: Scope, tokens: Vec<u32>) -> usize {
     let bytes = 1 + rng.below(5 << 10);
     let earliest_truncation = if rng.one_in(8) { rng.below(tokens.len() + 1) } else { 0 };
+    // Below that, some lengths it serves too (a hybrid model's state
+    // checkpoints: at block boundaries, or anywhere a turn's prompt ended).
+    let checkpoints: Vec<usize> = (1..earliest_truncation).filter(|_| rng.one_in(3)).collect();
     let new = index.keyed(scope.clone(), tokens.clone());
     if new.is_empty() {
         assert!(tokens.len() < BLOCK);
@@ -142,7 +145,7 @@ fn insert(rng: &mut Rng, index: &mut Index, scope: Scope, tokens: Vec<u32>) -> u
     for id in victims {
         leave_ram(rng, index, id);
     }
-    let id = index.insert(new, bytes, earliest_truncation);
+    let id = index.insert(new, bytes, earliest_truncation, checkpoints);
     assert!(index.in_ram(id) && replaced.iter().all(|old| index.get(*old).is_none()));
     replaced.len()
 }
@@ -188,8 +191,9 @@ fn lookup(rng: &mut Rng, index: &mut Index) -> bool {
     }
     if let Some((id, len)) = found {
         let e = &index.entries[&id];
-        let aligned_or_whole = len % BLOCK == 0 || (len == e.tokens.len() && e.earliest_truncation > len / BLOCK * BLOCK);
-        assert!(aligned_or_whole && len < prompt.len() && e.tokens[..len] == prompt[..len] && (e.scope == scope || e.scope == Scope::Shared));
+        let aligned_or_whole = len % BLOCK == 0 || (len == e.tokens.len() && e.earliest_truncation > len / BLOCK * BLOCK) || e.checkpoints.contains(&len);
+        let servable = e.earliest_truncation <= len || len == e.tokens.len() || e.checkpoints.contains(&len);
+        assert!(aligned_or_whole && servable && len < prompt.len() && e.tokens[..len] == prompt[..len] && (e.scope == scope || e.scope == Scope::Shared));
         if rng.one_in(2) {
             index.touch(id);
         }
@@ -201,7 +205,8 @@ fn lookup(rng: &mut Rng, index: &mut Index) -> bool {
 /// (not by walking the prompt's own hash chain): of the keys whose block
 /// the prompt holds, the longest that serves, at its block-aligned length
 /// or, for an entry that cannot be cut back that far, at its whole length
-/// when the prompt holds all of its tokens.
+/// when the prompt holds all of its tokens, else at its longest checkpoint
+/// at or past that length that the prompt holds.
 fn brute_longest(index: &Index, scope: &Scope, prompt: &[u32], ram_only: bool) -> Option<(EntryId, usize)> {
     let usable = prompt.len().saturating_sub(1);
     let mut held: Vec<(usize, EntryId)> = Vec::new();
@@ -216,9 +221,11 @@ fn brute_longest(index: &Index, scope: &Scope, prompt: &[u32], ram_only: bool) -
     held.into_iter().find_map(|(len, id)| {
         let e = &index.entries[&id];
         let whole = e.tokens.len();
+        let holds = |end: usize| end <= usable && prompt.starts_with(&e.tokens[..end]);
         match e.earliest_truncation <= len {
             true => Some((id, len)),
-            false => (e.earliest_truncation <= whole && whole <= usable && prompt.starts_with(&e.tokens)).then_some((id, whole)),
+            false if e.earliest_truncation <= whole && holds(whole) => Some((id, whole)),
+            false => e.checkpoints.iter().filter(|&&c| c >= len && holds(c)).max().map(|&c| (id, c)),
         }
     })
 }
