@@ -205,6 +205,8 @@ if [ "${MODE:-decode}" = kvcodes ]; then
   bins=(${TETHER_BINS:-$TETHER_BIN})
   newest=${bins[${#bins[@]}-1]}
   model=/opt/models/qwen2.5-1.5b-bf16
+  # The fused kernels' codes variant is off by default until measured here.
+  export TETHER_GPU_KV_CODES=${TETHER_GPU_KV_CODES:-1}
   for bits in 8 4; do
     "$newest" bench --model "$model" --device gpu --kv-bits $bits --gpu-kernels 1,8 --prompt-tokens "${CHECK_PROMPT:-1000}" --gen-tokens "${CHECK_STEPS:-24}" 2>>"$OUT/tether.log" \
       | sed "s/^{/{\"check\":\"kernels\",\"kv_bits\":$bits,/" | tee -a "$OUT/results.jsonl" || echo "kernel check at $bits bits failed" >&2

@@ -32,10 +32,14 @@
 //! A step's token ids may be an unread array (`BatchedRows::fed`, the
 //! previous step's draws): the embedding gathers them on the device.
 //!
-//! Slots of 8- or 4-bit codes (`--kv-bits`, `kv_batch.rs`) take the same
-//! attention kernel in a variant that encodes the new position and decodes
-//! what it reads; groups of codes must be whole multiples of a lane's 8
-//! features ([`codes_fit`]), or the step runs on MLX's ops.
+//! Slots of 8- or 4-bit codes (`--kv-bits`, `kv_batch.rs`) can take the
+//! same attention kernel in a variant that encodes the new position and
+//! decodes what it reads; groups of codes must be whole multiples of a
+//! lane's 8 features ([`codes_fit`]). That variant compiles for every shape
+//! (`scripts/check-cuda-kernels.sh`) but has not yet run on a GPU, so it is
+//! off unless `TETHER_GPU_KV_CODES=1` (`bench/gpu/run.sh`, `MODE=kvcodes`,
+//! measures it against MLX's ops on the same codes); until then such steps
+//! run on MLX's ops, which read the codes decoded.
 use mlx::cuda::{sole_holder, CudaKernel, Launch, TemplateArg};
 use mlx::fast::KvCodes;
 use mlx::{Array, Dtype};
@@ -91,6 +95,9 @@ pub struct GpuDecode {
     glu: i32,
     /// The norms' epsilon times 1e12 (the kernels' `EPS_E12`).
     eps_e12: i32,
+    /// Whether steps over slots of codes take the attention kernel's codes
+    /// variant (see the module notes).
+    reads_codes: bool,
 }
 
 impl GpuDecode {
@@ -135,6 +142,7 @@ impl GpuDecode {
             traditional: rope.traditional,
             glu,
             eps_e12: (c.rms_eps as f64 * 1e12).round() as i32,
+            reads_codes: std::env::var("TETHER_GPU_KV_CODES").is_ok_and(|v| v == "1"),
         }))
     }
 
@@ -146,7 +154,7 @@ impl GpuDecode {
     pub fn step(&self, m: &Transformer, b: &mut BatchedRows<'_>) -> mlx::Result<Option<StepLogits>> {
         let Some(live) = decode_slots(&b.tokens, &b.logits, |s| b.kv.len(s)) else { return Ok(None) };
         let codes = b.kv.codes();
-        if !codes_fit(codes, m.config.head_dim) {
+        if codes != KvCodes::Float && !(self.reads_codes && codes_fit(codes, m.config.head_dim)) {
             return Ok(None);
         }
         let needed = live.iter().map(|&s| b.kv.len(s) + 1).max().unwrap_or(0);
@@ -191,7 +199,7 @@ impl GpuDecode {
         let c = &m.config;
         // In the form the model's batches hold (see `Transformer::new_kv_batch`).
         let codes = m.kv_quantization.map_or(KvCodes::Float, |q| q.codes());
-        if !codes_fit(codes, c.head_dim) {
+        if codes != KvCodes::Float && !(self.reads_codes && codes_fit(codes, c.head_dim)) {
             return Ok(());
         }
         let (width, dtype) = if codes == KvCodes::Float { (c.head_dim, Dtype::BF16) } else { (codes.width(c.head_dim), Dtype::U8) };
