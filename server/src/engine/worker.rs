@@ -95,6 +95,11 @@ impl Engine {
             "{} keeps recurrent state per row, which batched KV slots do not hold yet: serve it with --kv-layout rows",
             model.transformer.config.arch.name()
         );
+        anyhow::ensure!(
+            !batched || model.transformer.config.layer_plan.is_none(),
+            "{} has layers of different shapes and KV-shared layers, which batched KV slots do not hold yet: serve it with --kv-layout rows",
+            model.transformer.config.arch.name()
+        );
         model.transformer.set_kv_quantization(config.kv_quantization).map_err(|e| anyhow::anyhow!("--kv-bits: {e}"))?;
         if mlx::default_device() == mlx::Device::Gpu {
             super::warmup::warm_up(&model.transformer, &config, batched).map_err(|e| anyhow::anyhow!("warming up the model's kernels failed: {e}"))?;
