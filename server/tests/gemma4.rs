@@ -253,3 +253,24 @@ async fn a_chat_turn_over_http_equals_a_fresh_request() {
     assert_eq!(cached, 0, "another tenant shares nothing");
     assert_eq!(second, fresh, "a session's next turn must equal a fresh request");
 }
+
+/// The prefix cache's host tier: a session's entry, too large for the
+/// RAM's budget, goes to the host tier as a file, but is not restored from
+/// it yet (the file holds one shape for every layer; Gemma 4's differ):
+/// its next turn is computed afresh, never from a misread state, and
+/// equals plain decoding.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_pushed_to_the_host_tier_is_recomputed_exactly() {
+    let model = load();
+    let config = EngineConfig { kv_layout: KvLayout::Rows, prefix_cache_bytes: 64 << 10, kv_host_bytes: 64 << 20, ..Default::default() };
+    let engine = start_engine_on(generated().0.clone(), config);
+    let prompt = ids(&generated().1["prompt_ids"]);
+    let (out, _) = run_request(&engine, request(&prompt, 8, Some("a"))).await;
+    let stats = engine.stats().await.unwrap();
+    assert!(stats.prefix.host.entries == 1 && stats.prefix.entries == 0, "the entry went to the host tier: {:?}", stats.prefix);
+    let mut turn2: Vec<u32> = prompt.iter().chain(&out).copied().collect();
+    turn2.extend([198, 11, 12]);
+    let (resumed, f) = run_request(&engine, request(&turn2, 8, Some("a"))).await;
+    assert_eq!(resumed, greedy_tokens(&model, &turn2, 8).unwrap());
+    assert_eq!(f.cached_tokens, 0, "not restored from the host tier yet");
+}
