@@ -193,6 +193,7 @@ mod tests {
             sliding_window: None,
             rope_dims: None,
             hybrid: None,
+            layer_plan: None,
         }
     }
 

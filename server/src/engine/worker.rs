@@ -98,6 +98,11 @@ impl Engine {
             "{} keeps recurrent state per row, which batched KV slots do not hold yet: serve it with --kv-layout rows",
             model.transformer.config.arch.name()
         );
+        anyhow::ensure!(
+            !batched || model.transformer.config.layer_plan.is_none(),
+            "{} has layers of different shapes and KV-shared layers, which batched KV slots do not hold yet: serve it with --kv-layout rows",
+            model.transformer.config.arch.name()
+        );
         match batched {
             true => model.transformer.set_batched_kv_quantization(config.kv_quantization),
             false => model.transformer.set_kv_quantization(config.kv_quantization),

@@ -57,7 +57,6 @@ impl AttentionBackend {
 
 /// One step's attention, set up before its first layer.
 pub(super) struct StepAttention<'s, 'r, 'c> {
-    heads: Heads,
     dtype: Dtype,
     slots: Option<Slots<'s>>,
     rows: Rows<'r, 'c>,
@@ -82,6 +81,11 @@ struct Rows<'r, 'c> {
     /// Per row, where its tokens start in the flattened batch (after the slots').
     starts: Vec<i32>,
     path: RowPath,
+    /// The KV layers whose keys and values later layers read this step
+    /// (Gemma 4's KV-shared layers), and once written, per row, what each
+    /// layer holds: `(layer, [(keys, values)] per row)`.
+    kept: Vec<(usize, Vec<(Array, Array)>)>,
+    keep: Vec<usize>,
 }
 
 /// The backend's state for one step.
@@ -136,7 +140,13 @@ impl<'s, 'r, 'c> StepAttention<'s, 'r, 'c> {
             }
             _ => RowPath::Mlx(vec![None; inputs.len()]),
         };
-        Ok(StepAttention { heads, dtype, slots, rows: Rows { inputs, lens, offsets, starts, path } })
+        Ok(StepAttention { dtype, slots, rows: Rows { inputs, lens, offsets, starts, path, kept: Vec::new(), keep: Vec::new() } })
+    }
+
+    /// Keeps what the KV layers `layers` hold after their writes this
+    /// step, for the layers that attend over them ([`attend_shared`](Self::attend_shared)).
+    pub fn keep_kv_of(&mut self, layers: Vec<usize>) {
+        self.rows.keep = layers;
     }
 
     /// `[1, T]` int32: the step's token ids, the batched slots' first.
@@ -153,7 +163,7 @@ impl<'s, 'r, 'c> StepAttention<'s, 'r, 'c> {
     /// Layer `layer`'s attention for the whole step: `qkv` is the step's
     /// `[1, T, (hq + 2 hkv) hd]` projection; returns `[1, T, hq hd]`.
     pub fn attend(&mut self, layer: usize, attention: &Attention, qkv: &Array) -> mlx::Result<Array> {
-        let (width, total) = (self.heads.qkv_width(), qkv.dim(1) as i32);
+        let (width, total) = (attention.heads.qkv_width(), qkv.dim(1) as i32);
         let batch_tokens = self.slots.as_ref().map_or(0, |s| s.step.tokens) as i32;
         let mut parts: Vec<Array> = Vec::with_capacity(self.rows.inputs.len() + 1);
         if let Some(slots) = &mut self.slots {
@@ -167,13 +177,51 @@ impl<'s, 'r, 'c> StepAttention<'s, 'r, 'c> {
                 parts.push(attention_cpu_kernel(layer, attention, &mine, rows.inputs, &rows.lens, tables, *codes)?);
             }
             RowPath::Mlx(masks) => {
+                let mut kept = Vec::new();
                 for (r, (row, mask)) in rows.inputs.iter_mut().zip(masks).enumerate() {
                     let (s, n) = (rows.starts[r], rows.lens[r] as i32);
                     let mine = qkv.slice(&[0, s, 0], &[1, s + n, width])?;
                     let at = (rows.offsets[r] as usize, row.cache.first(layer));
-                    parts.push(attention_own(attention, &mine, at, mask, self.dtype, |k, v| row.cache.update_and_fetch(layer, k, v))?);
+                    let write = |k: &Array, v: &Array| {
+                        let held = row.cache.update_and_fetch(layer, k, v)?;
+                        kept.push(held.clone());
+                        Ok(held)
+                    };
+                    parts.push(attention_own(attention, &mine, at, mask, self.dtype, write)?);
+                }
+                if rows.keep.contains(&layer) {
+                    rows.kept.push((layer, kept));
                 }
             }
+        }
+        match parts.len() {
+            1 => Ok(parts.pop().expect("one part")),
+            _ => mlx::concatenate(&parts.iter().collect::<Vec<_>>(), 1),
+        }
+    }
+
+    /// A KV-shared layer for the whole step: `q` is the step's `[1, T, hq
+    /// hd]` queries (normed); each row's attend over what KV layer
+    /// `source` holds after its writes this step (kept by
+    /// [`keep_kv_of`](Self::keep_kv_of)). Returns `[1, T, hq hd]`. Only
+    /// rows attending by MLX's ops have such layers (a model with them
+    /// loads so; batched slots are refused at the engine).
+    pub fn attend_shared(&mut self, source: usize, attention: &Attention, q: &Array) -> mlx::Result<Array> {
+        let refused = |why: &str| mlx::Error { op: "shared_kv", message: why.into() };
+        if self.slots.is_some() {
+            return Err(refused("batched KV slots hold no KV-shared layers; such a model runs rows with caches of their own"));
+        }
+        let rows = &mut self.rows;
+        let RowPath::Mlx(masks) = &mut rows.path else { return Err(refused("KV-shared layers attend by MLX's ops, not the CPU's fused attention")) };
+        let kept = rows.kept.iter().find(|(l, _)| *l == source).map(|(_, kv)| kv).ok_or_else(|| refused("a KV-shared layer's source was not kept"))?;
+        let width = attention.heads.q * attention.heads.dim;
+        let mut parts = Vec::with_capacity(rows.inputs.len());
+        for (r, ((row, mask), (keys, values))) in rows.inputs.iter().zip(masks).zip(kept).enumerate() {
+            let (s, n) = (rows.starts[r], rows.lens[r] as i32);
+            let mine = q.slice(&[0, s, 0], &[1, s + n, width])?;
+            let (offset, first) = (rows.offsets[r] as usize, row.cache.first(source));
+            let q = attention.rotated_queries(&mine, offset)?;
+            parts.push(attention_over(attention, &q, keys, values, (offset, first), mask, self.dtype)?);
         }
         match parts.len() {
             1 => Ok(parts.pop().expect("one part")),
@@ -278,22 +326,37 @@ impl Slots<'_> {
 /// (`first` > 0 only on a sliding-window layer). `window_mask` keeps the
 /// row's window mask for its other window layers this step. Returns
 /// `[1, n, n_heads * head_dim]`.
-fn attention_own<W>(a: &Attention, qkv: &Array, (offset, first): (usize, usize), window_mask: &mut Option<Array>, dtype: Dtype, write: W) -> mlx::Result<Array>
+fn attention_own<W>(a: &Attention, qkv: &Array, at: (usize, usize), window_mask: &mut Option<Array>, dtype: Dtype, write: W) -> mlx::Result<Array>
 where
     W: FnOnce(&Array, &Array) -> mlx::Result<(Array, Array)>,
 {
-    let Heads { q: hq, dim: hd, .. } = a.heads;
-    let n = qkv.dim(1) as i32;
-    let (q, k, v) = a.rotated_heads(qkv, offset)?;
+    let (q, k, v) = a.rotated_heads(qkv, at.0)?;
     let (keys, values) = write(&k, &v)?;
+    attention_over(a, &q, &keys, &values, at, window_mask, dtype)
+}
+
+/// The rotated queries `[1, hq, n, hd]` of one sequence at positions
+/// `offset ..` over its `keys` and `values` of positions `first ..` (see
+/// [`attention_own`]). Returns `[1, n, n_heads * head_dim]`.
+fn attention_over(
+    a: &Attention,
+    q: &Array,
+    keys: &Array,
+    values: &Array,
+    (offset, first): (usize, usize),
+    window_mask: &mut Option<Array>,
+    dtype: Dtype,
+) -> mlx::Result<Array> {
+    let Heads { q: hq, dim: hd, .. } = a.heads;
+    let n = q.dim(2) as i32;
     let out = match a.window {
         // Causal: query i sits at offset + i and sees keys up to there.
-        None => fast::sdpa(&q, &keys, &values, a.scale(), if n > 1 { Mask::Causal } else { Mask::None })?,
+        None => fast::sdpa(q, keys, values, a.scale(), if n > 1 { Mask::Causal } else { Mask::None })?,
         Some(window) => {
             if window_mask.is_none() {
                 *window_mask = Some(gemma3::window_mask(offset, n as usize, first, window, dtype)?);
             }
-            fast::sdpa(&q, &keys, &values, a.scale(), Mask::Array(window_mask.as_ref().expect("built above")))?
+            fast::sdpa(q, keys, values, a.scale(), Mask::Array(window_mask.as_ref().expect("built above")))?
         }
     };
     out.transpose(&[0, 2, 1, 3])?.reshape(&[1, n, hq * hd])

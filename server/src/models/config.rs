@@ -1,6 +1,7 @@
 //! Hyperparameters of the decoder-only transformers Tether runs.
 
 pub use super::gemma3::SlidingWindow;
+pub use super::gemma4::LayerPlan;
 pub use super::llama::Llama3RopeScaling;
 pub use super::qwen35::Hybrid;
 
@@ -20,6 +21,10 @@ pub enum Architecture {
     /// state per row, every few of them a full-attention layer whose output
     /// is gated per feature and whose RoPE turns only part of each head.
     Qwen35,
+    /// Gemma 4: Gemma 3's blocks whose layers differ in head size, KV heads
+    /// and MLP width by kind, the last ones reading earlier layers' KV,
+    /// with per-layer inputs and capped logits (see `gemma4.rs`).
+    Gemma4,
 }
 
 impl Architecture {
@@ -30,6 +35,7 @@ impl Architecture {
             "qwen3" | "Qwen3ForCausalLM" => Some(Architecture::Qwen3),
             "gemma3" | "gemma3_text" => Some(Architecture::Gemma3),
             "qwen35" => Some(Architecture::Qwen35),
+            "gemma4" => Some(Architecture::Gemma4),
             _ => None,
         }
     }
@@ -41,11 +47,12 @@ impl Architecture {
             Architecture::Qwen3 => "qwen3",
             Architecture::Gemma3 => "gemma3",
             Architecture::Qwen35 => "qwen35",
+            Architecture::Gemma4 => "gemma4",
         }
     }
 
     /// Every architecture the forward pass implements, for error messages.
-    pub const SUPPORTED: &'static str = "llama, qwen2, qwen3, gemma3, qwen35";
+    pub const SUPPORTED: &'static str = "llama, qwen2, qwen3, gemma3, qwen35, gemma4";
 }
 
 /// The gate activation of the gated MLP: `act(gate) * up`.
@@ -94,18 +101,53 @@ pub struct ModelConfig {
     pub rope_dims: Option<usize>,
     /// The recurrent layers of a hybrid model (Qwen3.5), if it has them.
     pub hybrid: Option<Hybrid>,
+    /// Each layer's own sizes and KV source, where they differ (Gemma 4).
+    pub layer_plan: Option<LayerPlan>,
 }
 
 impl ModelConfig {
     /// Bytes of KV cache one token occupies across all layers at `elem_bytes` per value.
     pub fn kv_bytes_per_token(&self, elem_bytes: usize) -> usize {
-        2 * self.kv_layers() * self.n_kv_heads * self.head_dim * elem_bytes
+        2 * self.kv_shapes().iter().map(|(heads, dim)| heads * dim).sum::<usize>() * elem_bytes
     }
 
     /// Bytes of recurrent state one row holds, whatever its length (none
     /// without recurrent layers).
     pub fn state_bytes_per_row(&self, elem_bytes: usize) -> usize {
-        self.hybrid.map_or(0, |h| (self.n_layers - self.kv_layers()) * h.state_values() * elem_bytes)
+        self.hybrid.map_or(0, |h| self.recurrent_layers() * h.state_values() * elem_bytes)
+    }
+
+    /// Layers holding recurrent state (a hybrid model's).
+    pub fn recurrent_layers(&self) -> usize {
+        (0..self.n_layers).filter(|&l| self.is_recurrent(l)).count()
+    }
+
+    /// Whether layer `layer` keeps keys and values of its own: not a
+    /// recurrent layer, nor one reading an earlier layer's (Gemma 4's KV-shared).
+    pub fn holds_kv(&self, layer: usize) -> bool {
+        !self.is_recurrent(layer) && self.layer_plan.as_ref().is_none_or(|p| p.layers[layer].kv_from.is_none())
+    }
+
+    /// Per layer holding KV, its (kv heads, head dim): what a row's cache holds.
+    pub fn kv_shapes(&self) -> Vec<(usize, usize)> {
+        let shape = |l: usize| match &self.layer_plan {
+            Some(p) => (p.layers[l].kv_heads, p.layers[l].head_dim),
+            None => (self.n_kv_heads, self.head_dim),
+        };
+        (0..self.n_layers).filter(|&l| self.holds_kv(l)).map(shape).collect()
+    }
+
+    /// Per layer, its index among the layers holding KV (`None`: it holds none).
+    pub fn kv_indices(&self) -> Vec<Option<usize>> {
+        let mut next = 0;
+        (0..self.n_layers)
+            .map(|l| {
+                self.holds_kv(l).then(|| {
+                    next += 1;
+                    next - 1
+                })
+            })
+            .collect()
     }
 
     /// Whether layer `layer` is a recurrent one (no KV: a state per row).
@@ -113,10 +155,10 @@ impl ModelConfig {
         self.hybrid.is_some_and(|h| h.is_recurrent(layer))
     }
 
-    /// Layers that keep keys and values (every one but the recurrent ones):
-    /// a row's KV cache holds these, in order.
+    /// Layers that keep keys and values (every one but the recurrent and
+    /// KV-shared ones): a row's KV cache holds these, in order.
     pub fn kv_layers(&self) -> usize {
-        (0..self.n_layers).filter(|&l| !self.is_recurrent(l)).count()
+        (0..self.n_layers).filter(|&l| self.holds_kv(l)).count()
     }
 
     /// Layer `layer`'s attention window (`None`: the whole history).
@@ -126,7 +168,7 @@ impl ModelConfig {
 
     /// Each KV layer's attention window.
     pub fn layer_windows(&self) -> Vec<Option<usize>> {
-        (0..self.n_layers).filter(|&l| !self.is_recurrent(l)).map(|l| self.layer_window(l)).collect()
+        (0..self.n_layers).filter(|&l| self.holds_kv(l)).map(|l| self.layer_window(l)).collect()
     }
 
     pub fn validate(&self) -> Result<(), String> {
@@ -141,6 +183,10 @@ impl ModelConfig {
             (self.vocab_size > 0, "vocabulary is empty"),
             (self.rms_eps > 0.0, "RMS norm epsilon must be positive"),
             (self.sliding_window.is_none_or(|w| w.size > 0 && w.global_every > 0), "sliding window or its layer pattern is zero"),
+            (
+                self.layer_plan.as_ref().is_none_or(|p| p.validate(self.n_layers, |l| self.layer_window(l).is_some())),
+                "per-layer sizes or KV sources do not fit together",
+            ),
         ];
         match checks.iter().find(|(ok, _)| !ok) {
             Some((_, why)) => Err(why.to_string()),

@@ -24,12 +24,18 @@ pub struct SlidingWindow {
     pub size: usize,
     pub global_every: usize,
     pub local_rope_theta: f32,
+    /// Bit `l` set: layer `l` is local, named layer by layer (Gemma 4's
+    /// pattern); `None`: `global_every` decides.
+    pub pattern: Option<u128>,
 }
 
 impl SlidingWindow {
     /// Whether layer `layer` (from 0) attends within the window.
     pub fn is_local(&self, layer: usize) -> bool {
-        !(layer + 1).is_multiple_of(self.global_every)
+        match self.pattern {
+            Some(bits) => layer < 128 && bits >> layer & 1 == 1,
+            None => !(layer + 1).is_multiple_of(self.global_every),
+        }
     }
 }
 
@@ -43,6 +49,7 @@ pub(super) fn gguf_args(file: &GgufFile, arch_name: &str, c: &mut ModelConfig) -
         size: size as usize,
         global_every: file.get_u64(&key("attention.sliding_window_pattern")).map_or(6, |v| v as usize),
         local_rope_theta: file.get_f32(&key("rope.freq_base_swa")).unwrap_or(10_000.0),
+        pattern: None,
     });
     if file.get_str(&key("rope.scaling.type")).is_some_and(|t| t != "none") {
         return Err(LoadError::Invalid(format!("{arch_name}: RoPE scaling is not supported for this architecture yet")));
@@ -114,7 +121,7 @@ mod tests {
 
     #[test]
     fn the_last_layer_of_each_group_is_global() {
-        let window = SlidingWindow { size: 512, global_every: 6, local_rope_theta: 10_000.0 };
+        let window = SlidingWindow { size: 512, global_every: 6, local_rope_theta: 10_000.0, pattern: None };
         let global: Vec<usize> = (0..18).filter(|&l| !window.is_local(l)).collect();
         assert_eq!(global, [5, 11, 17]);
     }

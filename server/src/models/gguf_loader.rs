@@ -1,4 +1,4 @@
-//! Builds a [`Transformer`] from a GGUF file (llama, qwen2, qwen3, gemma3 and qwen35 architectures).
+//! Builds a [`Transformer`] from a GGUF file (llama, qwen2, qwen3, gemma3, qwen35 and gemma4 architectures).
 use gguf::{GgufFile, TensorInfo};
 use mlx::Dtype;
 
@@ -9,19 +9,22 @@ use super::qwen3::QkNorm;
 use super::transformer::{LayerWeights, LoadedLayer, Transformer};
 use super::weights::{affine_to_mlx, dense, five_bit_codes_here, WeightFormat};
 use super::LoadError;
-use super::{gemma3, llama, qwen35};
+use super::{gemma3, gemma4, llama, qwen35};
 
 /// Reads the hyperparameters under the file's `general.architecture` prefix.
 pub fn read_config(file: &GgufFile) -> Result<ModelConfig, LoadError> {
     let arch_name = file.architecture().ok_or_else(|| LoadError::Invalid("missing general.architecture".into()))?;
     let arch = Architecture::parse(arch_name).ok_or_else(|| LoadError::UnsupportedArchitecture(arch_name.to_string()))?;
     let key = |suffix: &str| format!("{arch_name}.{suffix}");
+    // A value some families give per layer (Gemma 4's head and MLP
+    // widths) reads as its first here; the family reads the rest.
     let int = |suffix: &str| -> Result<usize, LoadError> {
-        file.get_u64(&key(suffix)).map(|v| v as usize).ok_or_else(|| LoadError::Invalid(format!("missing {}", key(suffix))))
+        let first = || file.get_array(&key(suffix))?.first()?.as_u64();
+        file.get_u64(&key(suffix)).or_else(first).map(|v| v as usize).ok_or_else(|| LoadError::Invalid(format!("missing {}", key(suffix))))
     };
     let d_model = int("embedding_length")?;
     let n_heads = int("attention.head_count")?;
-    let n_kv_heads = file.get_u64(&key("attention.head_count_kv")).map(|v| v as usize).unwrap_or(n_heads);
+    let n_kv_heads = int("attention.head_count_kv").unwrap_or(n_heads);
     let embedding = tensor(file, "token_embd.weight")?;
     let head_dim = file.get_u64(&key("attention.key_length")).map(|v| v as usize).unwrap_or(d_model / n_heads.max(1));
     let mut config = ModelConfig {
@@ -49,12 +52,14 @@ pub fn read_config(file: &GgufFile) -> Result<ModelConfig, LoadError> {
         sliding_window: None,
         rope_dims: None,
         hybrid: None,
+        layer_plan: None,
     };
     // What each family sets beyond the fields every file names.
     match arch {
         Architecture::Llama => llama::gguf_args(&mut config),
         Architecture::Gemma3 => gemma3::gguf_args(file, arch_name, &mut config)?,
         Architecture::Qwen35 => qwen35::gguf_args(file, arch_name, &mut config)?,
+        Architecture::Gemma4 => gemma4::gguf_args(file, arch_name, &mut config)?,
         Architecture::Qwen2 | Architecture::Qwen3 => {}
     }
     config.validate().map_err(LoadError::Invalid)?;
@@ -82,6 +87,22 @@ impl Loader<'_> {
     /// Projections that share an input as one (see [`fuse_or_dense`]).
     pub(super) fn fuse(&self, parts: &[Linear], names: &[&str]) -> Result<Linear, LoadError> {
         fuse_or_dense(self, parts.to_vec(), names)
+    }
+
+    /// Whether the file holds tensor `name`.
+    pub(super) fn has(&self, name: &str) -> bool {
+        self.file.tensor(name).is_some()
+    }
+
+    /// A table of `rows` rows gathered by token: in its quantized form
+    /// when rows can be gathered from it, else dense.
+    pub(super) fn embedding(&self, name: &str, rows: usize, cols: usize) -> Result<Embedding, LoadError> {
+        let t = tensor(self.file, name)?;
+        check_shape(t, &[rows, cols])?;
+        Ok(match self.quantized(t, rows, cols)?.filter(Embedding::can_gather) {
+            Some(q) => Embedding::Quantized(q),
+            None => Embedding::Dense(self.dense(name, &[rows, cols])?),
+        })
     }
 
     pub(super) fn dense(&self, name: &str, expect: &[usize]) -> Result<mlx::Array, LoadError> {
@@ -131,16 +152,20 @@ pub fn load(file: &GgufFile, dtype: Dtype, format: WeightFormat) -> Result<Trans
     // The table stays in its quantized form when rows can be gathered from
     // it (the tied head then reads the same arrays).
     let embed_t = tensor(file, "token_embd.weight")?;
-    let embed_q = loader.quantized(embed_t, c.vocab_size, d)?.filter(Embedding::can_gather);
-    let embedding = match &embed_q {
-        Some(q) => Embedding::Quantized(q.clone()),
-        None => Embedding::Dense(loader.dense("token_embd.weight", &[c.vocab_size, d])?),
-    };
+    let embedding = loader.embedding("token_embd.weight", c.vocab_size, d)?;
     let query_scale = gemma3::query_norm_scale(c);
+    let rope_periods = llama::gguf_rope_periods(file, c)?;
+    let gemma4_ropes = (c.arch == Architecture::Gemma4).then(|| gemma4::Ropes::new(c, rope_periods.clone()));
+    let kv_index = c.kv_indices();
     let mut layers = Vec::with_capacity(c.n_layers);
     for i in 0..c.n_layers {
-        if c.arch == Architecture::Qwen35 {
-            layers.push(qwen35::gguf_layer(&loader, c, i)?);
+        let family_layer = match &gemma4_ropes {
+            Some(ropes) => Some(LoadedLayer::Built(Box::new(gemma4::gguf_layer(&loader, c, i, ropes, &kv_index)?))),
+            None if c.arch == Architecture::Qwen35 => Some(qwen35::gguf_layer(&loader, c, i)?),
+            None => None,
+        };
+        if let Some(layer) = family_layer {
+            layers.push(layer);
             mlx::eval(&linear_arrays(&layers.last().expect("just pushed").linears()))?;
             continue;
         }
@@ -194,8 +219,9 @@ pub fn load(file: &GgufFile, dtype: Dtype, format: WeightFormat) -> Result<Trans
     } else {
         loader.linear("output", c.vocab_size, d)?
     };
-    let rope_periods = llama::gguf_rope_periods(file, c)?;
-    let t = Transformer::assemble(config, dtype, embedding, layers, final_norm, lm_head, rope_periods);
+    let per_layer_input = gemma4::gguf_per_layer_input(&loader, c)?;
+    let mut t = Transformer::assemble(config, dtype, embedding, layers, final_norm, lm_head, rope_periods);
+    t.per_layer_input = per_layer_input;
     mlx::eval(&t.embedding.arrays().into_iter().chain([&t.final_norm]).collect::<Vec<_>>())?;
     Ok(t)
 }

@@ -158,8 +158,9 @@ pub struct KvCache {
     /// The window layers' span: the first position they hold, and room.
     window_first: usize,
     window_capacity: usize,
-    kv_heads: usize,
-    head_dim: usize,
+    /// Per layer, its (kv heads, head dim): one for every layer of most
+    /// models; Gemma 4's window and whole-history layers differ.
+    shapes: Vec<(usize, usize)>,
     /// Full precision's dtype (buffers of codes are uint8).
     dtype: Dtype,
     keys: KeyLayout,
@@ -181,8 +182,7 @@ impl KvCache {
             capacity: 0,
             window_first: 0,
             window_capacity: 0,
-            kv_heads,
-            head_dim,
+            shapes: vec![(kv_heads, head_dim); n_layers],
             dtype,
             keys: KeyLayout::Positions,
             codes: KvCodes::Float,
@@ -228,6 +228,14 @@ impl KvCache {
         KvCache { keys: KeyLayout::Blocks, ..KvCache::new(n_layers, kv_heads, head_dim, dtype) }
     }
 
+    /// The same cache whose layers hold `shapes` (one (kv heads, head dim)
+    /// per layer); set before anything is stored.
+    pub fn with_layer_shapes(mut self, shapes: Vec<(usize, usize)>) -> KvCache {
+        assert!(self.is_empty() && shapes.len() == self.layers.len(), "layer shapes are set on an empty cache, one per layer");
+        self.shapes = shapes;
+        self
+    }
+
     /// The same cache whose layers attend within `windows` (one per layer,
     /// `None` for a whole-history layer); set before anything is stored.
     pub fn with_windows(mut self, windows: Vec<Option<usize>>) -> KvCache {
@@ -244,11 +252,11 @@ impl KvCache {
     pub fn with_quantization(mut self, q: Option<KvQuantization>) -> mlx::Result<KvCache> {
         assert!(self.is_empty(), "quantization is set on an empty cache");
         if let Some(q) = q {
-            let fits = q.group > 0 && self.head_dim.is_multiple_of(q.group) && (q.bits == 8 || (q.bits == 4 && self.head_dim.is_multiple_of(2)));
+            let fits = self.shapes.iter().all(|&(_, d)| q.group > 0 && d.is_multiple_of(q.group) && (q.bits == 8 || (q.bits == 4 && d.is_multiple_of(2))));
             if (self.keys == KeyLayout::Blocks && self.dtype != Dtype::F32) || !fits {
                 let why = format!(
                     "8- or 4-bit KV needs 8 or 4 bits, a group dividing the head size {}, and float32 where the CPU's fused attention reads it",
-                    self.head_dim
+                    self.shapes.first().map_or(0, |s| s.1)
                 );
                 return Err(mlx::Error { op: "kv_cache", message: why });
             }
@@ -261,9 +269,9 @@ impl KvCache {
     /// layout, windows, quantization) holding nothing, in full precision:
     /// what [`fill`](Self::fill) restores a stored copy into.
     pub fn emptied(&self) -> KvCache {
-        let empty = KvCache::new(self.layers.len(), self.kv_heads, self.head_dim, self.dtype);
+        let empty = KvCache::new(self.layers.len(), 0, 0, self.dtype);
         let recurrent = self.recurrent.as_ref().map(|s| Box::new(s.emptied()));
-        KvCache { keys: self.keys, quantization: self.quantization, recurrent, ..empty }.with_windows(self.windows.clone())
+        KvCache { keys: self.keys, quantization: self.quantization, recurrent, shapes: self.shapes.clone(), ..empty }.with_windows(self.windows.clone())
     }
 
     /// How the buffers hold features now.
@@ -271,18 +279,22 @@ impl KvCache {
         self.codes
     }
 
-    /// The buffers' last dimension and dtype when they hold `codes`.
-    fn buffer_form(&self, codes: KvCodes) -> (usize, Dtype) {
+    /// Layer `layer`'s buffers' kv heads, last dimension and dtype when they hold `codes`.
+    fn buffer_form(&self, layer: usize, codes: KvCodes) -> (usize, usize, Dtype) {
+        let (heads, dim) = self.shapes[layer];
         match codes {
-            KvCodes::Float => (self.head_dim, self.dtype),
-            KvCodes::Affine { .. } => (codes.width(self.head_dim), Dtype::U8),
+            KvCodes::Float => (heads, dim, self.dtype),
+            KvCodes::Affine { .. } => (heads, codes.width(dim), Dtype::U8),
         }
     }
 
-    /// The shape and dtype of each buffer of a stored copy, per layer by its
-    /// room: what reading one back must produce.
+    /// The last dimension and dtype of each buffer of a stored copy, per
+    /// layer by its room: what reading one back must produce (of the first
+    /// layer's shape: a cache whose layers differ checks each in
+    /// [`from_stored`](Self::from_stored)).
     pub fn stored_form(&self, stored: &StoredCache) -> (usize, Dtype) {
-        self.buffer_form(stored.codes())
+        let (_, width, dtype) = self.buffer_form(0, stored.codes());
+        (width, dtype)
     }
 
     /// Turns a full-precision cache into `codes`, once: every position held
@@ -324,14 +336,14 @@ impl KvCache {
             KvCodes::Float => true,
             codes => self.quantization.is_some_and(|q| q.codes() == codes),
         };
-        let (width, dtype) = self.stored_form(stored);
         let fits = layers.len() == self.layers.len()
             && codes_fit
             && whole_fits
             && window_fits
-            && layers.iter().zip(&self.windows).all(|((k, v), w)| {
+            && layers.iter().zip(&self.windows).enumerate().all(|(layer, ((k, v), w))| {
                 let room = if w.is_some() { stored.window_capacity } else { stored.capacity };
-                let shape = [1, self.kv_heads, room, width];
+                let (heads, width, dtype) = self.buffer_form(layer, stored.codes());
+                let shape = [1, heads, room, width];
                 k.shape() == shape && v.shape() == shape && k.dtype() == dtype && v.dtype() == dtype
             });
         if !fits || !self.is_empty() {
@@ -348,9 +360,16 @@ impl KvCache {
         })
     }
 
-    /// (layers, kv heads, head dim, dtype): what a stored copy must match.
+    /// (layers, kv heads, head dim, dtype): what a stored copy must match
+    /// (the first layer's heads and size; [`layer_shapes`](Self::layer_shapes) has each).
     pub fn geometry(&self) -> (usize, usize, usize, Dtype) {
-        (self.layers.len(), self.kv_heads, self.head_dim, self.dtype)
+        let (heads, dim) = self.shapes.first().copied().unwrap_or_default();
+        (self.layers.len(), heads, dim, self.dtype)
+    }
+
+    /// Per layer, its (kv heads, head dim).
+    pub fn layer_shapes(&self) -> &[(usize, usize)] {
+        &self.shapes
     }
 
     /// The first position the window layers hold (0 without window layers).
@@ -469,12 +488,12 @@ impl KvCache {
                 self.quantize_held(q.codes())?;
             }
         }
-        let (width, dtype) = self.buffer_form(self.codes);
         if needed > self.capacity && self.windows.iter().any(Option::is_none) {
             let new_cap = needed.div_ceil(CAPACITY_STEP) * CAPACITY_STEP;
-            let shape = [1, self.kv_heads, new_cap, width];
-            let keep = [1, self.kv_heads, self.copied_positions(self.len), width];
-            for (layer, _) in self.layers.iter_mut().zip(&self.windows).filter(|(_, w)| w.is_none()) {
+            let kept = self.copied_positions(self.len);
+            let forms: Vec<_> = (0..self.layers.len()).map(|l| self.buffer_form(l, self.codes)).collect();
+            for ((layer, _), (heads, width, dtype)) in self.layers.iter_mut().zip(&self.windows).zip(forms).filter(|((_, w), _)| w.is_none()) {
+                let (shape, keep) = ([1, heads, new_cap, width], [1, heads, kept, width]);
                 let fresh = |old: Option<&Array>| zeros_keeping(&shape, dtype, old, keep);
                 let (k, v) = match layer.take() {
                     Some((k, v)) => (fresh(Some(&k))?, fresh(Some(&v))?),
@@ -499,24 +518,23 @@ impl KvCache {
         let first = window_first(self.len, window).max(self.window_first);
         // (An empty cache being filled may start past its length so far.)
         let capacity = (self.len + extra - first + WINDOW_ROOM).div_ceil(KEY_BLOCK) * KEY_BLOCK;
-        let (width, dtype) = self.buffer_form(self.codes);
-        let (h, d) = (self.kv_heads as i32, width as i32);
         // Indices in the old buffers: from the new first position to the
         // current length (for keys in blocks, to the end of its block).
         let from = (first - self.window_first) as i32;
         let held = self.len.saturating_sub(self.window_first);
-        let kept = |to: usize| -> (i32, [i32; 4]) { (to as i32 - from, [1, h, to as i32, d]) };
-        let (key_kept, key_stop) = kept(self.copied_positions(held));
-        let (value_kept, value_stop) = kept(held);
-        let shape = [1, self.kv_heads, capacity, width];
-        let move_over = |old: Option<&Array>, kept: i32, stop: [i32; 4]| -> mlx::Result<Array> {
-            let fresh = Array::zeros(&shape, dtype)?;
-            match old {
-                Some(old) if kept > 0 => fresh.slice_update(&old.slice(&[0, 0, from, 0], &stop)?, &[0; 4], &[1, h, kept, d]),
-                _ => Ok(fresh),
-            }
-        };
-        for (layer, _) in self.layers.iter_mut().zip(&self.windows).filter(|(_, w)| w.is_some()) {
+        let (key_held, value_held) = (self.copied_positions(held) as i32, held as i32);
+        let forms: Vec<_> = (0..self.layers.len()).map(|l| self.buffer_form(l, self.codes)).collect();
+        for ((layer, _), (heads, width, dtype)) in self.layers.iter_mut().zip(&self.windows).zip(forms).filter(|((_, w), _)| w.is_some()) {
+            let (h, d) = (heads as i32, width as i32);
+            let kept = |to: i32| -> (i32, [i32; 4]) { (to - from, [1, h, to, d]) };
+            let ((key_kept, key_stop), (value_kept, value_stop)) = (kept(key_held), kept(value_held));
+            let move_over = |old: Option<&Array>, kept: i32, stop: [i32; 4]| -> mlx::Result<Array> {
+                let fresh = Array::zeros(&[1, heads, capacity, width], dtype)?;
+                match old {
+                    Some(old) if kept > 0 => fresh.slice_update(&old.slice(&[0, 0, from, 0], &stop)?, &[0; 4], &[1, h, kept, d]),
+                    _ => Ok(fresh),
+                }
+            };
             let old = layer.take();
             *layer = Some((move_over(old.as_ref().map(|o| &o.0), key_kept, key_stop)?, move_over(old.as_ref().map(|o| &o.1), value_kept, value_stop)?));
         }
@@ -591,12 +609,13 @@ impl KvCache {
             let read = |a: &Array, layout| mlx::fast::cpu_kv_dequantize(a, held, layout, self.codes);
             return Ok(Some((read(k, self.keys)?, read(v, KeyLayout::Positions)?)));
         }
+        let (heads, dim) = self.shapes[layer];
         if self.codes != KvCodes::Float {
             let (rk, rv) = self.rows(layer)?.expect("held above");
-            let read = |a: &Array| kv_codes::decode(a, self.codes, self.head_dim, self.dtype);
+            let read = |a: &Array| kv_codes::decode(a, self.codes, dim, self.dtype);
             return Ok(Some((read(&rk)?, read(&rv)?)));
         }
-        let stop = [1, self.kv_heads as i32, held as i32, self.head_dim as i32];
+        let stop = [1, heads as i32, held as i32, dim as i32];
         let keys = match self.keys {
             KeyLayout::Positions => k.slice(&[0; 4], &stop)?,
             KeyLayout::Blocks => out_of_blocks(k, held)?,
@@ -624,8 +643,9 @@ impl KvCache {
         let keys_in_blocks = self.keys == KeyLayout::Blocks;
         for (layer, (k, v)) in layers.iter().enumerate() {
             let held = len - self.first(layer);
-            let stop = [1, self.kv_heads as i32, held as i32, self.head_dim as i32];
-            let key_stop = [1, self.kv_heads as i32, self.copied_positions(held) as i32, self.head_dim as i32];
+            let (heads, dim) = (self.shapes[layer].0 as i32, self.shapes[layer].1 as i32);
+            let stop = [1, heads, held as i32, dim];
+            let key_stop = [1, heads, self.copied_positions(held) as i32, dim];
             let (bk, bv) = self.layers[layer].take().expect("reserved above");
             let k = if keys_in_blocks { into_blocks(k, held)? } else { k.clone() };
             self.layers[layer] = Some((bk.slice_update(&k, &[0; 4], &key_stop)?, bv.slice_update(v, &[0; 4], &stop)?));
@@ -647,8 +667,8 @@ impl KvCache {
         if held == 0 {
             return Ok(None);
         }
-        let (width, _) = self.buffer_form(self.codes);
-        let stop = [1, self.kv_heads as i32, held as i32, width as i32];
+        let (heads, width, _) = self.buffer_form(layer, self.codes);
+        let stop = [1, heads as i32, held as i32, width as i32];
         Ok(Some((k.slice(&[0; 4], &stop)?, v.slice(&[0; 4], &stop)?)))
     }
 
@@ -675,9 +695,9 @@ impl KvCache {
         self.codes = codes;
         self.window_first = window_first;
         self.reserve(len)?;
-        let width = codes.width(self.head_dim) as i32;
         for (layer, (k, v)) in layers.iter().enumerate() {
-            let stop = [1, self.kv_heads as i32, (len - self.first(layer)) as i32, width];
+            let (heads, width, _) = self.buffer_form(layer, codes);
+            let stop = [1, heads as i32, (len - self.first(layer)) as i32, width as i32];
             let (bk, bv) = self.layers[layer].take().expect("reserved above");
             self.layers[layer] = Some((bk.slice_update(k, &[0; 4], &stop)?, bv.slice_update(v, &[0; 4], &stop)?));
         }
@@ -755,7 +775,7 @@ impl LayerKv for KvCache {
         if end > self.layer_capacity(layer) {
             return Err(mlx::Error { op: "kv_cache", message: format!("append of {n} past capacity {}", self.layer_capacity(layer)) });
         }
-        let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
+        let (h, d) = (self.shapes[layer].0 as i32, self.shapes[layer].1 as i32);
         let (start, stop) = ([0, 0, at as i32, 0], [1, h, end as i32, d]);
         let (old_k, old_v) = self.layers[layer].take().ok_or_else(|| mlx::Error { op: "kv_cache", message: "layer not reserved".into() })?;
         let new_k = old_k.slice_update(k, &start, &stop)?;

@@ -16,6 +16,7 @@ use mlx::fast::{self, RopeTable};
 use mlx::{Array, Dtype};
 
 use super::gemma3;
+use super::gemma4::{self, LayerTail};
 use super::linear::Linear;
 use super::qwen3::QkNorm;
 use super::qwen35::DeltaNet;
@@ -118,6 +119,13 @@ pub struct Attention {
     pub qkv: Linear,
     /// Per-head query/key norms before RoPE (Qwen3, Gemma 3).
     pub qk_norm: Option<QkNorm>,
+    /// Ones `[head_dim]`: each head's values are RMS-normed too, without
+    /// weights (Gemma 4).
+    pub value_norm: Option<Array>,
+    /// The KV layer (its index among the layers holding KV) whose keys and
+    /// values this layer attends over instead of its own: it projects only
+    /// queries (Gemma 4's KV-shared layers).
+    pub kv_from: Option<usize>,
     pub out: Linear,
     /// The heads' outputs are multiplied by `sigmoid` of this projection
     /// of the normed input before `out` (Qwen3.5).
@@ -139,9 +147,10 @@ impl Attention {
     /// sees the same queries and keys.
     fn project(&self, h: &Array) -> mlx::Result<Array> {
         let qkv = self.qkv.forward_fused(h, Some((&self.norm, self.eps)), None)?;
-        match &self.qk_norm {
-            Some(norm) => norm.apply(&qkv, self.heads, h.dim(1) as i32, self.eps),
-            None => Ok(qkv),
+        match (&self.qk_norm, &self.value_norm) {
+            (Some(norm), Some(unit)) => gemma4::norm_heads(&qkv, norm, unit, self.heads, h.dim(1) as i32, self.eps),
+            (Some(norm), None) => norm.apply(&qkv, self.heads, h.dim(1) as i32, self.eps),
+            (None, _) => Ok(qkv),
         }
     }
 
@@ -171,6 +180,14 @@ impl Attention {
         };
         let rope = |a: &Array| self.rope.apply(a, offset as i32);
         Ok((rope(&heads(0, hq)?)?, rope(&heads(hq, hkv)?)?, heads(hq + hkv, hkv)?))
+    }
+
+    /// A KV-shared layer's `[1, n, hq hd]` queries at positions `offset ..`
+    /// as `[1, hq, n, head_dim]`, rotated.
+    pub(super) fn rotated_queries(&self, q: &Array, offset: usize) -> mlx::Result<Array> {
+        let Heads { q: hq, dim: hd, .. } = self.heads;
+        let heads = q.reshape(&[1, q.dim(1) as i32, hq, hd])?.transpose(&[0, 2, 1, 3])?;
+        self.rope.apply(&heads, offset as i32)
     }
 
     /// The scale of the attention's scores, `1 / sqrt(head_dim)` (Gemma 3
@@ -240,6 +257,9 @@ pub enum Mixer {
 pub struct Block {
     pub mixer: Mixer,
     pub mlp: Mlp,
+    /// What the layer adds after its MLP (Gemma 4's per-layer input and
+    /// output scale).
+    pub tail: Option<LayerTail>,
 }
 
 impl Block {
@@ -259,6 +279,7 @@ impl Block {
             Mixer::DeltaNet(d) => d.linears().into(),
         };
         out.extend([&self.mlp.gate_up, &self.mlp.down]);
+        out.extend(self.tail.iter().flat_map(LayerTail::linears));
         out
     }
 
@@ -268,6 +289,7 @@ impl Block {
             Mixer::DeltaNet(d) => d.linears_mut().into(),
         };
         out.extend([&mut self.mlp.gate_up, &mut self.mlp.down]);
+        out.extend(self.tail.iter_mut().flat_map(LayerTail::linears_mut));
         out
     }
 
@@ -277,13 +299,13 @@ impl Block {
         let mlp = m.norm.nbytes() + m.post_norm.as_ref().map_or(0, Array::nbytes) + m.gate_up.nbytes() + m.down.nbytes();
         let mixer = match &self.mixer {
             Mixer::Attention(a) => {
-                let qk = a.qk_norm.as_ref().map_or(0, |n| n.q.nbytes() + n.k.nbytes());
+                let qk = a.qk_norm.as_ref().map_or(0, |n| n.q.nbytes() + n.k.nbytes()) + a.value_norm.as_ref().map_or(0, Array::nbytes);
                 let linears = a.linears().map(Linear::nbytes).sum::<usize>();
                 qk + a.post_norm.as_ref().map_or(0, Array::nbytes) + a.norm.nbytes() + linears
             }
             Mixer::DeltaNet(d) => d.nbytes(),
         };
-        mlp + mixer
+        mlp + mixer + self.tail.as_ref().map_or(0, LayerTail::nbytes)
     }
 }
 

@@ -3,7 +3,7 @@
 //! A model on disk is either a GGUF file or an HF-style safetensors folder;
 //! both load into the same [`Transformer`]. Its layers are written once
 //! (`layers.rs`); each family file (`llama.rs`, `qwen2.rs`, `qwen3.rs`,
-//! `gemma3.rs`, `qwen35.rs`) holds only what that family does differently, and the
+//! `gemma3.rs`, `qwen35.rs`, `gemma4.rs`) holds only what that family does differently, and the
 //! loaders build each model's blocks with its family's parts. How rows
 //! attend (the CPU's kernel, MLX's attention, batched slots) is
 //! `attention.rs`, its backend picked once at load.
@@ -12,6 +12,7 @@ mod batch_step;
 mod config;
 mod embedding;
 mod gemma3;
+mod gemma4;
 mod gguf_loader;
 pub mod gpu;
 mod kv;
@@ -63,6 +64,9 @@ pub enum LoadError {
     MissingTensor(String),
     #[error("invalid model: {0}")]
     Invalid(String),
+    /// A model of a supported architecture using a part Tether does not run yet.
+    #[error("{0}: not supported yet")]
+    Unsupported(String),
     #[error("building weights on the device failed: {0}")]
     Mlx(#[from] mlx::Error),
 }

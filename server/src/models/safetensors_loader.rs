@@ -51,6 +51,7 @@ pub fn read_config(dir: &Path) -> Result<(ModelConfig, Option<(i32, i32)>), Load
         sliding_window: None,
         rope_dims: None,
         hybrid: None,
+        layer_plan: None,
     };
     // What each family sets beyond the fields every config names.
     match arch {
@@ -58,6 +59,7 @@ pub fn read_config(dir: &Path) -> Result<(ModelConfig, Option<(i32, i32)>), Load
         Architecture::Qwen3 => qwen3::hf_args(&mut config),
         Architecture::Llama | Architecture::Gemma3 => {}
         Architecture::Qwen35 => return Err(LoadError::Invalid("Qwen3.5 loads from its GGUF file; Hugging Face folders of it are not supported yet".into())),
+        Architecture::Gemma4 => return Err(LoadError::Invalid("Gemma 4 loads from its GGUF file; Hugging Face folders of it are not supported yet".into())),
     }
     config.validate().map_err(LoadError::Invalid)?;
     let quant = v.get("quantization").map(|q| (q["group_size"].as_i64().unwrap_or(64) as i32, q["bits"].as_i64().unwrap_or(4) as i32));

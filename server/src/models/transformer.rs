@@ -17,6 +17,7 @@ use super::batch_step::{AloneSlot, BatchStep, BatchedRows};
 use super::config::{Activation, ModelConfig};
 use super::embedding::Embedding;
 use super::gemma3;
+use super::gemma4::{self, PerLayerInput};
 use super::gpu::GpuDecode;
 use super::kv_batch::KvBatch;
 use super::kv_cache::{KvCache, KvQuantization};
@@ -42,10 +43,12 @@ pub(super) struct LayerWeights {
 }
 
 /// A layer as a loader reads it: an attention layer's weights, or a
-/// recurrent layer's mixer built whole beside its MLP's weights.
+/// recurrent layer's mixer built whole beside its MLP's weights, or a
+/// layer its family builds whole (Gemma 4's, whose layers differ).
 pub(super) enum LoadedLayer {
     Attention(LayerWeights),
     Recurrent(DeltaNet, MlpWeights),
+    Built(Box<Block>),
 }
 
 impl LoadedLayer {
@@ -54,6 +57,7 @@ impl LoadedLayer {
         match self {
             LoadedLayer::Attention(w) => [&w.qkv, &w.attn_out, &w.gate_up, &w.down].into_iter().chain(w.attn_gate.as_ref()).collect(),
             LoadedLayer::Recurrent(d, m) => d.linears().into_iter().chain([&m.gate_up, &m.down]).collect(),
+            LoadedLayer::Built(b) => b.linears(),
         }
     }
 }
@@ -83,6 +87,8 @@ pub struct Transformer {
     /// The decode step in kernels of our own, on a CUDA GPU where the model
     /// fits them (set at load, see `models/gpu`).
     pub gpu_decode: Option<GpuDecode>,
+    /// Gemma 4's per-layer input table, where the model has one (set at load).
+    pub(super) per_layer_input: Option<PerLayerInput>,
 }
 
 impl Transformer {
@@ -102,10 +108,11 @@ impl Transformer {
     ) -> Transformer {
         let c = &config;
         // The CPU kernel's RoPE tables turn whole heads, and its rows know
-        // nothing of recurrent state: a hybrid model's rows attend by MLX's ops.
-        let backend = match c.hybrid {
-            Some(_) => AttentionBackend::Mlx,
-            None => AttentionBackend::pick(dtype),
+        // nothing of recurrent state nor of layers of other shapes or
+        // borrowed KV: a hybrid model's and Gemma 4's rows attend by MLX's ops.
+        let backend = match c.hybrid.is_some() || c.layer_plan.is_some() {
+            true => AttentionBackend::Mlx,
+            false => AttentionBackend::pick(dtype),
         };
         let rope = |freqs| Rc::new(Rope { freqs, dims: c.rope_dims.unwrap_or(c.head_dim) as i32, traditional: c.rope_traditional });
         let global = rope(match rope_periods {
@@ -126,7 +133,8 @@ impl Transformer {
                 let mlp = |norm, gate_up, down, post_norm| Mlp { norm, gate_up, down, post_norm, gate, d_ff: c.d_ff as i32, eps: c.rms_eps, dtype };
                 let w = match layer {
                     LoadedLayer::Attention(w) => w,
-                    LoadedLayer::Recurrent(d, m) => return Block { mixer: Mixer::DeltaNet(d), mlp: mlp(m.ffn_norm, m.gate_up, m.down, None) },
+                    LoadedLayer::Recurrent(d, m) => return Block { mixer: Mixer::DeltaNet(d), mlp: mlp(m.ffn_norm, m.gate_up, m.down, None), tail: None },
+                    LoadedLayer::Built(block) => return *block,
                 };
                 let window = c.layer_window(i);
                 let rope = match (window, &local) {
@@ -138,6 +146,8 @@ impl Transformer {
                         norm: w.attn_norm,
                         qkv: w.qkv,
                         qk_norm: w.qk_norm,
+                        value_norm: None,
+                        kv_from: None,
                         out: w.attn_out,
                         gate: w.attn_gate,
                         post_norm: w.post_attn_norm,
@@ -147,10 +157,11 @@ impl Transformer {
                         eps: c.rms_eps,
                     }),
                     mlp: mlp(w.ffn_norm, w.gate_up, w.down, w.post_ffn_norm),
+                    tail: None,
                 }
             })
             .collect();
-        Transformer { config, dtype, embedding, layers: blocks, final_norm, lm_head, backend, kv_quantization: None, gpu_decode: None }
+        Transformer { config, dtype, embedding, layers: blocks, final_norm, lm_head, backend, kv_quantization: None, gpu_decode: None, per_layer_input: None }
     }
 
     pub fn new_cache(&self) -> KvCache {
@@ -160,7 +171,7 @@ impl Transformer {
             AttentionBackend::CpuKernel => KvCache::with_keys_in_blocks(c.kv_layers(), c.n_kv_heads, c.head_dim, self.dtype),
             AttentionBackend::Mlx => KvCache::new(c.kv_layers(), c.n_kv_heads, c.head_dim, self.dtype),
         };
-        let cache = cache.with_windows(c.layer_windows()).with_recurrent_layers(c.n_layers - c.kv_layers());
+        let cache = cache.with_layer_shapes(c.kv_shapes()).with_windows(c.layer_windows()).with_recurrent_layers(c.recurrent_layers());
         cache.with_quantization(self.kv_quantization).expect("checked by set_kv_quantization")
     }
 
@@ -207,7 +218,8 @@ impl Transformer {
         let head_is_embedding = self.config.tied_embeddings
             && matches!((&self.lm_head.weight, &self.embedding), (Weight::Dense(_), Embedding::Dense(_)) | (Weight::Quantized(_), Embedding::Quantized(_)));
         let head = if head_is_embedding { 0 } else { self.lm_head.nbytes() };
-        self.embedding.nbytes() + layers + self.final_norm.nbytes() + head
+        let per_layer_input = self.per_layer_input.as_ref().map_or(0, PerLayerInput::nbytes);
+        self.embedding.nbytes() + layers + self.final_norm.nbytes() + head + per_layer_input
     }
 
     /// Every projection: each layer's, then the LM head.
@@ -289,13 +301,21 @@ impl Transformer {
         }
         let codes = self.kv_quantization.map_or(KvCodes::Float, |q| q.codes());
         let mut attention = StepAttention::begin(self.backend, self.heads(), self.dtype, codes, batched, rows)?;
-        let h = self.embedding.rows(&attention.ids()?, self.dtype)?; // [1, T, d]
+        attention.keep_kv_of(self.layers.iter().filter_map(|b| b.attention()?.kv_from).collect());
+        let ids = attention.ids()?;
+        let h = self.embedding.rows(&ids, self.dtype)?; // [1, T, d]
         let mut h = gemma3::scale_embeddings(h, &self.config, self.dtype)?;
+        let per_layer_inputs = match &self.per_layer_input {
+            Some(p) => Some(p.inputs(&ids, &h, self.dtype)?),
+            None => None,
+        };
         // A row's KV holds the attention layers' keys, its recurrent state
-        // the other layers', each counted in layer order.
+        // the other layers', each counted in layer order; a KV-shared layer
+        // reads the keys an earlier layer wrote.
         let (mut kv_layer, mut state_layer) = (0, 0);
         for layer in &self.layers {
             h = match &layer.mixer {
+                Mixer::Attention(a) if a.kv_from.is_some() => a.forward(&h, |a, q| attention.attend_shared(a.kv_from.expect("matched"), a, q))?,
                 Mixer::Attention(a) => {
                     kv_layer += 1;
                     a.forward(&h, |a, qkv| attention.attend(kv_layer - 1, a, qkv))?
@@ -306,6 +326,9 @@ impl Transformer {
                 }
             };
             h = layer.mlp.forward(&h)?;
+            if let Some(tail) = &layer.tail {
+                h = tail.forward(h, per_layer_inputs.as_ref())?;
+            }
         }
         let slots = attention.slot_count();
         let spans = attention.finish();
@@ -324,6 +347,7 @@ impl Transformer {
         }
         let last = if picks.len() == 1 { picks[0].clone() } else { mlx::concatenate(&picks.iter().collect::<Vec<_>>(), 1)? };
         let logits = self.lm_head.forward_fused(&last, Some((&self.final_norm, self.config.rms_eps)), None)?.astype(Dtype::F32)?; // [1, sum of wanted, vocab]
+        let logits = gemma4::softcap(logits, &self.config)?;
         let vocab = logits.dim(-1) as i32;
         let mut at = 0i32;
         let mut split = spans.iter().map(|&(_, k)| {

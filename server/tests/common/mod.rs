@@ -122,3 +122,41 @@ pub fn greedy_from(model: &tether::models::Transformer, cache: &mut tether::mode
     }
     out
 }
+
+/// The model a reference script in `tests/reference` writes from a seed,
+/// and its oracle's expectations: `script.py write MODEL --seed 1` then
+/// `script.py expect MODEL expect.json`, run once per test binary by the
+/// caller (hold the result in a `OnceLock`). Kept in the temporary folder
+/// under a name of the script's contents, so later runs reuse it and a
+/// changed script writes a new one; written under a name of this
+/// process's and renamed, so concurrent runs never read a half-written file.
+pub fn generated_reference(script: &str, model_file: &str) -> (PathBuf, serde_json::Value) {
+    use std::path::Path;
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference").join(script);
+    let source = std::fs::read(&script).unwrap();
+    let digest = source.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3));
+    let stem = model_file.trim_end_matches(".gguf");
+    let dir = std::env::temp_dir().join(format!("tether-{stem}-seed1-{digest:016x}"));
+    if !dir.join("expect.json").is_file() {
+        let scratch = std::env::temp_dir().join(format!("tether-{stem}-{}", std::process::id()));
+        std::fs::create_dir_all(&scratch).unwrap();
+        let venv = std::env::var_os("TETHER_REFENV")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/tether/refenv"));
+        let python = venv.join("bin/python");
+        let run = |args: &[&Path]| {
+            let status = std::process::Command::new(&python).arg(&script).args(args).status();
+            let ok = status.as_ref().is_ok_and(|s| s.success());
+            assert!(ok, "{} {} {args:?}: {status:?} (tests/reference/setup.sh makes the venv)", python.display(), script.display());
+        };
+        let model = scratch.join(model_file);
+        run(&[Path::new("write"), &model, Path::new("--seed"), Path::new("1")]);
+        run(&[Path::new("expect"), &model, &scratch.join("expect.json")]);
+        // Another run may have got there first: then its copy serves.
+        if std::fs::rename(&scratch, &dir).is_err() {
+            std::fs::remove_dir_all(&scratch).unwrap();
+        }
+    }
+    let expect = serde_json::from_str(&std::fs::read_to_string(dir.join("expect.json")).unwrap()).unwrap();
+    (dir.join(model_file), expect)
+}
