@@ -81,10 +81,10 @@ struct Rows<'r, 'c> {
     /// Per row, where its tokens start in the flattened batch (after the slots').
     starts: Vec<i32>,
     path: RowPath,
-    /// The KV layers whose keys and values later layers read this step
-    /// (Gemma 4's KV-shared layers), and once written, per row, what each
-    /// layer holds: `(layer, [(keys, values)] per row)`.
+    /// What the KV layers later layers read (Gemma 4's KV-shared layers)
+    /// hold once written this step: `(layer, [(keys, values)] per row)`.
     kept: Vec<(usize, Vec<(Array, Array)>)>,
+    /// The KV layers later layers read this step.
     keep: Vec<usize>,
 }
 
@@ -177,19 +177,21 @@ impl<'s, 'r, 'c> StepAttention<'s, 'r, 'c> {
                 parts.push(attention_cpu_kernel(layer, attention, &mine, rows.inputs, &rows.lens, tables, *codes)?);
             }
             RowPath::Mlx(masks) => {
-                let mut kept = Vec::new();
+                let (keep, mut kept) = (rows.keep.contains(&layer), Vec::new());
                 for (r, (row, mask)) in rows.inputs.iter_mut().zip(masks).enumerate() {
                     let (s, n) = (rows.starts[r], rows.lens[r] as i32);
                     let mine = qkv.slice(&[0, s, 0], &[1, s + n, width])?;
                     let at = (rows.offsets[r] as usize, row.cache.first(layer));
                     let write = |k: &Array, v: &Array| {
                         let held = row.cache.update_and_fetch(layer, k, v)?;
-                        kept.push(held.clone());
+                        if keep {
+                            kept.push(held.clone());
+                        }
                         Ok(held)
                     };
                     parts.push(attention_own(attention, &mine, at, mask, self.dtype, write)?);
                 }
-                if rows.keep.contains(&layer) {
+                if keep {
                     rows.kept.push((layer, kept));
                 }
             }
