@@ -20,7 +20,7 @@ use serde_json::Value;
 use tether::engine::speculate::{DraftKind, Speculation};
 use tether::engine::{EngineConfig, EngineHandle, KvLayout, Scope, SubmitRequest};
 use tether::generate::{greedy_tokens, prefill};
-use tether::models::{load_transformer, KvCache, LoadOptions, RowInput, Transformer};
+use tether::models::{load_transformer, LoadOptions, Transformer};
 
 /// The numpy oracle computes in float64; ours in float32 (measured: see
 /// the test's output, a few 1e-5 on logits of spread ~8).
@@ -36,20 +36,6 @@ fn load() -> Transformer {
     load_transformer(&generated().0, LoadOptions::for_device(mlx::Device::Cpu)).unwrap()
 }
 
-fn floats(v: &Value) -> Vec<f32> {
-    v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
-}
-
-fn max_abs(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
-}
-
-fn logits_rows(logits: &mlx::Array) -> Vec<Vec<f32>> {
-    let vocab = logits.dim(-1);
-    logits.to_vec_f32().unwrap().chunks(vocab).map(<[f32]>::to_vec).collect()
-}
-
 #[test]
 fn logits_and_greedy_tokens_match_the_numpy_reference() {
     let model = load();
@@ -57,14 +43,7 @@ fn logits_and_greedy_tokens_match_the_numpy_reference() {
     let prompt = ids(&expect["prompt_ids"]);
 
     // The whole prompt at once: every position's logits.
-    let mut cache = model.new_cache();
-    let all = logits_rows(&model.forward(&prompt, &mut cache, prompt.len()).unwrap());
-    let mut worst = 0.0f32;
-    for (i, want) in expect["logits_first"].as_array().unwrap().iter().enumerate() {
-        worst = worst.max(max_abs(&all[i], &floats(want)));
-    }
-    let last = floats(&expect["logits_last"]);
-    worst = worst.max(max_abs(all.last().unwrap(), &last));
+    let (worst, last) = whole_prompt_logits_error(&model, expect);
     eprintln!("gemma4: logits max abs error {worst:.2e} over the first positions and the last");
     assert!(worst < MAX_ABS_ERROR, "logits differ by {worst} from the reference");
 
@@ -118,25 +97,7 @@ fn rows_decoding_together_equal_each_alone() {
     let prompts = [prompt.clone(), prompt[5..].to_vec(), prompt[..9].iter().rev().copied().collect::<Vec<_>>()];
     let alone: Vec<Vec<u32>> = prompts.iter().map(|p| greedy_tokens(&model, p, 12).unwrap()).collect();
 
-    let mut caches: Vec<KvCache> = prompts.iter().map(|_| model.new_cache()).collect();
-    let mut feed: Vec<Vec<u32>> = prompts.to_vec();
-    let mut together: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
-    for _ in 0..12 {
-        let mut rows: Vec<RowInput<'_>> = feed
-            .iter()
-            .zip(caches.iter_mut())
-            .map(|(ids, cache)| {
-                let ids: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
-                RowInput { ids: mlx::Array::from_i32(&ids, &[1, ids.len()]).unwrap(), cache, n_logits: 1 }
-            })
-            .collect();
-        let logits = model.forward_batch(&mut rows).unwrap();
-        for (r, l) in logits.iter().enumerate() {
-            let next = l.argmax(-1, false).unwrap().to_vec_i32().unwrap()[0] as u32;
-            together[r].push(next);
-            feed[r] = vec![next];
-        }
-    }
+    let together = greedy_rows_together(&model, &prompts, 12);
     assert_eq!(together, alone, "rows beside each other must decode as alone");
 }
 
@@ -210,27 +171,6 @@ fn batched_kv_slots_are_refused() {
     assert!(err.to_string().contains("--kv-layout rows"), "{err}");
 }
 
-/// One chat completion over HTTP/1.0 (a close-delimited body) as the
-/// tenant of `bearer`: the reply's text and its cached prompt tokens.
-async fn chat(addr: std::net::SocketAddr, bearer: &str, messages: Value, max_tokens: u32) -> (String, u64) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let body = serde_json::json!({"model": "gemma4-random", "messages": messages, "max_tokens": max_tokens, "temperature": 0}).to_string();
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let head = format!(
-        "POST /v1/chat/completions HTTP/1.0\r\nHost: {addr}\r\nAuthorization: Bearer {bearer}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
-        body.len()
-    );
-    s.write_all(head.as_bytes()).await.unwrap();
-    s.write_all(body.as_bytes()).await.unwrap();
-    let mut buf = Vec::new();
-    s.read_to_end(&mut buf).await.unwrap();
-    let text = String::from_utf8_lossy(&buf).to_string();
-    let (_, body) = text.split_once("\r\n\r\n").unwrap();
-    let v: Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {text}"));
-    let content = v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
-    (content, v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0))
-}
-
 /// The server, with the file's own chat template: a chat's second turn
 /// (the tenant's own cache consulted) gives what another tenant's fresh
 /// request with the whole history gives.
@@ -238,20 +178,7 @@ async fn chat(addr: std::net::SocketAddr, bearer: &str, messages: Value, max_tok
 async fn a_chat_turn_over_http_equals_a_fresh_request() {
     let path = generated().0.clone();
     let engine = start_engine_on(path.clone(), EngineConfig { kv_layout: KvLayout::Rows, ..Default::default() });
-    let tokenizer = std::sync::Arc::new(tether::tokenizer::TextTokenizer::from_gguf_path(&path).unwrap());
-    let config = tether::server::ServerConfig { host: "127.0.0.1".into(), port: 0, ..Default::default() };
-    let server = tether::server::serve(config, engine, tokenizer).await.unwrap();
-    let addr = server.addr();
-    let first = serde_json::json!([{"role": "user", "content": "Write a haiku about the sea."}]);
-    let (reply, _) = chat(addr, "alice", first.clone(), 8).await;
-    let mut history = first.as_array().unwrap().clone();
-    history.push(serde_json::json!({"role": "assistant", "content": reply}));
-    history.push(serde_json::json!({"role": "user", "content": "And one about the sky."}));
-    let (second, resumed) = chat(addr, "alice", Value::Array(history.clone()), 12).await;
-    assert!(resumed > 0, "the second turn resumes the first turn's cache");
-    let (fresh, cached) = chat(addr, "bob", Value::Array(history), 12).await;
-    assert_eq!(cached, 0, "another tenant shares nothing");
-    assert_eq!(second, fresh, "a session's next turn must equal a fresh request");
+    assert_a_chat_turn_equals_a_fresh_request(engine, &path, "gemma4-random").await;
 }
 
 /// The prefix cache's host tier: a session's entry, too large for the

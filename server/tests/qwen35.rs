@@ -14,7 +14,6 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
 
 use common::*;
@@ -22,67 +21,22 @@ use serde_json::Value;
 use tether::engine::speculate::{DraftKind, DraftModel, DraftModelSpec, Speculation};
 use tether::engine::{DiskTierConfig, EngineConfig, EngineHandle, KvLayout, Scope, SubmitRequest};
 use tether::generate::{greedy_tokens, prefill};
-use tether::models::{load_transformer, KvCache, LoadOptions, RowInput, Transformer};
+use tether::models::{load_transformer, LoadOptions, Transformer};
 
 /// The numpy oracle computes in float64; ours in float32 (measured: 1.5e-5
 /// on logits of spread ~8).
 const MAX_ABS_ERROR: f32 = 1e-3;
 
-/// The generated model and the oracle's expectations (once per test binary).
-/// Kept in the temporary folder under a name of the script's contents, so
-/// later runs reuse it and a changed script writes a new one; written
-/// under a name of this process's and renamed, so concurrent runs never
-/// read a half-written file.
+/// The generated model and the oracle's expectations (once per test binary;
+/// see [`generated_reference`]).
 fn generated() -> &'static (PathBuf, Value) {
     static MODEL: OnceLock<(PathBuf, Value)> = OnceLock::new();
-    MODEL.get_or_init(|| {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/qwen35.py");
-        let source = std::fs::read(&script).unwrap();
-        let digest = source.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3));
-        let dir = std::env::temp_dir().join(format!("tether-qwen35-seed1-{digest:016x}"));
-        if !dir.join("expect.json").is_file() {
-            let scratch = std::env::temp_dir().join(format!("tether-qwen35-{}", std::process::id()));
-            std::fs::create_dir_all(&scratch).unwrap();
-            let venv = std::env::var_os("TETHER_REFENV")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/tether/refenv"));
-            let python = venv.join("bin/python");
-            let run = |args: &[&Path]| {
-                let status = Command::new(&python).arg(&script).args(args).status();
-                let ok = status.as_ref().is_ok_and(|s| s.success());
-                assert!(ok, "{} {} {args:?}: {status:?} (tests/reference/setup.sh makes the venv)", python.display(), script.display());
-            };
-            let model = scratch.join("qwen35-random.gguf");
-            run(&[Path::new("write"), &model, Path::new("--seed"), Path::new("1")]);
-            run(&[Path::new("expect"), &model, &scratch.join("expect.json")]);
-            // Another run may have got there first: then its copy serves.
-            if std::fs::rename(&scratch, &dir).is_err() {
-                std::fs::remove_dir_all(&scratch).unwrap();
-            }
-        }
-        let expect = serde_json::from_str(&std::fs::read_to_string(dir.join("expect.json")).unwrap()).unwrap();
-        (dir.join("qwen35-random.gguf"), expect)
-    })
+    MODEL.get_or_init(|| generated_reference("qwen35.py", "qwen35-random.gguf"))
 }
 
 fn load() -> Transformer {
     mlx::set_default_device(mlx::Device::Cpu).unwrap();
     load_transformer(&generated().0, LoadOptions::for_device(mlx::Device::Cpu)).unwrap()
-}
-
-fn floats(v: &Value) -> Vec<f32> {
-    v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
-}
-
-fn max_abs(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
-}
-
-/// Logits `[n, vocab]` of the last `n` positions of one forward over `prompt`.
-fn logits_rows(logits: &mlx::Array) -> Vec<Vec<f32>> {
-    let vocab = logits.dim(-1);
-    logits.to_vec_f32().unwrap().chunks(vocab).map(<[f32]>::to_vec).collect()
 }
 
 #[test]
@@ -92,14 +46,7 @@ fn logits_and_greedy_tokens_match_the_numpy_reference() {
     let prompt = ids(&expect["prompt_ids"]);
 
     // The whole prompt at once: every position's logits.
-    let mut cache = model.new_cache();
-    let all = logits_rows(&model.forward(&prompt, &mut cache, prompt.len()).unwrap());
-    let mut worst = 0.0f32;
-    for (i, want) in expect["logits_first"].as_array().unwrap().iter().enumerate() {
-        worst = worst.max(max_abs(&all[i], &floats(want)));
-    }
-    let last = floats(&expect["logits_last"]);
-    worst = worst.max(max_abs(all.last().unwrap(), &last));
+    let (worst, last) = whole_prompt_logits_error(&model, expect);
     eprintln!("qwen35: logits max abs error {worst:.2e} over the first positions and the last");
     assert!(worst < MAX_ABS_ERROR, "logits differ by {worst} from the reference");
 
@@ -127,25 +74,7 @@ fn rows_decoding_together_equal_each_alone() {
     let prompts = [prompt.clone(), prompt[5..].to_vec(), prompt[..9].iter().rev().copied().collect::<Vec<_>>()];
     let alone: Vec<Vec<u32>> = prompts.iter().map(|p| greedy_tokens(&model, p, 12).unwrap()).collect();
 
-    let mut caches: Vec<KvCache> = prompts.iter().map(|_| model.new_cache()).collect();
-    let mut feed: Vec<Vec<u32>> = prompts.to_vec();
-    let mut together: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
-    for _ in 0..12 {
-        let mut rows: Vec<RowInput<'_>> = feed
-            .iter()
-            .zip(caches.iter_mut())
-            .map(|(ids, cache)| {
-                let ids: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
-                RowInput { ids: mlx::Array::from_i32(&ids, &[1, ids.len()]).unwrap(), cache, n_logits: 1 }
-            })
-            .collect();
-        let logits = model.forward_batch(&mut rows).unwrap();
-        for (r, l) in logits.iter().enumerate() {
-            let next = l.argmax(-1, false).unwrap().to_vec_i32().unwrap()[0] as u32;
-            together[r].push(next);
-            feed[r] = vec![next];
-        }
-    }
+    let together = greedy_rows_together(&model, &prompts, 12);
     assert_eq!(together, alone, "rows beside each other must decode as alone");
 }
 
@@ -189,49 +118,13 @@ fn request(prompt: &[u32], max_tokens: usize, session: Option<&str>) -> SubmitRe
     SubmitRequest { cache_scope: session.map(|s| Scope::Session(s.to_string())), ..SubmitRequest::new(prompt.to_vec(), max_tokens) }
 }
 
-/// One chat completion over HTTP/1.0 (a close-delimited body) as the
-/// tenant of `bearer`: the reply's text and its cached prompt tokens.
-async fn chat(addr: std::net::SocketAddr, bearer: &str, messages: Value, max_tokens: u32) -> (String, u64) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let body = serde_json::json!({"model": "qwen35-random", "messages": messages, "max_tokens": max_tokens, "temperature": 0}).to_string();
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let head = format!(
-        "POST /v1/chat/completions HTTP/1.0\r\nHost: {addr}\r\nAuthorization: Bearer {bearer}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
-        body.len()
-    );
-    s.write_all(head.as_bytes()).await.unwrap();
-    s.write_all(body.as_bytes()).await.unwrap();
-    let mut buf = Vec::new();
-    s.read_to_end(&mut buf).await.unwrap();
-    let text = String::from_utf8_lossy(&buf).to_string();
-    let (_, body) = text.split_once("\r\n\r\n").unwrap();
-    let v: Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {text}"));
-    let content = v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
-    (content, v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0))
-}
-
 /// The server: a chat's second turn (the tenant's own cache consulted)
 /// gives what another tenant's fresh request with the whole history gives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chat_turn_over_http_equals_a_fresh_request() {
     let path = generated().0.clone();
     let engine = start_engine_on(path.clone());
-    let tokenizer = std::sync::Arc::new(tether::tokenizer::TextTokenizer::from_gguf_path(&path).unwrap());
-    let config = tether::server::ServerConfig { host: "127.0.0.1".into(), port: 0, ..Default::default() };
-    let server = tether::server::serve(config, engine, tokenizer).await.unwrap();
-    let addr = server.addr();
-    let first = serde_json::json!([{"role": "user", "content": "Write a haiku about the sea."}]);
-    let (reply, _) = chat(addr, "alice", first.clone(), 8).await;
-    let mut history = first.as_array().unwrap().clone();
-    history.push(serde_json::json!({"role": "assistant", "content": reply}));
-    history.push(serde_json::json!({"role": "user", "content": "And one about the sky."}));
-    let (second, resumed) = chat(addr, "alice", Value::Array(history.clone()), 12).await;
-    // The prompt holds the whole first turn (its reply renders to the same
-    // tokens): the stored state resumes at its own length.
-    assert!(resumed > 0, "the second turn resumes the first turn's state");
-    let (fresh, cached) = chat(addr, "bob", Value::Array(history), 12).await;
-    assert_eq!(cached, 0, "another tenant shares nothing");
-    assert_eq!(second, fresh, "a session's next turn must equal a fresh request");
+    assert_a_chat_turn_equals_a_fresh_request(engine, &path, "qwen35-random").await;
 }
 
 /// Through the engine: concurrent rows each keep their own state, a

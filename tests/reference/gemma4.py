@@ -46,7 +46,6 @@ tests/reference/qwen35.py does. Needs numpy and gguf
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -55,6 +54,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import gguf  # noqa: E402
 import numpy as np  # noqa: E402
 from gguf import quants  # noqa: E402
+from oracle_common import finish_gguf, write_expect  # noqa: E402
 
 ARCH = "gemma4"
 TOKENIZER_GGUF = "Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf"
@@ -191,17 +191,7 @@ def write(path: str, seed: int) -> None:
     out.add_float32(k + "rope.freq_base_swa", c["rope_base_swa"])
     out.add_float32(k + "attention.layer_norm_rms_epsilon", c["rms_eps"])
     out.add_float32(k + "final_logit_softcapping", c["final_logit_softcapping"])
-    for name, field in src.fields.items():
-        if name.startswith("tokenizer."):
-            vtype = field.types[0]
-            sub = field.types[1] if vtype == gguf.GGUFValueType.ARRAY else None
-            out.add_key_value(name, field.contents(), vtype, sub)
-    for name, t in random_weights(c, vocab, seed).items():
-        out.add_tensor(name, t)
-    out.write_header_to_file()
-    out.write_kv_data_to_file()
-    out.write_tensors_to_file()
-    out.close()
+    finish_gguf(out, src, random_weights(c, vocab, seed))
 
 
 # ---------------------------------------------------------------- the oracle
@@ -330,30 +320,8 @@ class Gemma4:
 
 def expect(path: str, out_path: str) -> None:
     m = Gemma4(path)
-    s = State()
-    logits = m.forward(PROMPT, s)
-    # Token by token must match the prompt read at once.
-    s1 = State()
-    one = np.stack([m.forward([t], s1)[0] for t in PROMPT])
-    drift = float(np.abs(one - logits).max())
-    assert drift < 1e-9, f"token-by-token forward drifts {drift}"
-    ids, margins, last = [], [], logits[-1]
-    for _ in range(N_GREEDY):
-        top2 = np.sort(last)[-2:]
-        margins.append(float(top2[1] - top2[0]))
-        ids.append(int(np.argmax(last)))
-        last = m.forward([ids[-1]], s)[-1]
-    with open(out_path, "w") as f:
-        json.dump({
-            "generator": "tests/reference/gemma4.py (numpy, float64)",
-            "config": m.c, "prompt_ids": PROMPT,
-            "first_positions": N_FIRST,
-            "logits_first": [[float(np.float32(v)) for v in row] for row in logits[:N_FIRST]],
-            "logits_last": [float(np.float32(v)) for v in logits[-1]],
-            "greedy_ids": ids, "margins": margins,
-            "chunked_vs_token_by_token_max_abs": drift,
-        }, f)
-    print(f"greedy {ids}\nmin margin {min(margins):.3f}, logits std {logits.std():.2f}", file=sys.stderr)
+    write_expect(m.forward, lambda: State(), PROMPT, N_FIRST, N_GREEDY,
+                 "tests/reference/gemma4.py (numpy, float64)", m.c, out_path)
 
 
 if __name__ == "__main__":
